@@ -1,0 +1,445 @@
+//! Wire types of the Tinker HTTP protocol (serde only).
+//!
+//! Field names and defaults follow the official Python SDK (`tinker` 0.22), which
+//! serialises with `exclude_none`: an absent field and `null` mean the same thing, so every
+//! optional field here is an `Option` skipped when `None`. Unknown fields are ignored on
+//! input, because newer SDKs add fields.
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// A tensor as it travels on the wire: a flat row-major array plus an optional shape.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TensorData {
+    /// The flattened values (non-zero values only when the sparse indices are present).
+    pub data: Vec<f64>,
+    /// `"int64"` or `"float32"`.
+    pub dtype: TensorDtype,
+    /// Dense shape; absent means one-dimensional.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shape: Option<Vec<usize>>,
+    /// CSR row pointers, when the SDK chose the sparse encoding for a 2-D tensor.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sparse_crow_indices: Option<Vec<i64>>,
+    /// CSR column indices, paired with `sparse_crow_indices`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sparse_col_indices: Option<Vec<i64>>,
+}
+
+/// The element types the Tinker SDK sends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TensorDtype {
+    /// 64-bit integers (token ids).
+    Int64,
+    /// 32-bit floats (weights, advantages, log-probabilities).
+    Float32,
+}
+
+impl TensorData {
+    /// A one-dimensional `int64` tensor.
+    pub fn int64(values: Vec<i64>) -> Self {
+        Self::dense(
+            values.into_iter().map(|v| v as f64).collect(),
+            TensorDtype::Int64,
+        )
+    }
+
+    /// A one-dimensional `float32` tensor.
+    pub fn float32(values: Vec<f32>) -> Self {
+        Self::dense(
+            values.into_iter().map(f64::from).collect(),
+            TensorDtype::Float32,
+        )
+    }
+
+    fn dense(data: Vec<f64>, dtype: TensorDtype) -> Self {
+        Self {
+            data,
+            dtype,
+            shape: None,
+            sparse_crow_indices: None,
+            sparse_col_indices: None,
+        }
+    }
+
+    /// The dense shape (one-dimensional when the wire gave none).
+    pub fn dims(&self) -> Vec<usize> {
+        self.shape.clone().unwrap_or_else(|| vec![self.data.len()])
+    }
+
+    /// The values as a dense row-major array, expanding the sparse CSR form if used.
+    ///
+    /// Fails with a message when the sparse indices are inconsistent with the shape.
+    pub fn to_dense(&self) -> Result<Vec<f64>, String> {
+        let (Some(crow), Some(col)) = (&self.sparse_crow_indices, &self.sparse_col_indices) else {
+            return Ok(self.data.clone());
+        };
+        let dims = self.dims();
+        if dims.len() != 2 {
+            return Err(format!("sparse tensor must be 2-D, got shape {dims:?}"));
+        }
+        let (rows, cols) = (dims[0], dims[1]);
+        if crow.len() != rows + 1 || col.len() != self.data.len() {
+            return Err("sparse tensor indices do not match its shape".into());
+        }
+        let mut dense = vec![0.0; rows * cols];
+        for r in 0..rows {
+            let (lo, hi) = (crow[r], crow[r + 1]);
+            if lo < 0 || hi < lo || hi as usize > col.len() {
+                return Err("sparse tensor row pointers are not monotone".into());
+            }
+            for i in lo as usize..hi as usize {
+                let c = col[i];
+                if c < 0 || c as usize >= cols {
+                    return Err(format!("sparse column index {c} out of range"));
+                }
+                dense[r * cols + c as usize] = self.data[i];
+            }
+        }
+        Ok(dense)
+    }
+}
+
+/// One chunk of a model input.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ModelInputChunk {
+    /// Token ids.
+    EncodedText {
+        /// The token ids of this chunk.
+        tokens: Vec<i64>,
+    },
+    /// An inline image (not supported by text-only base models; kept so such requests
+    /// parse and get a clear error instead of a decode failure).
+    Image {
+        /// Base64 image bytes.
+        data: String,
+        /// `png` or `jpeg`.
+        format: String,
+        /// How many tokens the client expects the image to take.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        expected_tokens: Option<i64>,
+    },
+    /// A pointer to an image stored elsewhere.
+    ImageAssetPointer {
+        /// Where the image is.
+        location: String,
+        /// `png` or `jpeg`.
+        format: String,
+        /// How many tokens the client expects the image to take.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        expected_tokens: Option<i64>,
+    },
+}
+
+/// The tokens a model reads, as a list of chunks.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct ModelInput {
+    /// The chunks, concatenated in order.
+    pub chunks: Vec<ModelInputChunk>,
+}
+
+impl ModelInput {
+    /// A model input made of one chunk of token ids.
+    pub fn from_ints(tokens: Vec<i64>) -> Self {
+        Self {
+            chunks: vec![ModelInputChunk::EncodedText { tokens }],
+        }
+    }
+
+    /// All token ids, concatenated; `None` if a chunk is not text.
+    pub fn to_ints(&self) -> Option<Vec<i64>> {
+        let mut out = Vec::new();
+        for chunk in &self.chunks {
+            match chunk {
+                ModelInputChunk::EncodedText { tokens } => out.extend_from_slice(tokens),
+                _ => return None,
+            }
+        }
+        Some(out)
+    }
+
+    /// Number of positions (token chunks only; images count their expected tokens).
+    pub fn length(&self) -> usize {
+        self.chunks
+            .iter()
+            .map(|c| match c {
+                ModelInputChunk::EncodedText { tokens } => tokens.len(),
+                ModelInputChunk::Image {
+                    expected_tokens, ..
+                }
+                | ModelInputChunk::ImageAssetPointer {
+                    expected_tokens, ..
+                } => expected_tokens.unwrap_or(0).max(0) as usize,
+            })
+            .sum()
+    }
+}
+
+/// One training example: the input and the per-position loss inputs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Datum {
+    /// The tokens the model reads; position `i` predicts `target_tokens[i]`.
+    pub model_input: ModelInput,
+    /// Loss inputs by name: `target_tokens`, `weights`, `advantages`, `logprobs`, ...
+    pub loss_fn_inputs: BTreeMap<String, TensorData>,
+}
+
+impl Datum {
+    /// A supervised example for the `cross_entropy` loss.
+    pub fn cross_entropy(model_input: ModelInput, targets: Vec<i64>, weights: Vec<f32>) -> Self {
+        let mut inputs = BTreeMap::new();
+        inputs.insert("target_tokens".to_string(), TensorData::int64(targets));
+        inputs.insert("weights".to_string(), TensorData::float32(weights));
+        Self {
+            model_input,
+            loss_fn_inputs: inputs,
+        }
+    }
+}
+
+/// The built-in losses, with Tinker's semantics (plain sums, no normalisation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LossFn {
+    /// `-sum w * logp`.
+    CrossEntropy,
+    /// `-sum exp(logp - q) * A`.
+    ImportanceSampling,
+    /// Clipped surrogate objective.
+    Ppo,
+    /// Clipped importance-sampling policy optimisation (stop-gradient on the ratio).
+    Cispo,
+    /// Direct reward optimisation with a quadratic penalty.
+    Dro,
+}
+
+impl LossFn {
+    /// The wire name, e.g. `"cross_entropy"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LossFn::CrossEntropy => "cross_entropy",
+            LossFn::ImportanceSampling => "importance_sampling",
+            LossFn::Ppo => "ppo",
+            LossFn::Cispo => "cispo",
+            LossFn::Dro => "dro",
+        }
+    }
+}
+
+/// AdamW hyper-parameters, with the Tinker SDK's defaults.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct AdamParams {
+    /// Step size.
+    #[serde(default = "default_lr")]
+    pub learning_rate: f64,
+    /// First-moment decay.
+    #[serde(default = "default_beta1")]
+    pub beta1: f64,
+    /// Second-moment decay.
+    #[serde(default = "default_beta2")]
+    pub beta2: f64,
+    /// Denominator epsilon.
+    #[serde(default = "default_eps")]
+    pub eps: f64,
+    /// Decoupled weight decay (as `torch.optim.AdamW`).
+    #[serde(default)]
+    pub weight_decay: f64,
+    /// Global-norm gradient clipping; 0 disables it.
+    #[serde(default)]
+    pub grad_clip_norm: f64,
+}
+
+fn default_lr() -> f64 {
+    1e-4
+}
+fn default_beta1() -> f64 {
+    0.9
+}
+fn default_beta2() -> f64 {
+    0.95
+}
+fn default_eps() -> f64 {
+    1e-12
+}
+
+impl Default for AdamParams {
+    fn default() -> Self {
+        Self {
+            learning_rate: default_lr(),
+            beta1: default_beta1(),
+            beta2: default_beta2(),
+            eps: default_eps(),
+            weight_decay: 0.0,
+            grad_clip_norm: 0.0,
+        }
+    }
+}
+
+/// Which projections of the base model get an adapter, and its rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoraConfig {
+    /// Adapter rank.
+    pub rank: usize,
+    /// Seed for the random initialisation of the A matrices.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
+    /// Adapt the output projection (lm_head).
+    #[serde(default)]
+    pub train_unembed: bool,
+    /// Adapt gate, up and down projections.
+    #[serde(default = "yes")]
+    pub train_mlp: bool,
+    /// Adapt q, k, v and o projections.
+    #[serde(default = "yes")]
+    pub train_attn: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+impl Default for LoraConfig {
+    fn default() -> Self {
+        Self {
+            rank: 32,
+            seed: None,
+            train_unembed: true,
+            train_mlp: true,
+            train_attn: true,
+        }
+    }
+}
+
+/// Stop conditions: a string, several strings, or several token ids.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum StopCondition {
+    /// One stop string.
+    Text(String),
+    /// Several stop strings.
+    Texts(Vec<String>),
+    /// Stop token ids.
+    Tokens(Vec<i64>),
+}
+
+/// How to sample.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SamplingParams {
+    /// Maximum number of new tokens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<usize>,
+    /// Seed for reproducible sampling.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
+    /// Where to stop.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop: Option<StopCondition>,
+    /// Softmax temperature; 0 is greedy.
+    #[serde(default = "one")]
+    pub temperature: f64,
+    /// Keep the k most likely tokens; -1 keeps all.
+    #[serde(default = "minus_one")]
+    pub top_k: i64,
+    /// Nucleus sampling mass, in (0, 1].
+    #[serde(default = "one")]
+    pub top_p: f64,
+}
+
+fn one() -> f64 {
+    1.0
+}
+fn minus_one() -> i64 {
+    -1
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            max_tokens: None,
+            seed: None,
+            stop: None,
+            temperature: 1.0,
+            top_k: -1,
+            top_p: 1.0,
+        }
+    }
+}
+
+/// Why a sampled sequence ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    /// A stop string or token was produced.
+    Stop,
+    /// `max_tokens` was reached.
+    Length,
+}
+
+/// One sampled continuation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SampledSequence {
+    /// Why it ended.
+    pub stop_reason: StopReason,
+    /// The new tokens (including a stop token, as Tinker does).
+    pub tokens: Vec<i64>,
+    /// Log-probability of each new token under the sampling weights.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<Vec<f64>>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sparse_tensor_expands_to_dense() {
+        let t = TensorData {
+            data: vec![5.0, 7.0],
+            dtype: TensorDtype::Float32,
+            shape: Some(vec![2, 3]),
+            sparse_crow_indices: Some(vec![0, 1, 2]),
+            sparse_col_indices: Some(vec![2, 0]),
+        };
+        assert_eq!(t.to_dense().unwrap(), vec![0.0, 0.0, 5.0, 7.0, 0.0, 0.0]);
+    }
+
+    #[test]
+    fn bad_sparse_indices_are_an_error() {
+        let t = TensorData {
+            data: vec![5.0],
+            dtype: TensorDtype::Float32,
+            shape: Some(vec![1, 3]),
+            sparse_crow_indices: Some(vec![0, 1]),
+            sparse_col_indices: Some(vec![9]),
+        };
+        assert!(t.to_dense().is_err());
+    }
+
+    #[test]
+    fn adam_params_default_like_tinker_and_parse_partial_json() {
+        let p: AdamParams = serde_json::from_str(r#"{"learning_rate": 0.001}"#).unwrap();
+        assert_eq!(p.learning_rate, 0.001);
+        assert_eq!(p.beta2, 0.95);
+        assert_eq!(p.eps, 1e-12);
+    }
+
+    #[test]
+    fn model_input_chunks_round_trip() {
+        let json = r#"{"chunks":[{"type":"encoded_text","tokens":[1,2,3]}]}"#;
+        let mi: ModelInput = serde_json::from_str(json).unwrap();
+        assert_eq!(mi.to_ints().unwrap(), vec![1, 2, 3]);
+        assert_eq!(serde_json::to_string(&mi).unwrap(), json);
+    }
+
+    #[test]
+    fn stop_condition_accepts_every_wire_form() {
+        let s: StopCondition = serde_json::from_str(r#""\n""#).unwrap();
+        assert_eq!(s, StopCondition::Text("\n".into()));
+        let s: StopCondition = serde_json::from_str(r#"[2, 3]"#).unwrap();
+        assert_eq!(s, StopCondition::Tokens(vec![2, 3]));
+        let s: StopCondition = serde_json::from_str(r#"["a", "b"]"#).unwrap();
+        assert_eq!(s, StopCondition::Texts(vec!["a".into(), "b".into()]));
+    }
+}

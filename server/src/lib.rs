@@ -1,0 +1,8 @@
+//! Lathe server library: one frozen base model, many LoRA training sessions.
+//!
+//! Layers, one way only: `model` (decoder, LoRA seam, loaders), `train` (losses, AdamW,
+//! multi-adapter forward/backward), `sample` (KV-cache decoding), `store` (checkpoint
+//! files). See ARCHITECTURE.md.
+
+pub mod model;
+pub mod train;

@@ -1,0 +1,609 @@
+//! The decoder (Llama, Qwen2, Qwen3) with LoRA at every projection: a forward pass over a
+//! packed multi-adapter batch that can keep a tape, and the matching backward pass that
+//! returns per-adapter LoRA gradients.
+//!
+//! Sequences are packed row after row (no padding): the projections run over all rows at
+//! once, attention runs per sequence. Rows of one adapter are contiguous ([`Segment`]).
+
+use candle_core::{DType, Device, Tensor, D};
+
+use super::config::ModelConfig;
+use super::lora::{
+    lora_backward, lora_forward, Adapter, AdapterGrads, LoraCache, Proj, Segment, Target,
+};
+use super::ops::{self, AttnSaved, RmsSaved, Rope};
+use super::weights::{BaseWeights, FrozenLinear, LayerWeights};
+use super::ModelError;
+
+/// Rows of the output head computed at once, bounding the `(rows, vocab)` logits buffer.
+const HEAD_CHUNK_ROWS: usize = 128;
+
+/// One sequence of a packed batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SeqSpan {
+    /// First row.
+    pub start: usize,
+    /// Number of rows.
+    pub len: usize,
+    /// Index of its adapter in the batch's adapter list (`None`: base model).
+    pub adapter: Option<usize>,
+}
+
+/// Several sequences packed into one `(rows, ...)` batch.
+#[derive(Debug, Clone)]
+pub struct PackedBatch {
+    /// Token ids, `(rows,)` u32.
+    pub tokens: Tensor,
+    /// Position of each row inside its sequence (offset by any cached prefix), `(rows,)`.
+    pub positions: Tensor,
+    /// The sequences, in row order.
+    pub seqs: Vec<SeqSpan>,
+    /// Runs of consecutive sequences that share an adapter.
+    pub segments: Vec<Segment>,
+}
+
+impl PackedBatch {
+    /// Packs sequences `(tokens, adapter, first_position)` in the given order. Callers
+    /// that want one segment per adapter order the sequences by adapter first.
+    pub fn new(
+        seqs: &[(&[u32], Option<usize>, usize)],
+        device: &Device,
+    ) -> Result<Self, ModelError> {
+        let mut tokens = Vec::new();
+        let mut positions = Vec::new();
+        let mut spans = Vec::with_capacity(seqs.len());
+        let mut segments: Vec<Segment> = Vec::new();
+        for &(toks, adapter, first_pos) in seqs {
+            if toks.is_empty() {
+                return Err(ModelError::Input("empty sequence".into()));
+            }
+            let start = tokens.len();
+            tokens.extend_from_slice(toks);
+            positions.extend((0..toks.len()).map(|i| (first_pos + i) as u32));
+            spans.push(SeqSpan {
+                start,
+                len: toks.len(),
+                adapter,
+            });
+            match segments.last_mut() {
+                Some(seg) if seg.adapter == adapter => seg.len += toks.len(),
+                _ => segments.push(Segment {
+                    start,
+                    len: toks.len(),
+                    adapter,
+                }),
+            }
+        }
+        if tokens.is_empty() {
+            return Err(ModelError::Input("empty batch".into()));
+        }
+        let n = tokens.len();
+        Ok(Self {
+            tokens: Tensor::from_vec(tokens, n, device)?,
+            positions: Tensor::from_vec(positions, n, device)?,
+            seqs: spans,
+            segments,
+        })
+    }
+
+    /// Total rows.
+    pub fn rows(&self) -> usize {
+        self.seqs.iter().map(|s| s.len).sum()
+    }
+}
+
+/// Keys and values of one sequence in one layer, `(tokens, kv_dim)` each.
+#[derive(Debug, Clone)]
+pub struct LayerKv {
+    k: Tensor,
+    v: Tensor,
+}
+
+/// The KV cache of one sequence: one entry per layer once it has been prefilled.
+#[derive(Debug, Clone, Default)]
+pub struct KvCache {
+    layers: Vec<LayerKv>,
+}
+
+impl KvCache {
+    /// Tokens already cached.
+    pub fn len(&self) -> usize {
+        self.layers.first().map_or(0, |l| l.k.dims()[0])
+    }
+
+    /// Whether nothing is cached yet.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The frozen decoder.
+#[derive(Debug, Clone)]
+pub struct Transformer {
+    /// Hyper-parameters.
+    pub config: ModelConfig,
+    /// Frozen weights in the Hugging Face layout.
+    pub weights: BaseWeights,
+    rope: Rope,
+}
+
+struct LayerTape {
+    norm1: RmsSaved,
+    x1: Tensor,
+    lq: LoraCache,
+    lk: LoraCache,
+    lv: LoraCache,
+    q_norm: Option<RmsSaved>,
+    k_norm: Option<RmsSaved>,
+    attn: Vec<AttnSaved>,
+    attn_out: Tensor,
+    lo: LoraCache,
+    norm2: RmsSaved,
+    x2: Tensor,
+    lgate: LoraCache,
+    lup: LoraCache,
+    gate: Tensor,
+    up: Tensor,
+    act: Tensor,
+    ldown: LoraCache,
+}
+
+struct HeadChunk {
+    start: usize,
+    len: usize,
+    adapter: Option<usize>,
+    probs: Tensor,
+    u: Option<Tensor>,
+}
+
+/// Everything the backward pass needs from a forward pass.
+pub struct Tape {
+    layers: Vec<LayerTape>,
+    norm: RmsSaved,
+    xf: Tensor,
+    head: Vec<HeadChunk>,
+    targets: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    seqs: Vec<SeqSpan>,
+    segments: Vec<Segment>,
+    n_adapters: usize,
+}
+
+impl Transformer {
+    /// Wraps checked weights, precomputing the RoPE tables.
+    pub fn new(config: ModelConfig, weights: BaseWeights) -> Result<Self, ModelError> {
+        config.validate()?;
+        weights.check_shapes(&config)?;
+        let rope = Rope::new(
+            config.head_dim,
+            config.rope_theta,
+            config.max_position_embeddings.max(1),
+            weights.dtype(),
+            weights.device(),
+        )?;
+        Ok(Self {
+            config,
+            weights,
+            rope,
+        })
+    }
+
+    /// A copy in another dtype (f64 for gradient checks).
+    pub fn to_dtype(&self, dtype: DType) -> Result<Self, ModelError> {
+        Self::new(self.config.clone(), self.weights.to_dtype(dtype)?)
+    }
+
+    /// Longest sequence (prompt plus generation) the model accepts.
+    pub fn max_seq_len(&self) -> usize {
+        self.rope.max_len()
+    }
+
+    /// Device of the weights.
+    pub fn device(&self) -> &Device {
+        self.weights.device()
+    }
+
+    /// Log-probabilities of `targets` (`(rows, k)` u32) at every row of `batch`, and the
+    /// tape for [`Transformer::backward`] when `keep_tape` is set.
+    pub fn forward_logprobs(
+        &self,
+        batch: &PackedBatch,
+        adapters: &[&Adapter],
+        targets: &Tensor,
+        keep_tape: bool,
+    ) -> Result<(Tensor, Option<Tape>), ModelError> {
+        self.check_batch(batch, adapters)?;
+        let (cos, sin) = self.rope.gather(&batch.positions)?;
+        let mut h = self.weights.embed_tokens.index_select(&batch.tokens, 0)?;
+        let mut tapes = Vec::new();
+        for (i, layer) in self.weights.layers.iter().enumerate() {
+            let (next, tape) =
+                self.layer_forward(i, layer, &h, batch, adapters, &cos, &sin, None)?;
+            h = next;
+            if keep_tape {
+                tapes.push(tape);
+            }
+        }
+        let (xf, norm) = ops::rms_norm(&h, &self.weights.norm, self.config.rms_norm_eps)?;
+        drop(h);
+        let (lp, head) = self.head_logprobs(&xf, batch, adapters, targets, keep_tape)?;
+        let tape = keep_tape.then(|| Tape {
+            layers: tapes,
+            norm,
+            xf,
+            head,
+            targets: targets.clone(),
+            cos,
+            sin,
+            seqs: batch.seqs.clone(),
+            segments: batch.segments.clone(),
+            n_adapters: adapters.len(),
+        });
+        Ok((lp, tape))
+    }
+
+    /// Runs `batch` through the model appending to each sequence's KV cache, and returns
+    /// the next-token logits of each sequence's last row, `(seqs, vocab)`.
+    pub fn forward_cached(
+        &self,
+        batch: &PackedBatch,
+        adapters: &[&Adapter],
+        caches: &mut [&mut KvCache],
+    ) -> Result<Tensor, ModelError> {
+        self.check_batch(batch, adapters)?;
+        if caches.len() != batch.seqs.len() {
+            return Err(ModelError::Input(
+                "one KV cache per sequence is required".into(),
+            ));
+        }
+        let (cos, sin) = self.rope.gather(&batch.positions)?;
+        let mut h = self.weights.embed_tokens.index_select(&batch.tokens, 0)?;
+        for (i, layer) in self.weights.layers.iter().enumerate() {
+            let (next, _) = self.layer_forward(
+                i,
+                layer,
+                &h,
+                batch,
+                adapters,
+                &cos,
+                &sin,
+                Some(&mut *caches),
+            )?;
+            h = next;
+        }
+        let last: Vec<u32> = batch
+            .seqs
+            .iter()
+            .map(|s| (s.start + s.len - 1) as u32)
+            .collect();
+        let idx = Tensor::new(last.as_slice(), h.device())?;
+        let h_last = h.index_select(&idx, 0)?;
+        let (xf, _) = ops::rms_norm(&h_last, &self.weights.norm, self.config.rms_norm_eps)?;
+        let mut rows = Vec::with_capacity(batch.seqs.len());
+        for (i, s) in batch.seqs.iter().enumerate() {
+            let x = xf.narrow(0, i, 1)?;
+            let seg = [Segment {
+                start: 0,
+                len: 1,
+                adapter: s.adapter,
+            }];
+            let base = x.matmul(&self.weights.lm_head().t()?)?;
+            let (logits, _) = lora_forward(&x, base, Target::LmHead, &seg, adapters)?;
+            rows.push(logits);
+        }
+        Ok(Tensor::cat(&rows, 0)?)
+    }
+
+    fn check_batch(&self, batch: &PackedBatch, adapters: &[&Adapter]) -> Result<(), ModelError> {
+        for s in &batch.seqs {
+            if let Some(a) = s.adapter {
+                if a >= adapters.len() {
+                    return Err(ModelError::Input(format!("adapter index {a} out of range")));
+                }
+            }
+        }
+        let max_tok = batch.tokens.max(0)?.to_scalar::<u32>()? as usize;
+        if max_tok >= self.config.vocab_size {
+            return Err(ModelError::Input(format!(
+                "token id {max_tok} is out of range for a vocabulary of {}",
+                self.config.vocab_size
+            )));
+        }
+        let max_pos = batch.positions.max(0)?.to_scalar::<u32>()? as usize;
+        if max_pos >= self.max_seq_len() {
+            return Err(ModelError::Input(format!(
+                "sequence of {} tokens exceeds the context limit of {}",
+                max_pos + 1,
+                self.max_seq_len()
+            )));
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn layer_forward(
+        &self,
+        index: usize,
+        w: &LayerWeights,
+        h: &Tensor,
+        batch: &PackedBatch,
+        adapters: &[&Adapter],
+        cos: &Tensor,
+        sin: &Tensor,
+        mut caches: Option<&mut [&mut KvCache]>,
+    ) -> Result<(Tensor, LayerTape), ModelError> {
+        let cfg = &self.config;
+        let segs = &batch.segments;
+        let lin =
+            |x: &Tensor, l: &FrozenLinear, p: Proj| -> candle_core::Result<(Tensor, LoraCache)> {
+                lora_forward(x, l.forward(x)?, Target::Layer(index, p), segs, adapters)
+            };
+        let n = h.dims()[0];
+        let (hq, hkv, hd) = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        );
+        let (x1, norm1) = ops::rms_norm(h, &w.input_layernorm, cfg.rms_norm_eps)?;
+        let (q, lq) = lin(&x1, &w.q_proj, Proj::Q)?;
+        let (k, lk) = lin(&x1, &w.k_proj, Proj::K)?;
+        let (v, lv) = lin(&x1, &w.v_proj, Proj::V)?;
+        let mut q = q.reshape((n, hq, hd))?;
+        let mut k = k.reshape((n, hkv, hd))?;
+        let (mut q_norm, mut k_norm) = (None, None);
+        if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
+            let (qq, sq) = ops::rms_norm(&q, qn, cfg.rms_norm_eps)?;
+            let (kk, sk) = ops::rms_norm(&k, kn, cfg.rms_norm_eps)?;
+            (q, k, q_norm, k_norm) = (qq, kk, Some(sq), Some(sk));
+        }
+        let q = ops::rope(&q, cos, sin)?.reshape((n, hq * hd))?;
+        let k = ops::rope(&k, cos, sin)?.reshape((n, hkv * hd))?;
+        let mut outs = Vec::with_capacity(batch.seqs.len());
+        let mut saved = Vec::with_capacity(batch.seqs.len());
+        for (si, s) in batch.seqs.iter().enumerate() {
+            let qs = q.narrow(0, s.start, s.len)?;
+            let mut ks = k.narrow(0, s.start, s.len)?;
+            let mut vs = v.narrow(0, s.start, s.len)?;
+            if let Some(caches) = caches.as_deref_mut() {
+                let cache = &mut *caches[si];
+                if cache.layers.len() > index {
+                    let entry = &mut cache.layers[index];
+                    entry.k = Tensor::cat(&[&entry.k, &ks], 0)?;
+                    entry.v = Tensor::cat(&[&entry.v, &vs], 0)?;
+                    ks = entry.k.clone();
+                    vs = entry.v.clone();
+                } else {
+                    cache.layers.push(LayerKv {
+                        k: ks.clone(),
+                        v: vs.clone(),
+                    });
+                }
+            }
+            let (o, sv) = ops::attention(&qs, &ks, &vs, hq, hkv)?;
+            outs.push(o);
+            if caches.is_none() {
+                saved.push(sv);
+            }
+        }
+        let attn_out = if outs.len() == 1 {
+            outs.pop().expect("one sequence")
+        } else {
+            Tensor::cat(&outs, 0)?
+        };
+        let (o, lo) = lin(&attn_out, &w.o_proj, Proj::O)?;
+        let h2 = (h + o)?;
+        let (x2, norm2) = ops::rms_norm(&h2, &w.post_attention_layernorm, cfg.rms_norm_eps)?;
+        let (gate, lgate) = lin(&x2, &w.gate_proj, Proj::Gate)?;
+        let (up, lup) = lin(&x2, &w.up_proj, Proj::Up)?;
+        let act = ops::swiglu(&gate, &up)?;
+        let (down, ldown) = lin(&act, &w.down_proj, Proj::Down)?;
+        let h3 = (h2 + down)?;
+        Ok((
+            h3,
+            LayerTape {
+                norm1,
+                x1,
+                lq,
+                lk,
+                lv,
+                q_norm,
+                k_norm,
+                attn: saved,
+                attn_out,
+                lo,
+                norm2,
+                x2,
+                lgate,
+                lup,
+                gate,
+                up,
+                act,
+                ldown,
+            },
+        ))
+    }
+
+    /// Target log-probabilities, computed in row chunks that never cross an adapter
+    /// boundary so the `(rows, vocab)` logits stay bounded.
+    fn head_logprobs(
+        &self,
+        xf: &Tensor,
+        batch: &PackedBatch,
+        adapters: &[&Adapter],
+        targets: &Tensor,
+        keep: bool,
+    ) -> Result<(Tensor, Vec<HeadChunk>), ModelError> {
+        let w = self.weights.lm_head();
+        let mut lps = Vec::new();
+        let mut chunks = Vec::new();
+        for seg in &batch.segments {
+            let mut start = seg.start;
+            while start < seg.start + seg.len {
+                let len = HEAD_CHUNK_ROWS.min(seg.start + seg.len - start);
+                let x = xf.narrow(0, start, len)?;
+                let local = [Segment {
+                    start: 0,
+                    len,
+                    adapter: seg.adapter,
+                }];
+                let (logits, mut cache) =
+                    lora_forward(&x, x.matmul(&w.t()?)?, Target::LmHead, &local, adapters)?;
+                let lse = ops::logsumexp_last(&logits)?;
+                let t = targets.narrow(0, start, len)?;
+                let picked = logits.gather(&t.contiguous()?, 1)?;
+                lps.push(picked.broadcast_sub(&lse)?);
+                if keep {
+                    chunks.push(HeadChunk {
+                        start,
+                        len,
+                        adapter: seg.adapter,
+                        probs: logits.broadcast_sub(&lse)?.exp()?,
+                        u: cache.pop().flatten(),
+                    });
+                }
+                start += len;
+            }
+        }
+        Ok((Tensor::cat(&lps, 0)?, chunks))
+    }
+
+    /// Backward pass: given `dlp = dLoss/dlogprob` (same shape as the targets), returns
+    /// the LoRA gradients of each adapter of the forward pass (in its order).
+    pub fn backward(
+        &self,
+        tape: Tape,
+        adapters: &[&Adapter],
+        dlp: &Tensor,
+    ) -> Result<Vec<AdapterGrads>, ModelError> {
+        if adapters.len() != tape.n_adapters {
+            return Err(ModelError::Input(
+                "backward needs the adapters of the forward pass".into(),
+            ));
+        }
+        let mut grads = vec![AdapterGrads::default(); adapters.len()];
+        let dxf = self.head_backward(&tape, adapters, dlp, &mut grads)?;
+        let Tape {
+            layers,
+            norm,
+            cos,
+            sin,
+            seqs,
+            segments,
+            ..
+        } = tape;
+        let mut dh = ops::rms_norm_backward(&dxf, &self.weights.norm, &norm)?;
+        for (i, lt) in layers.into_iter().enumerate().rev() {
+            dh = self.layer_backward(
+                i, lt, dh, &seqs, &segments, adapters, &cos, &sin, &mut grads,
+            )?;
+        }
+        Ok(grads)
+    }
+
+    fn head_backward(
+        &self,
+        tape: &Tape,
+        adapters: &[&Adapter],
+        dlp: &Tensor,
+        grads: &mut [AdapterGrads],
+    ) -> Result<Tensor, ModelError> {
+        let w = self.weights.lm_head();
+        let mut dxs = Vec::with_capacity(tape.head.len());
+        for c in &tape.head {
+            let d = dlp.narrow(0, c.start, c.len)?.contiguous()?;
+            let t = tape.targets.narrow(0, c.start, c.len)?.contiguous()?;
+            // d logits = scatter(d at targets) - probs * sum_k d
+            let dsum = d.sum_keepdim(D::Minus1)?;
+            let dlogits = c.probs.zeros_like()?.scatter_add(&t, &d, 1)?;
+            let dlogits = (dlogits - c.probs.broadcast_mul(&dsum)?)?;
+            let x = tape.xf.narrow(0, c.start, c.len)?;
+            let mut dx = dlogits.matmul(w)?;
+            let local = [Segment {
+                start: 0,
+                len: c.len,
+                adapter: c.adapter,
+            }];
+            if let Some(extra) = lora_backward(
+                &x,
+                &dlogits,
+                Target::LmHead,
+                &local,
+                adapters,
+                &vec![c.u.clone()],
+                grads,
+            )? {
+                dx = (dx + extra)?;
+            }
+            dxs.push(dx);
+        }
+        Ok(Tensor::cat(&dxs, 0)?)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn layer_backward(
+        &self,
+        index: usize,
+        t: LayerTape,
+        dh: Tensor,
+        seqs: &[SeqSpan],
+        segs: &[Segment],
+        adapters: &[&Adapter],
+        cos: &Tensor,
+        sin: &Tensor,
+        grads: &mut [AdapterGrads],
+    ) -> Result<Tensor, ModelError> {
+        let cfg = &self.config;
+        let w = &self.weights.layers[index];
+        let mut lin_back = |x: &Tensor,
+                            dy: &Tensor,
+                            l: &FrozenLinear,
+                            p: Proj,
+                            cache: &LoraCache|
+         -> candle_core::Result<Tensor> {
+            let dx = l.backward_input(dy)?;
+            match lora_backward(x, dy, Target::Layer(index, p), segs, adapters, cache, grads)? {
+                Some(extra) => dx + extra,
+                None => Ok(dx),
+            }
+        };
+        let n = dh.dims()[0];
+        let (hq, hkv, hd) = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        );
+        // MLP
+        let dact = lin_back(&t.act, &dh, &w.down_proj, Proj::Down, &t.ldown)?;
+        let (dgate, dup) = ops::swiglu_backward(&dact, &t.gate, &t.up)?;
+        let dx2 = (lin_back(&t.x2, &dgate, &w.gate_proj, Proj::Gate, &t.lgate)?
+            + lin_back(&t.x2, &dup, &w.up_proj, Proj::Up, &t.lup)?)?;
+        let dh2 = (&dh + ops::rms_norm_backward(&dx2, &w.post_attention_layernorm, &t.norm2)?)?;
+        // attention
+        let dattn = lin_back(&t.attn_out, &dh2, &w.o_proj, Proj::O, &t.lo)?;
+        let (mut dqs, mut dks, mut dvs) = (Vec::new(), Vec::new(), Vec::new());
+        for (s, saved) in seqs.iter().zip(&t.attn) {
+            let (dq, dk, dv) = ops::attention_backward(&dattn.narrow(0, s.start, s.len)?, saved)?;
+            dqs.push(dq);
+            dks.push(dk);
+            dvs.push(dv);
+        }
+        let dq = Tensor::cat(&dqs, 0)?.reshape((n, hq, hd))?;
+        let dk = Tensor::cat(&dks, 0)?.reshape((n, hkv, hd))?;
+        let dv = Tensor::cat(&dvs, 0)?;
+        let mut dq = ops::rope_backward(&dq, cos, sin)?;
+        let mut dk = ops::rope_backward(&dk, cos, sin)?;
+        if let (Some(qn), Some(kn), Some(sq), Some(sk)) =
+            (&w.q_norm, &w.k_norm, &t.q_norm, &t.k_norm)
+        {
+            dq = ops::rms_norm_backward(&dq, qn, sq)?;
+            dk = ops::rms_norm_backward(&dk, kn, sk)?;
+        }
+        let dq = dq.reshape((n, hq * hd))?;
+        let dk = dk.reshape((n, hkv * hd))?;
+        let dx1 = ((lin_back(&t.x1, &dq, &w.q_proj, Proj::Q, &t.lq)?
+            + lin_back(&t.x1, &dk, &w.k_proj, Proj::K, &t.lk)?)?
+            + lin_back(&t.x1, &dv, &w.v_proj, Proj::V, &t.lv)?)?;
+        Ok((dh2 + ops::rms_norm_backward(&dx1, &w.input_layernorm, &t.norm1)?)?)
+    }
+}

@@ -1,0 +1,206 @@
+//! The frozen base weights, in the Hugging Face layout (`(out, in)` matrices, rotate-half
+//! RoPE order for q and k), whatever file they were read from.
+
+use candle_core::{DType, Device, Tensor};
+
+use super::config::ModelConfig;
+use super::ModelError;
+
+/// One frozen projection `y = x W^T (+ b)`. It never receives a weight gradient.
+#[derive(Debug, Clone)]
+pub struct FrozenLinear {
+    /// `(out, in)`.
+    pub weight: Tensor,
+    /// `(out,)`, Qwen2's q/k/v only.
+    pub bias: Option<Tensor>,
+}
+
+impl FrozenLinear {
+    /// Output width.
+    pub fn out_dim(&self) -> usize {
+        self.weight.dims()[0]
+    }
+
+    /// Input width.
+    pub fn in_dim(&self) -> usize {
+        self.weight.dims()[1]
+    }
+
+    /// `x W^T + b` for `x` of shape `(n, in)`.
+    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let y = x.matmul(&self.weight.t()?)?;
+        match &self.bias {
+            Some(b) => y.broadcast_add(b),
+            None => Ok(y),
+        }
+    }
+
+    /// The input gradient `dy W` (no weight gradient: the base is frozen).
+    pub fn backward_input(&self, dy: &Tensor) -> candle_core::Result<Tensor> {
+        dy.matmul(&self.weight)
+    }
+
+    fn to_dtype(&self, dtype: DType) -> candle_core::Result<Self> {
+        Ok(Self {
+            weight: self.weight.to_dtype(dtype)?,
+            bias: self.bias.as_ref().map(|b| b.to_dtype(dtype)).transpose()?,
+        })
+    }
+}
+
+/// The weights of one decoder block.
+#[derive(Debug, Clone)]
+pub struct LayerWeights {
+    /// RMSNorm before attention.
+    pub input_layernorm: Tensor,
+    /// Query projection.
+    pub q_proj: FrozenLinear,
+    /// Key projection.
+    pub k_proj: FrozenLinear,
+    /// Value projection.
+    pub v_proj: FrozenLinear,
+    /// Attention output projection.
+    pub o_proj: FrozenLinear,
+    /// Qwen3's per-head RMSNorm weight for q, `(head_dim,)`.
+    pub q_norm: Option<Tensor>,
+    /// Qwen3's per-head RMSNorm weight for k, `(head_dim,)`.
+    pub k_norm: Option<Tensor>,
+    /// RMSNorm before the MLP.
+    pub post_attention_layernorm: Tensor,
+    /// MLP gate projection.
+    pub gate_proj: FrozenLinear,
+    /// MLP up projection.
+    pub up_proj: FrozenLinear,
+    /// MLP down projection.
+    pub down_proj: FrozenLinear,
+}
+
+/// All frozen weights of a model.
+#[derive(Debug, Clone)]
+pub struct BaseWeights {
+    /// Token embedding, `(vocab, hidden)`.
+    pub embed_tokens: Tensor,
+    /// Decoder blocks.
+    pub layers: Vec<LayerWeights>,
+    /// Final RMSNorm.
+    pub norm: Tensor,
+    /// Untied output projection; `None` when tied to `embed_tokens`.
+    pub lm_head: Option<Tensor>,
+}
+
+impl BaseWeights {
+    /// The output projection, `(vocab, hidden)`.
+    pub fn lm_head(&self) -> &Tensor {
+        self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
+    }
+
+    /// Element type of the weights.
+    pub fn dtype(&self) -> DType {
+        self.embed_tokens.dtype()
+    }
+
+    /// Device the weights live on.
+    pub fn device(&self) -> &Device {
+        self.embed_tokens.device()
+    }
+
+    /// A copy in another element type (f64 for finite-difference checks).
+    pub fn to_dtype(&self, dtype: DType) -> candle_core::Result<Self> {
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(LayerWeights {
+                    input_layernorm: l.input_layernorm.to_dtype(dtype)?,
+                    q_proj: l.q_proj.to_dtype(dtype)?,
+                    k_proj: l.k_proj.to_dtype(dtype)?,
+                    v_proj: l.v_proj.to_dtype(dtype)?,
+                    o_proj: l.o_proj.to_dtype(dtype)?,
+                    q_norm: l.q_norm.as_ref().map(|t| t.to_dtype(dtype)).transpose()?,
+                    k_norm: l.k_norm.as_ref().map(|t| t.to_dtype(dtype)).transpose()?,
+                    post_attention_layernorm: l.post_attention_layernorm.to_dtype(dtype)?,
+                    gate_proj: l.gate_proj.to_dtype(dtype)?,
+                    up_proj: l.up_proj.to_dtype(dtype)?,
+                    down_proj: l.down_proj.to_dtype(dtype)?,
+                })
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(Self {
+            embed_tokens: self.embed_tokens.to_dtype(dtype)?,
+            layers,
+            norm: self.norm.to_dtype(dtype)?,
+            lm_head: self
+                .lm_head
+                .as_ref()
+                .map(|t| t.to_dtype(dtype))
+                .transpose()?,
+        })
+    }
+
+    /// Checks every tensor's shape against the config, so a bad file fails at load time
+    /// with a message instead of deep inside a matmul.
+    pub fn check_shapes(&self, cfg: &ModelConfig) -> Result<(), ModelError> {
+        let (v, d, f) = (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size);
+        let expect = |name: &str, t: &Tensor, dims: &[usize]| {
+            if t.dims() == dims {
+                Ok(())
+            } else {
+                Err(ModelError::Shape(format!(
+                    "{name}: expected {dims:?}, found {:?}",
+                    t.dims()
+                )))
+            }
+        };
+        expect("embed_tokens", &self.embed_tokens, &[v, d])?;
+        expect("norm", &self.norm, &[d])?;
+        if let Some(h) = &self.lm_head {
+            expect("lm_head", h, &[v, d])?;
+        }
+        if self.layers.len() != cfg.num_hidden_layers {
+            return Err(ModelError::Shape(format!(
+                "expected {} layers, found {}",
+                cfg.num_hidden_layers,
+                self.layers.len()
+            )));
+        }
+        for (i, l) in self.layers.iter().enumerate() {
+            let n = |s: &str| format!("layers.{i}.{s}");
+            expect(&n("input_layernorm"), &l.input_layernorm, &[d])?;
+            expect(&n("q_proj"), &l.q_proj.weight, &[cfg.q_dim(), d])?;
+            expect(&n("k_proj"), &l.k_proj.weight, &[cfg.kv_dim(), d])?;
+            expect(&n("v_proj"), &l.v_proj.weight, &[cfg.kv_dim(), d])?;
+            expect(&n("o_proj"), &l.o_proj.weight, &[d, cfg.q_dim()])?;
+            expect(
+                &n("post_attention_layernorm"),
+                &l.post_attention_layernorm,
+                &[d],
+            )?;
+            expect(&n("gate_proj"), &l.gate_proj.weight, &[f, d])?;
+            expect(&n("up_proj"), &l.up_proj.weight, &[f, d])?;
+            expect(&n("down_proj"), &l.down_proj.weight, &[d, f])?;
+            if cfg.qk_norm() {
+                match (&l.q_norm, &l.k_norm) {
+                    (Some(q), Some(k)) => {
+                        expect(&n("q_norm"), q, &[cfg.head_dim])?;
+                        expect(&n("k_norm"), k, &[cfg.head_dim])?;
+                    }
+                    _ => return Err(ModelError::Shape(n("q_norm/k_norm missing"))),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Number of parameters (the tied head counted once).
+    pub fn num_params(&self) -> usize {
+        let lin = |l: &FrozenLinear| l.weight.elem_count();
+        let mut n = self.embed_tokens.elem_count() + self.norm.elem_count();
+        n += self.lm_head.as_ref().map_or(0, |t| t.elem_count());
+        for l in &self.layers {
+            n += lin(&l.q_proj) + lin(&l.k_proj) + lin(&l.v_proj) + lin(&l.o_proj);
+            n += lin(&l.gate_proj) + lin(&l.up_proj) + lin(&l.down_proj);
+            n += l.input_layernorm.elem_count() + l.post_attention_layernorm.elem_count();
+        }
+        n
+    }
+}

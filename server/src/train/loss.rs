@@ -1,0 +1,364 @@
+//! Tinker's built-in losses, as functions of the target log-probabilities.
+//!
+//! Every built-in loss is a sum over tokens of a term that depends on one token's
+//! log-probability `lp` and that token's inputs. So a loss is evaluated here on plain
+//! numbers, giving the value, the per-token terms (`elementwise_loss`) and `dLoss/dlp`;
+//! the model's backward pass takes it from there. Sums, not means: users scale weights
+//! and advantages themselves. The ratio `exp(lp - q)` is computed in f64, so it does not
+//! overflow for any log-ratio an f32 model can produce.
+
+use super::TrainError;
+
+/// Default PPO / CISPO clip bounds on the ratio (Tinker's documented epsilon 0.2).
+pub const DEFAULT_CLIP_LOW: f64 = 0.8;
+/// See [`DEFAULT_CLIP_LOW`].
+pub const DEFAULT_CLIP_HIGH: f64 = 1.2;
+/// Default DRO penalty (undocumented by Tinker; tuft's value).
+pub const DEFAULT_DRO_BETA: f64 = 0.01;
+
+/// Which loss, with its configuration.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Loss {
+    /// `-sum w * lp`.
+    CrossEntropy,
+    /// `-sum r * A`, `r = exp(lp - q)`.
+    ImportanceSampling,
+    /// `-sum min(r A, clip(r, lo, hi) A)`.
+    Ppo {
+        /// Lower ratio bound.
+        clip_low: f64,
+        /// Upper ratio bound.
+        clip_high: f64,
+    },
+    /// `-sum sg(clip(r, lo, hi)) * lp * A`.
+    Cispo {
+        /// Lower ratio bound.
+        clip_low: f64,
+        /// Upper ratio bound.
+        clip_high: f64,
+    },
+    /// `-sum (lp A - beta/2 (lp - q)^2)`.
+    Dro {
+        /// Penalty weight.
+        beta: f64,
+    },
+}
+
+impl Loss {
+    /// Whether the loss needs sampler log-probs and advantages.
+    pub fn is_rl(&self) -> bool {
+        !matches!(self, Loss::CrossEntropy)
+    }
+}
+
+/// The per-token inputs of one datum, already checked to have the right lengths.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TokenInputs {
+    /// Cross-entropy weights, one per target (`rows * k`).
+    pub weights: Vec<f32>,
+    /// Advantages (RL losses).
+    pub advantages: Vec<f32>,
+    /// Sampler log-probabilities `q` (RL losses).
+    pub sampler_logprobs: Vec<f32>,
+    /// Per-token lower clip bound overriding the config.
+    pub clip_low: Option<Vec<f32>>,
+    /// Per-token upper clip bound overriding the config.
+    pub clip_high: Option<Vec<f32>>,
+}
+
+impl TokenInputs {
+    /// Checks that `loss` has what it needs for `n` targets, and that every value is
+    /// finite. The messages name the offending input.
+    pub fn validate(&self, loss: &Loss, n: usize) -> Result<(), TrainError> {
+        let check = |name: &str, v: &[f32], required: bool| -> Result<(), TrainError> {
+            if v.is_empty() && required {
+                return Err(TrainError::Input(format!(
+                    "loss requires loss_fn_inputs[{name:?}]"
+                )));
+            }
+            if !v.is_empty() && v.len() != n {
+                return Err(TrainError::Input(format!(
+                    "{name} has {} values but there are {n} targets",
+                    v.len()
+                )));
+            }
+            if let Some(bad) = v.iter().find(|x| !x.is_finite()) {
+                return Err(TrainError::Input(format!(
+                    "{name} contains a non-finite value ({bad})"
+                )));
+            }
+            Ok(())
+        };
+        check("weights", &self.weights, !loss.is_rl())?;
+        check("advantages", &self.advantages, loss.is_rl())?;
+        check("logprobs", &self.sampler_logprobs, loss.is_rl())?;
+        check(
+            "clip_low_threshold",
+            self.clip_low.as_deref().unwrap_or(&[]),
+            false,
+        )?;
+        check(
+            "clip_high_threshold",
+            self.clip_high.as_deref().unwrap_or(&[]),
+            false,
+        )?;
+        Ok(())
+    }
+}
+
+/// A loss evaluated on one datum.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LossEval {
+    /// Sum of the per-token terms.
+    pub total: f64,
+    /// The per-token terms.
+    pub elementwise: Vec<f32>,
+    /// `dLoss/dlp` per token.
+    pub grad: Vec<f32>,
+}
+
+/// Evaluates `loss` for target log-probs `lp` (inputs already validated for `lp.len()`).
+/// `lp` is f64 so that an f64 model (the finite-difference tests) keeps its precision.
+pub fn evaluate(loss: &Loss, lp: &[f64], inp: &TokenInputs) -> LossEval {
+    let n = lp.len();
+    let mut elementwise = Vec::with_capacity(n);
+    let mut grad = Vec::with_capacity(n);
+    let mut total = 0.0f64;
+    let bounds = |t: usize, lo: f64, hi: f64| {
+        (
+            inp.clip_low.as_ref().map_or(lo, |v| v[t] as f64),
+            inp.clip_high.as_ref().map_or(hi, |v| v[t] as f64),
+        )
+    };
+    for t in 0..n {
+        let x = lp[t];
+        let (l, d) = match *loss {
+            Loss::CrossEntropy => {
+                let w = inp.weights[t] as f64;
+                (-w * x, -w)
+            }
+            Loss::ImportanceSampling => {
+                let (a, r) = rl_terms(inp, t, x);
+                (-r * a, -r * a)
+            }
+            Loss::Ppo {
+                clip_low,
+                clip_high,
+            } => {
+                let (a, r) = rl_terms(inp, t, x);
+                let (lo, hi) = bounds(t, clip_low, clip_high);
+                let clipped = r.clamp(lo, hi);
+                let (unclipped_obj, clipped_obj) = (r * a, clipped * a);
+                if unclipped_obj <= clipped_obj {
+                    (-unclipped_obj, -r * a)
+                } else {
+                    // The clipped branch is constant in lp once the ratio is outside
+                    // the bounds.
+                    let inside = r > lo && r < hi;
+                    (-clipped_obj, if inside { -r * a } else { 0.0 })
+                }
+            }
+            Loss::Cispo {
+                clip_low,
+                clip_high,
+            } => {
+                let (a, r) = rl_terms(inp, t, x);
+                let (lo, hi) = bounds(t, clip_low, clip_high);
+                let c = r.clamp(lo, hi);
+                (-c * x * a, -c * a)
+            }
+            Loss::Dro { beta } => {
+                let a = inp.advantages[t] as f64;
+                let diff = x - inp.sampler_logprobs[t] as f64;
+                (-(x * a - 0.5 * beta * diff * diff), -(a - beta * diff))
+            }
+        };
+        total += l;
+        elementwise.push(l as f32);
+        grad.push(d as f32);
+    }
+    LossEval {
+        total,
+        elementwise,
+        grad,
+    }
+}
+
+fn rl_terms(inp: &TokenInputs, t: usize, lp: f64) -> (f64, f64) {
+    let a = inp.advantages[t] as f64;
+    let r = (lp - inp.sampler_logprobs[t] as f64).exp();
+    (a, r)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Direct implementations of each formula on f64, as written in the Tinker docs.
+    fn reference(loss: &Loss, lp: &[f64], inp: &TokenInputs) -> f64 {
+        let q = |t: usize| inp.sampler_logprobs[t] as f64;
+        let a = |t: usize| inp.advantages[t] as f64;
+        (0..lp.len())
+            .map(|t| match *loss {
+                Loss::CrossEntropy => -(inp.weights[t] as f64) * lp[t],
+                Loss::ImportanceSampling => -(lp[t] - q(t)).exp() * a(t),
+                Loss::Ppo {
+                    clip_low,
+                    clip_high,
+                } => {
+                    let r = (lp[t] - q(t)).exp();
+                    -f64::min(r * a(t), r.clamp(clip_low, clip_high) * a(t))
+                }
+                Loss::Cispo { .. } => unreachable!("stop-gradient needs its own check"),
+                Loss::Dro { beta } => -(lp[t] * a(t) - 0.5 * beta * (lp[t] - q(t)).powi(2)),
+            })
+            .sum()
+    }
+
+    fn to64(v: &[f32]) -> Vec<f64> {
+        v.iter().map(|&x| x as f64).collect()
+    }
+
+    fn inputs() -> (Vec<f32>, TokenInputs) {
+        // Ratios exp(lp - q): 1.65 (above 1.2), 0.61 (below 0.8), 1.05 (inside), 0.9, 1.5.
+        let lp = vec![-1.0f32, -2.5, -0.7, -3.0, -0.2];
+        let q = vec![-1.5f32, -2.0, -0.75, -2.9, -0.6];
+        let inp = TokenInputs {
+            weights: vec![1.0, 0.5, 0.0, 2.0, 1.0],
+            advantages: vec![1.0, 1.0, -0.5, -2.0, -1.0],
+            sampler_logprobs: q,
+            ..Default::default()
+        };
+        (lp, inp)
+    }
+
+    fn check_against_reference(loss: Loss) {
+        let (lp, inp) = inputs();
+        let ev = evaluate(&loss, &to64(&lp), &inp);
+        let lp64: Vec<f64> = lp.iter().map(|&x| x as f64).collect();
+        let want = reference(&loss, &lp64, &inp);
+        assert!(
+            (ev.total - want).abs() < 1e-6,
+            "{loss:?}: {} vs {want}",
+            ev.total
+        );
+        for t in 0..lp.len() {
+            let h = 1e-6;
+            let (mut up, mut down) = (lp64.clone(), lp64.clone());
+            up[t] += h;
+            down[t] -= h;
+            let fd = (reference(&loss, &up, &inp) - reference(&loss, &down, &inp)) / (2.0 * h);
+            assert!(
+                (ev.grad[t] as f64 - fd).abs() < 1e-5 * (1.0 + fd.abs()),
+                "{loss:?} token {t}: grad {} vs finite difference {fd}",
+                ev.grad[t]
+            );
+        }
+    }
+
+    #[test]
+    fn cross_entropy_matches_formula() {
+        check_against_reference(Loss::CrossEntropy);
+    }
+
+    #[test]
+    fn importance_sampling_matches_formula() {
+        check_against_reference(Loss::ImportanceSampling);
+    }
+
+    #[test]
+    fn ppo_matches_formula_with_clipping_on_both_sides() {
+        let loss = Loss::Ppo {
+            clip_low: DEFAULT_CLIP_LOW,
+            clip_high: DEFAULT_CLIP_HIGH,
+        };
+        check_against_reference(loss);
+        let (lp, inp) = inputs();
+        let ev = evaluate(&loss, &to64(&lp), &inp);
+        // Token 0: ratio 1.65 > 1.2 with A > 0 -> clipped, no gradient.
+        assert_eq!(ev.grad[0], 0.0);
+        assert!((ev.elementwise[0] - (-1.2)).abs() < 1e-6);
+        // Token 1: ratio 0.61 < 0.8 with A > 0 -> min picks the unclipped term.
+        assert!(ev.grad[1] != 0.0);
+        // Token 3: ratio 0.905 inside -> gradient -r*A.
+        let r3 = (-0.1f64).exp();
+        assert!((ev.grad[3] as f64 - 2.0 * r3).abs() < 1e-5);
+        // Token 4: ratio 1.49 > 1.2 with A < 0 -> unclipped term is smaller, gradient flows.
+        assert!(ev.grad[4] != 0.0);
+    }
+
+    #[test]
+    fn dro_matches_formula() {
+        check_against_reference(Loss::Dro { beta: 0.3 });
+    }
+
+    #[test]
+    fn cispo_value_uses_clipped_ratio_and_gradient_stops_through_it() {
+        let loss = Loss::Cispo {
+            clip_low: 0.8,
+            clip_high: 1.2,
+        };
+        let (lp, inp) = inputs();
+        let ev = evaluate(&loss, &to64(&lp), &inp);
+        for t in 0..lp.len() {
+            let r = ((lp[t] - inp.sampler_logprobs[t]) as f64).exp();
+            let c = r.clamp(0.8, 1.2);
+            let a = inp.advantages[t] as f64;
+            assert!((ev.elementwise[t] as f64 - (-c * lp[t] as f64 * a)).abs() < 1e-5);
+            // Stop-gradient: the derivative is -c*A exactly, not including dc/dlp.
+            assert!((ev.grad[t] as f64 - (-c * a)).abs() < 1e-6);
+        }
+        // Token 2 lies inside the bounds; a loss without stop-gradient would add -r*lp*A.
+        let r2 = ((lp[2] - inp.sampler_logprobs[2]) as f64).exp();
+        let no_sg = -r2 * 0.5 * (1.0 + lp[2] as f64);
+        assert!((ev.grad[2] as f64 - no_sg).abs() > 1e-3);
+    }
+
+    #[test]
+    fn per_token_clip_thresholds_override_the_config() {
+        let (lp, mut inp) = inputs();
+        inp.clip_low = Some(vec![0.0; 5]);
+        inp.clip_high = Some(vec![10.0; 5]);
+        let ppo = evaluate(
+            &Loss::Ppo {
+                clip_low: 0.8,
+                clip_high: 1.2,
+            },
+            &to64(&lp),
+            &inp,
+        );
+        let is = evaluate(&Loss::ImportanceSampling, &to64(&lp), &inp);
+        assert_eq!(ppo.grad, is.grad);
+    }
+
+    #[test]
+    fn validation_names_missing_and_mismatched_inputs() {
+        let (_, inp) = inputs();
+        let ppo = Loss::Ppo {
+            clip_low: 0.8,
+            clip_high: 1.2,
+        };
+        assert!(inp.validate(&ppo, 5).is_ok());
+        let err = inp.validate(&ppo, 4).unwrap_err().to_string();
+        assert!(
+            err.contains("has 5 values but there are 4 targets"),
+            "{err}"
+        );
+        let missing = TokenInputs {
+            weights: vec![1.0; 5],
+            ..Default::default()
+        };
+        assert!(missing
+            .validate(&ppo, 5)
+            .unwrap_err()
+            .to_string()
+            .contains("advantages"));
+        let mut nan = inp.clone();
+        nan.advantages[2] = f32::NAN;
+        assert!(nan
+            .validate(&ppo, 5)
+            .unwrap_err()
+            .to_string()
+            .contains("non-finite"));
+    }
+}

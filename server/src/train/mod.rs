@@ -1,0 +1,187 @@
+//! Training: Tinker's losses, AdamW, and the multi-adapter forward/backward pass over a
+//! batch of datums.
+
+pub mod adamw;
+pub mod loss;
+
+use candle_core::Tensor;
+
+use crate::model::{Adapter, AdapterGrads, ModelError, PackedBatch, Transformer};
+pub use loss::{Loss, LossEval, TokenInputs};
+
+/// Errors of training operations.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    /// Bad input: wrong lengths, missing loss inputs, non-finite values.
+    #[error("{0}")]
+    Input(String),
+    /// The model failed.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+}
+
+impl From<candle_core::Error> for TrainError {
+    fn from(e: candle_core::Error) -> Self {
+        TrainError::Model(ModelError::Candle(e))
+    }
+}
+
+/// One datum of a forward/backward batch.
+#[derive(Debug, Clone)]
+pub struct DatumJob {
+    /// Input token ids.
+    pub tokens: Vec<u32>,
+    /// Target ids, `tokens.len() * k`, row-major.
+    pub targets: Vec<u32>,
+    /// Targets per position (1 except for cross-entropy over several targets).
+    pub k: usize,
+    /// Index of the datum's adapter in the adapter list.
+    pub adapter: usize,
+    /// The loss of this datum.
+    pub loss: Loss,
+    /// Its per-token inputs.
+    pub inputs: TokenInputs,
+}
+
+/// The per-datum result.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DatumResult {
+    /// Target log-probabilities (`tokens.len() * k`).
+    pub logprobs: Vec<f32>,
+    /// Per-token loss terms.
+    pub elementwise_loss: Vec<f32>,
+    /// The datum's loss.
+    pub loss: f64,
+}
+
+/// Runs a batch whose datums may belong to different adapters (and use different
+/// losses) through the model once. With `with_grad`, returns each adapter's gradient;
+/// adapters without datums get an empty gradient.
+pub fn forward_backward(
+    model: &Transformer,
+    adapters: &[&Adapter],
+    jobs: &[DatumJob],
+    with_grad: bool,
+) -> Result<(Vec<DatumResult>, Vec<AdapterGrads>), TrainError> {
+    if jobs.is_empty() {
+        return Err(TrainError::Input("no data".into()));
+    }
+    for (i, j) in jobs.iter().enumerate() {
+        if j.tokens.is_empty() {
+            return Err(TrainError::Input(format!(
+                "datum {i} has an empty model input"
+            )));
+        }
+        if j.k == 0 || j.targets.len() != j.tokens.len() * j.k {
+            return Err(TrainError::Input(format!(
+                "datum {i}: target_tokens has {} values for {} input tokens",
+                j.targets.len(),
+                j.tokens.len()
+            )));
+        }
+        if j.adapter >= adapters.len() {
+            return Err(TrainError::Input(format!("datum {i}: unknown adapter")));
+        }
+        if j.loss.is_rl() && j.k != 1 {
+            return Err(TrainError::Input(format!(
+                "datum {i}: RL losses take one target per position"
+            )));
+        }
+        j.inputs
+            .validate(&j.loss, j.targets.len())
+            .map_err(|e| TrainError::Input(format!("datum {i}: {e}")))?;
+    }
+    // Group datums by adapter so each adapter's rows are contiguous; keep each group's
+    // width k uniform by packing different k separately.
+    let mut order: Vec<usize> = (0..jobs.len()).collect();
+    order.sort_by_key(|&i| (jobs[i].k, jobs[i].adapter));
+    let mut results: Vec<Option<DatumResult>> = vec![None; jobs.len()];
+    let mut grads = vec![AdapterGrads::default(); adapters.len()];
+    let mut start = 0;
+    while start < order.len() {
+        let k = jobs[order[start]].k;
+        let end = order[start..]
+            .iter()
+            .position(|&i| jobs[i].k != k)
+            .map_or(order.len(), |p| start + p);
+        run_group(
+            model,
+            adapters,
+            jobs,
+            &order[start..end],
+            k,
+            with_grad,
+            &mut results,
+            &mut grads,
+        )?;
+        start = end;
+    }
+    Ok((
+        results
+            .into_iter()
+            .map(|r| r.expect("every datum ran"))
+            .collect(),
+        grads,
+    ))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_group(
+    model: &Transformer,
+    adapters: &[&Adapter],
+    jobs: &[DatumJob],
+    group: &[usize],
+    k: usize,
+    with_grad: bool,
+    results: &mut [Option<DatumResult>],
+    grads: &mut [AdapterGrads],
+) -> Result<(), TrainError> {
+    let dev = model.device();
+    let seqs: Vec<(&[u32], Option<usize>, usize)> = group
+        .iter()
+        .map(|&i| (jobs[i].tokens.as_slice(), Some(jobs[i].adapter), 0))
+        .collect();
+    let batch = PackedBatch::new(&seqs, dev)?;
+    let targets: Vec<u32> = group
+        .iter()
+        .flat_map(|&i| jobs[i].targets.iter().copied())
+        .collect();
+    let vocab = model.config.vocab_size;
+    if let Some(bad) = targets.iter().find(|&&t| t as usize >= vocab) {
+        return Err(TrainError::Input(format!(
+            "target token {bad} is out of range for a vocabulary of {vocab}"
+        )));
+    }
+    let rows = batch.rows();
+    let targets = Tensor::from_vec(targets, (rows, k), dev)?;
+    let (lp, tape) = model.forward_logprobs(&batch, adapters, &targets, with_grad)?;
+    let lp: Vec<f64> = lp
+        .to_dtype(candle_core::DType::F64)?
+        .flatten_all()?
+        .to_vec1()?;
+    let mut dlp = Vec::with_capacity(lp.len());
+    let mut offset = 0;
+    for &i in group {
+        let n = jobs[i].targets.len();
+        let slice = &lp[offset..offset + n];
+        let ev = loss::evaluate(&jobs[i].loss, slice, &jobs[i].inputs);
+        dlp.extend_from_slice(&ev.grad);
+        results[i] = Some(DatumResult {
+            logprobs: slice.iter().map(|&x| x as f32).collect(),
+            elementwise_loss: ev.elementwise,
+            loss: ev.total,
+        });
+        offset += n;
+    }
+    if let Some(tape) = tape {
+        let dlp = Tensor::from_vec(dlp, (rows, k), dev)?.to_dtype(model.weights.dtype())?;
+        for (a, g) in model
+            .backward(tape, adapters, &dlp)?
+            .into_iter()
+            .enumerate()
+        {
+            grads[a].merge(g)?;
+        }
+    }
+    Ok(())
+}

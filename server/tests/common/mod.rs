@@ -1,0 +1,90 @@
+//! Helpers shared by the training-core tests: tiny models, adapters with non-zero B,
+//! and datum builders.
+#![allow(dead_code)]
+
+use candle_core::{DType, Device, Tensor};
+use lathe_server::model::tiny::tiny_model;
+use lathe_server::model::{Adapter, Arch, LoadedModel, LoraSpec};
+use lathe_server::train::{DatumJob, Loss, TokenInputs};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+pub fn tiny(arch: Arch) -> LoadedModel {
+    tiny_model(arch, 1234, &Device::Cpu).expect("tiny model")
+}
+
+pub fn full_spec(rank: usize) -> LoraSpec {
+    LoraSpec {
+        rank,
+        train_attn: true,
+        train_mlp: true,
+        train_unembed: true,
+    }
+}
+
+/// An adapter whose B factors are random too, so every gradient is non-trivial.
+pub fn random_adapter(model: &LoadedModel, spec: LoraSpec, seed: u64) -> Adapter {
+    let cfg = &model.transformer.config;
+    let mut a = Adapter::new(cfg, spec, seed, DType::F32, &Device::Cpu).unwrap();
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed);
+    for pair in a.pairs.values_mut() {
+        let dims = pair.b.dims().to_vec();
+        let n = dims.iter().product::<usize>();
+        let v: Vec<f32> = (0..n).map(|_| rng.random_range(-0.3..0.3)).collect();
+        pair.b = Tensor::from_vec(v, dims, &Device::Cpu).unwrap();
+    }
+    a
+}
+
+/// Deterministic pseudo-random tokens below `vocab`.
+pub fn tokens(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    (0..n).map(|_| rng.random_range(0..vocab as u32)).collect()
+}
+
+/// A cross-entropy datum on random tokens with random weights in [0, 1).
+pub fn ce_job(seed: u64, n: usize, vocab: usize, adapter: usize) -> DatumJob {
+    let toks = tokens(seed, n + 1, vocab);
+    let mut rng = StdRng::seed_from_u64(seed + 99);
+    DatumJob {
+        tokens: toks[..n].to_vec(),
+        targets: toks[1..].to_vec(),
+        k: 1,
+        adapter,
+        loss: Loss::CrossEntropy,
+        inputs: TokenInputs {
+            weights: (0..n).map(|_| rng.random_range(0.0..1.0)).collect(),
+            ..Default::default()
+        },
+    }
+}
+
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap()
+}
+
+/// `max|a - b| / max|b|`: float error relative to the tensor's scale.
+pub fn rel_diff(a: &Tensor, b: &Tensor) -> f64 {
+    let scale = b
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap();
+    max_abs_diff(a, b) / scale.max(1e-30)
+}

@@ -1,0 +1,284 @@
+//! The hand-written backward pass against independent references: every trainable
+//! tensor gets a gradient, gradients equal central finite differences in f64, and a
+//! mixed-adapter batch equals separate runs.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use common::*;
+use lathe_server::model::{Adapter, AdapterGrads, Arch, LoadedModel, LoraSpec, Proj, Target};
+use lathe_server::train::{forward_backward, DatumJob, Loss, TokenInputs};
+
+fn grads_of(model: &LoadedModel, adapters: &[&Adapter], jobs: &[DatumJob]) -> Vec<AdapterGrads> {
+    forward_backward(&model.transformer, adapters, jobs, true)
+        .unwrap()
+        .1
+}
+
+#[test]
+fn every_trainable_tensor_gets_a_nonzero_gradient() {
+    for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
+        let model = tiny(arch);
+        let vocab = model.transformer.config.vocab_size;
+        let adapter = random_adapter(&model, full_spec(4), 1);
+        let jobs = [ce_job(1, 12, vocab, 0), ce_job(2, 7, vocab, 0)];
+        let grads = grads_of(&model, &[&adapter], &jobs);
+        assert_eq!(
+            grads[0].pairs.len(),
+            adapter.pairs.len(),
+            "{arch:?}: a target got no gradient"
+        );
+        for (target, (da, db)) in &grads[0].pairs {
+            for (name, g) in [("A", da), ("B", db)] {
+                let norm = g
+                    .sqr()
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap();
+                assert!(
+                    norm > 0.0 && norm.is_finite(),
+                    "{arch:?} {target:?} d{name} norm {norm}"
+                );
+            }
+        }
+    }
+}
+
+/// Sum of `-w * lp` over the jobs, in f64.
+fn loss_f64(model: &LoadedModel, adapter: &Adapter, jobs: &[DatumJob]) -> f64 {
+    let (res, _) = forward_backward(&model.transformer, &[adapter], jobs, false).unwrap();
+    res.iter().map(|r| r.loss).sum()
+}
+
+fn entry(t: &Tensor, idx: usize) -> f64 {
+    t.flatten_all()
+        .unwrap()
+        .get(idx)
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap()
+}
+
+fn with_entry(t: &Tensor, idx: usize, delta: f64) -> Tensor {
+    let mut v: Vec<f64> = t.flatten_all().unwrap().to_vec1().unwrap();
+    v[idx] += delta;
+    Tensor::from_vec(v, t.dims(), &Device::Cpu).unwrap()
+}
+
+#[test]
+fn lora_gradients_match_central_finite_differences_in_f64() {
+    for arch in [Arch::Llama, Arch::Qwen3] {
+        let model32 = tiny(arch);
+        let vocab = model32.transformer.config.vocab_size;
+        let adapter = random_adapter(&model32, full_spec(3), 7)
+            .to_dtype(DType::F64)
+            .unwrap();
+        let model = LoadedModel {
+            transformer: model32.transformer.to_dtype(DType::F64).unwrap(),
+            ..model32
+        };
+        let jobs = [ce_job(11, 9, vocab, 0), ce_job(12, 5, vocab, 0)];
+        let grads = grads_of(&model, &[&adapter], &jobs);
+        let targets = [
+            Target::Layer(0, Proj::Q),
+            Target::Layer(1, Proj::K),
+            Target::Layer(0, Proj::V),
+            Target::Layer(1, Proj::O),
+            Target::Layer(0, Proj::Gate),
+            Target::Layer(1, Proj::Up),
+            Target::Layer(0, Proj::Down),
+            Target::LmHead,
+        ];
+        let eps = 1e-5;
+        for target in targets {
+            let (da, db) = &grads[0].pairs[&target];
+            for (which, grad) in [("A", da), ("B", db)] {
+                let values: Vec<f64> = grad.flatten_all().unwrap().to_vec1().unwrap();
+                let gmax = values.iter().fold(0f64, |m, v| m.max(v.abs()));
+                let argmax = values.iter().position(|v| v.abs() == gmax).unwrap();
+                // Entries whose gradient is tiny next to the tensor's largest are checked
+                // against that scale: there the finite difference is mostly rounding.
+                for idx in [argmax, 0, values.len() / 2, values.len() - 1] {
+                    let perturbed = |d: f64| {
+                        let mut a = adapter.clone();
+                        let p = a.pairs.get_mut(&target).unwrap();
+                        if which == "A" {
+                            p.a = with_entry(&p.a, idx, d);
+                        } else {
+                            p.b = with_entry(&p.b, idx, d);
+                        }
+                        loss_f64(&model, &a, &jobs)
+                    };
+                    let fd = (perturbed(eps) - perturbed(-eps)) / (2.0 * eps);
+                    let an = entry(grad, idx);
+                    let rel = (an - fd).abs() / an.abs().max(fd.abs()).max(1e-3 * gmax);
+                    assert!(
+                        rel < 1e-4,
+                        "{arch:?} {target:?} d{which}[{idx}]: analytic {an:e} vs finite difference {fd:e} (rel {rel:e})"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn rl_loss_gradients_flow_through_the_model_like_finite_differences() {
+    let model32 = tiny(Arch::Llama);
+    let vocab = model32.transformer.config.vocab_size;
+    let adapter = random_adapter(&model32, full_spec(2), 3)
+        .to_dtype(DType::F64)
+        .unwrap();
+    let model = LoadedModel {
+        transformer: model32.transformer.to_dtype(DType::F64).unwrap(),
+        ..model32
+    };
+    let base = ce_job(5, 8, vocab, 0);
+    let job = DatumJob {
+        loss: Loss::Ppo {
+            clip_low: 0.8,
+            clip_high: 1.2,
+        },
+        inputs: TokenInputs {
+            advantages: vec![1.0, -0.5, 2.0, 0.3, -1.0, 0.7, 1.5, -2.0],
+            // Sampler log-probs near the model's, some ratios inside and some outside.
+            sampler_logprobs: vec![-5.5, -5.6, -5.4, -5.7, -5.3, -5.5, -5.6, -5.5],
+            ..Default::default()
+        },
+        ..base
+    };
+    let jobs = [job];
+    let grads = grads_of(&model, &[&adapter], &jobs);
+    let target = Target::Layer(1, Proj::Down);
+    let (_, db) = &grads[0].pairs[&target];
+    for idx in [0usize, 3] {
+        let eps = 1e-6;
+        let f = |d: f64| {
+            let mut a = adapter.clone();
+            let p = a.pairs.get_mut(&target).unwrap();
+            p.b = with_entry(&p.b, idx, d);
+            loss_f64(&model, &a, &jobs)
+        };
+        let fd = (f(eps) - f(-eps)) / (2.0 * eps);
+        let an = entry(db, idx);
+        assert!(
+            (an - fd).abs() / an.abs().max(fd.abs()).max(1e-8) < 1e-4,
+            "{an} vs {fd}"
+        );
+    }
+}
+
+#[test]
+fn mixed_adapter_batch_equals_separate_runs() {
+    for arch in [Arch::Llama, Arch::Qwen3] {
+        let model = tiny(arch);
+        let vocab = model.transformer.config.vocab_size;
+        let a = random_adapter(&model, full_spec(4), 21);
+        let b = random_adapter(
+            &model,
+            LoraSpec {
+                rank: 2,
+                train_attn: true,
+                train_mlp: false,
+                train_unembed: false,
+            },
+            22,
+        );
+        // Interleaved on purpose: the batch must regroup rows by adapter.
+        let jobs = vec![
+            ce_job(1, 10, vocab, 0),
+            ce_job(2, 6, vocab, 1),
+            ce_job(3, 8, vocab, 0),
+            ce_job(4, 5, vocab, 1),
+        ];
+        let (mixed_out, mixed_grads) =
+            forward_backward(&model.transformer, &[&a, &b], &jobs, true).unwrap();
+        for (ai, adapter) in [&a, &b].into_iter().enumerate() {
+            let own: Vec<DatumJob> = jobs
+                .iter()
+                .filter(|j| j.adapter == ai)
+                .map(|j| DatumJob {
+                    adapter: 0,
+                    ..j.clone()
+                })
+                .collect();
+            let (alone_out, alone_grads) =
+                forward_backward(&model.transformer, &[adapter], &own, true).unwrap();
+            let mixed_for_adapter: Vec<_> = jobs
+                .iter()
+                .zip(&mixed_out)
+                .filter(|(j, _)| j.adapter == ai)
+                .collect();
+            for ((_, m), s) in mixed_for_adapter.iter().zip(&alone_out) {
+                for (x, y) in m.logprobs.iter().zip(&s.logprobs) {
+                    assert!((x - y).abs() < 1e-5, "{arch:?} logprob {x} vs {y}");
+                }
+            }
+            assert_eq!(mixed_grads[ai].pairs.len(), alone_grads[0].pairs.len());
+            for (t, (da, db)) in &mixed_grads[ai].pairs {
+                let (sa, sb) = &alone_grads[0].pairs[t];
+                assert!(
+                    rel_diff(da, sa) < 1e-5,
+                    "{arch:?} {t:?} dA differs by {}",
+                    rel_diff(da, sa)
+                );
+                assert!(
+                    rel_diff(db, sb) < 1e-5,
+                    "{arch:?} {t:?} dB differs by {}",
+                    rel_diff(db, sb)
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn fresh_adapter_with_zero_b_gives_exactly_the_base_logprobs() {
+    let model = tiny(Arch::Qwen3);
+    let vocab = model.transformer.config.vocab_size;
+    let fresh = Adapter::new(
+        &model.transformer.config,
+        full_spec(8),
+        5,
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let job = ce_job(9, 16, vocab, 0);
+    let (with_lora, _) = forward_backward(
+        &model.transformer,
+        &[&fresh],
+        std::slice::from_ref(&job),
+        false,
+    )
+    .unwrap();
+    // The same tokens through the base model alone (no adapter on any row).
+    let batch =
+        lathe_server::model::PackedBatch::new(&[(&job.tokens, None, 0)], &Device::Cpu).unwrap();
+    let targets =
+        Tensor::from_vec(job.targets.clone(), (job.targets.len(), 1), &Device::Cpu).unwrap();
+    let (base, _) = model
+        .transformer
+        .forward_logprobs(&batch, &[], &targets, false)
+        .unwrap();
+    let base: Vec<f32> = base.flatten_all().unwrap().to_vec1().unwrap();
+    assert_eq!(with_lora[0].logprobs, base);
+}
+
+#[test]
+fn gradients_accumulate_across_calls() {
+    let model = tiny(Arch::Llama);
+    let vocab = model.transformer.config.vocab_size;
+    let a = random_adapter(&model, full_spec(2), 4);
+    let j1 = ce_job(31, 6, vocab, 0);
+    let j2 = ce_job(32, 9, vocab, 0);
+    let both = grads_of(&model, &[&a], &[j1.clone(), j2.clone()]);
+    let mut acc = grads_of(&model, &[&a], &[j1]).remove(0);
+    acc.merge(grads_of(&model, &[&a], &[j2]).remove(0)).unwrap();
+    for (t, (da, db)) in &both[0].pairs {
+        let (xa, xb) = &acc.pairs[t];
+        assert!(rel_diff(da, xa) < 1e-5 && rel_diff(db, xb) < 1e-5, "{t:?}");
+    }
+}
