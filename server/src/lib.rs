@@ -5,4 +5,5 @@
 //! files). See ARCHITECTURE.md.
 
 pub mod model;
+pub mod store;
 pub mod train;
