@@ -5,5 +5,6 @@
 //! files). See ARCHITECTURE.md.
 
 pub mod model;
+pub mod sample;
 pub mod store;
 pub mod train;

@@ -1,0 +1,231 @@
+//! Batched KV-cache decoding: every prompt is prefilled once, each of its samples gets a
+//! copy of the cache, and all live sequences — whatever their adapters — advance together
+//! in one forward step per token.
+
+use candle_core::{DType, Tensor};
+use rand::{rngs::StdRng, SeedableRng};
+
+use super::logits::{token_logprob, Picker};
+use crate::model::{Adapter, KvCache, ModelError, PackedBatch, TextTokenizer, Transformer};
+
+/// New tokens generated when a request sets no `max_tokens`.
+pub const DEFAULT_MAX_TOKENS: usize = 256;
+
+/// One sampling request: a prompt, its adapter, and how to sample.
+#[derive(Debug, Clone)]
+pub struct SampleJob {
+    /// Prompt token ids (non-empty).
+    pub prompt: Vec<u32>,
+    /// Index into the adapter list; `None` samples the base model.
+    pub adapter: Option<usize>,
+    /// Independent samples to draw.
+    pub num_samples: usize,
+    /// Token choice.
+    pub picker: Picker,
+    /// Most new tokens per sample.
+    pub max_tokens: usize,
+    /// Stop when one of these strings appears in the new text.
+    pub stop_strings: Vec<String>,
+    /// Stop when one of these tokens is produced (the tokenizer's EOS always stops).
+    pub stop_tokens: Vec<u32>,
+    /// Seed; sample `i` uses `seed + i`. `None` draws from the OS.
+    pub seed: Option<u64>,
+    /// Also return the log-probability of every prompt token after the first.
+    pub prompt_logprobs: bool,
+}
+
+/// Why a sequence ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stop {
+    /// A stop token or string.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+}
+
+/// One generated sequence.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Generated {
+    /// New tokens, including the stop token that ended it.
+    pub tokens: Vec<u32>,
+    /// Model log-probability of each new token.
+    pub logprobs: Vec<f32>,
+    /// Why it ended.
+    pub stop: Stop,
+}
+
+/// The result of one [`SampleJob`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct SampleOutput {
+    /// `num_samples` sequences.
+    pub sequences: Vec<Generated>,
+    /// Prompt log-probabilities (first entry `None`), when requested.
+    pub prompt_logprobs: Option<Vec<Option<f32>>>,
+}
+
+struct Stream {
+    job: usize,
+    cache: KvCache,
+    logits: Vec<f32>,
+    rng: StdRng,
+    out: Generated,
+    done: bool,
+}
+
+/// Runs all jobs to completion, decoding their samples together.
+pub fn sample(
+    model: &Transformer,
+    tokenizer: &TextTokenizer,
+    adapters: &[&Adapter],
+    jobs: &[SampleJob],
+) -> Result<Vec<SampleOutput>, ModelError> {
+    let dev = model.device();
+    for (i, j) in jobs.iter().enumerate() {
+        if j.prompt.is_empty() {
+            return Err(ModelError::Input(format!("request {i}: empty prompt")));
+        }
+        if j.prompt.len() + j.max_tokens > model.max_seq_len() {
+            return Err(ModelError::Input(format!(
+                "request {i}: prompt of {} tokens plus max_tokens {} exceeds the context limit of {}",
+                j.prompt.len(),
+                j.max_tokens,
+                model.max_seq_len()
+            )));
+        }
+    }
+    // Prefill every prompt in one batch.
+    let mut caches: Vec<KvCache> = vec![KvCache::default(); jobs.len()];
+    let seqs: Vec<(&[u32], Option<usize>, usize)> = jobs
+        .iter()
+        .map(|j| (j.prompt.as_slice(), j.adapter, 0))
+        .collect();
+    let batch = PackedBatch::new(&seqs, dev)?;
+    let first = {
+        let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
+        model.forward_cached(&batch, adapters, &mut refs)?
+    };
+    let first: Vec<Vec<f32>> = first.to_dtype(DType::F32)?.to_vec2()?;
+    let mut streams = Vec::new();
+    for (ji, job) in jobs.iter().enumerate() {
+        for s in 0..job.num_samples {
+            let rng = match job.seed {
+                Some(seed) => StdRng::seed_from_u64(seed.wrapping_add(s as u64)),
+                None => StdRng::from_os_rng(),
+            };
+            streams.push(Stream {
+                job: ji,
+                cache: caches[ji].clone(),
+                logits: first[ji].clone(),
+                rng,
+                out: Generated {
+                    tokens: Vec::new(),
+                    logprobs: Vec::new(),
+                    stop: Stop::Length,
+                },
+                done: job.max_tokens == 0,
+            });
+        }
+    }
+    loop {
+        for st in streams.iter_mut().filter(|s| !s.done) {
+            let job = &jobs[st.job];
+            let tok = job.picker.pick(&st.logits, &mut st.rng);
+            st.out.tokens.push(tok as u32);
+            st.out.logprobs.push(token_logprob(&st.logits, tok) as f32);
+            if job.stop_tokens.contains(&(tok as u32))
+                || tokenizer.eos_ids().contains(&(tok as u32))
+            {
+                st.out.stop = Stop::Stop;
+                st.done = true;
+            } else if !job.stop_strings.is_empty()
+                && hits_stop_string(tokenizer, &st.out.tokens, &job.stop_strings)?
+            {
+                st.out.stop = Stop::Stop;
+                st.done = true;
+            } else if st.out.tokens.len() >= job.max_tokens {
+                st.done = true;
+            }
+        }
+        let mut live: Vec<usize> = (0..streams.len()).filter(|&i| !streams[i].done).collect();
+        if live.is_empty() {
+            break;
+        }
+        // One step for every live stream, grouped by adapter.
+        live.sort_by_key(|&i| jobs[streams[i].job].adapter);
+        let last: Vec<[u32; 1]> = live
+            .iter()
+            .map(|&i| [*streams[i].out.tokens.last().expect("a token")])
+            .collect();
+        let seqs: Vec<(&[u32], Option<usize>, usize)> = live
+            .iter()
+            .zip(&last)
+            .map(|(&i, t)| {
+                (
+                    t.as_slice(),
+                    jobs[streams[i].job].adapter,
+                    streams[i].cache.len(),
+                )
+            })
+            .collect();
+        let batch = PackedBatch::new(&seqs, dev)?;
+        let logits = {
+            let mut refs: Vec<&mut KvCache> = Vec::with_capacity(live.len());
+            // Borrow each live stream's cache mutably, in `live` order.
+            let mut by_index: Vec<Option<&mut Stream>> = streams.iter_mut().map(Some).collect();
+            for &i in &live {
+                refs.push(&mut by_index[i].take().expect("each stream once").cache);
+            }
+            model.forward_cached(&batch, adapters, &mut refs)?
+        };
+        let rows: Vec<Vec<f32>> = logits.to_dtype(DType::F32)?.to_vec2()?;
+        for (&i, row) in live.iter().zip(rows) {
+            streams[i].logits = row;
+        }
+    }
+    let mut outputs: Vec<SampleOutput> = Vec::with_capacity(jobs.len());
+    for job in jobs {
+        let prompt_logprobs = if job.prompt_logprobs {
+            Some(prompt_logprobs(model, adapters, job)?)
+        } else {
+            None
+        };
+        outputs.push(SampleOutput {
+            sequences: Vec::with_capacity(job.num_samples),
+            prompt_logprobs,
+        });
+    }
+    for st in streams {
+        outputs[st.job].sequences.push(st.out);
+    }
+    Ok(outputs)
+}
+
+fn hits_stop_string(
+    tokenizer: &TextTokenizer,
+    tokens: &[u32],
+    stops: &[String],
+) -> Result<bool, ModelError> {
+    let text = tokenizer.decode(tokens)?;
+    Ok(stops
+        .iter()
+        .any(|s| !s.is_empty() && text.contains(s.as_str())))
+}
+
+/// `[None, lp(prompt[1] | prompt[..1]), ...]` through the training forward pass.
+fn prompt_logprobs(
+    model: &Transformer,
+    adapters: &[&Adapter],
+    job: &SampleJob,
+) -> Result<Vec<Option<f32>>, ModelError> {
+    let mut out = vec![None];
+    if job.prompt.len() < 2 {
+        return Ok(out);
+    }
+    let inputs = &job.prompt[..job.prompt.len() - 1];
+    let batch = PackedBatch::new(&[(inputs, job.adapter, 0)], model.device())?;
+    let targets = Tensor::from_vec(job.prompt[1..].to_vec(), (inputs.len(), 1), model.device())?;
+    let (lp, _) = model.forward_logprobs(&batch, adapters, &targets, false)?;
+    let lp: Vec<f32> = lp.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+    out.extend(lp.into_iter().map(Some));
+    Ok(out)
+}

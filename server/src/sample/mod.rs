@@ -1,0 +1,8 @@
+//! Sampling: token choice (temperature, top-k, top-p) and batched KV-cache decoding
+//! across adapters.
+
+pub mod decode;
+pub mod logits;
+
+pub use decode::{sample, Generated, SampleJob, SampleOutput, Stop, DEFAULT_MAX_TOKENS};
+pub use logits::Picker;

@@ -1,0 +1,180 @@
+//! The sampler against the trainer: same logprobs, reproducible seeds, batched decoding
+//! across adapters equal to decoding alone.
+
+mod common;
+
+use candle_core::{Device, Tensor};
+use common::*;
+use lathe_server::model::{Arch, PackedBatch};
+use lathe_server::sample::{sample, Picker, SampleJob, Stop};
+
+fn job(prompt: Vec<u32>, adapter: Option<usize>, n: usize, seed: u64) -> SampleJob {
+    SampleJob {
+        prompt,
+        adapter,
+        num_samples: n,
+        picker: Picker::default(),
+        max_tokens: 12,
+        stop_strings: vec![],
+        stop_tokens: vec![],
+        seed: Some(seed),
+        prompt_logprobs: false,
+    }
+}
+
+#[test]
+fn sampled_logprobs_equal_the_training_forward() {
+    for arch in [Arch::Llama, Arch::Qwen3] {
+        let model = tiny(arch);
+        let a = random_adapter(&model, full_spec(4), 3);
+        let prompt = tokens(5, 9, 256);
+        let out = sample(
+            &model.transformer,
+            &model.tokenizer,
+            &[&a],
+            &[job(prompt.clone(), Some(0), 3, 42)],
+        )
+        .unwrap();
+        for seq in &out[0].sequences {
+            let full: Vec<u32> = prompt.iter().chain(&seq.tokens).copied().collect();
+            let inputs = &full[..full.len() - 1];
+            let batch = PackedBatch::new(&[(inputs, Some(0), 0)], &Device::Cpu).unwrap();
+            let targets =
+                Tensor::from_vec(full[1..].to_vec(), (inputs.len(), 1), &Device::Cpu).unwrap();
+            let (lp, _) = model
+                .transformer
+                .forward_logprobs(&batch, &[&a], &targets, false)
+                .unwrap();
+            let lp: Vec<f32> = lp.flatten_all().unwrap().to_vec1().unwrap();
+            let trained = &lp[prompt.len() - 1..];
+            assert_eq!(trained.len(), seq.logprobs.len());
+            for (x, y) in trained.iter().zip(&seq.logprobs) {
+                assert!((x - y).abs() < 1e-4, "{arch:?}: trainer {x} vs sampler {y}");
+            }
+        }
+    }
+}
+
+#[test]
+fn same_seed_same_output_and_different_seeds_differ() {
+    let model = tiny(Arch::Llama);
+    let prompt = tokens(8, 5, 256);
+    // A hot temperature: the random tiny model is very peaked at temperature 1.
+    let hot = |seed| SampleJob {
+        picker: Picker {
+            temperature: 4.0,
+            ..Default::default()
+        },
+        ..job(prompt.clone(), None, 2, seed)
+    };
+    let run = |seed| sample(&model.transformer, &model.tokenizer, &[], &[hot(seed)]).unwrap();
+    let a = run(7);
+    assert_eq!(a, run(7));
+    assert_ne!(a[0].sequences[0].tokens, run(8)[0].sequences[0].tokens);
+    // Samples of one request use different streams.
+    assert_ne!(a[0].sequences[0].tokens, a[0].sequences[1].tokens);
+}
+
+#[test]
+fn batched_decoding_over_adapters_equals_decoding_alone() {
+    let model = tiny(Arch::Qwen3);
+    let a = random_adapter(&model, full_spec(4), 1);
+    let b = random_adapter(&model, full_spec(2), 2);
+    let greedy = |p: Vec<u32>, ad: Option<usize>| SampleJob {
+        picker: Picker {
+            temperature: 0.0,
+            ..Default::default()
+        },
+        ..job(p, ad, 1, 0)
+    };
+    let jobs = vec![
+        greedy(tokens(1, 7, 256), Some(0)),
+        greedy(tokens(2, 4, 256), Some(1)),
+        greedy(tokens(3, 9, 256), None),
+        greedy(tokens(4, 5, 256), Some(0)),
+    ];
+    let together = sample(&model.transformer, &model.tokenizer, &[&a, &b], &jobs).unwrap();
+    for (j, got) in jobs.iter().zip(&together) {
+        let alone = sample(
+            &model.transformer,
+            &model.tokenizer,
+            &[&a, &b],
+            std::slice::from_ref(j),
+        )
+        .unwrap();
+        assert_eq!(got.sequences[0].tokens, alone[0].sequences[0].tokens);
+        for (x, y) in got.sequences[0]
+            .logprobs
+            .iter()
+            .zip(&alone[0].sequences[0].logprobs)
+        {
+            assert!((x - y).abs() < 1e-5);
+        }
+    }
+}
+
+#[test]
+fn stop_tokens_strings_and_length_end_sequences() {
+    let model = tiny(Arch::Llama);
+    let prompt = tokens(9, 6, 256);
+    let base = sample(
+        &model.transformer,
+        &model.tokenizer,
+        &[],
+        &[job(prompt.clone(), None, 1, 3)],
+    )
+    .unwrap();
+    let seq = &base[0].sequences[0];
+    assert_eq!(seq.tokens.len(), 12);
+    assert_eq!(seq.stop, Stop::Length);
+    // Stop at the third generated token, by id.
+    let stop_tok = seq.tokens[2];
+    let first = seq.tokens.iter().position(|&t| t == stop_tok).unwrap();
+    let by_token = SampleJob {
+        stop_tokens: vec![stop_tok],
+        ..job(prompt.clone(), None, 1, 3)
+    };
+    let out = sample(&model.transformer, &model.tokenizer, &[], &[by_token]).unwrap();
+    assert_eq!(out[0].sequences[0].stop, Stop::Stop);
+    assert_eq!(out[0].sequences[0].tokens, seq.tokens[..=first].to_vec());
+    // Stop by string: the decoded text of the first four tokens.
+    let text = model.tokenizer.decode(&seq.tokens[..4]).unwrap();
+    let by_string = SampleJob {
+        stop_strings: vec![text.clone()],
+        ..job(prompt.clone(), None, 1, 3)
+    };
+    let out = sample(&model.transformer, &model.tokenizer, &[], &[by_string]).unwrap();
+    assert_eq!(out[0].sequences[0].stop, Stop::Stop);
+    assert!(model
+        .tokenizer
+        .decode(&out[0].sequences[0].tokens)
+        .unwrap()
+        .contains(&text));
+    assert!(out[0].sequences[0].tokens.len() <= 4);
+}
+
+#[test]
+fn prompt_logprobs_start_with_none_and_match_the_trainer() {
+    let model = tiny(Arch::Qwen3);
+    let prompt = tokens(10, 6, 256);
+    let j = SampleJob {
+        prompt_logprobs: true,
+        max_tokens: 1,
+        ..job(prompt.clone(), None, 1, 0)
+    };
+    let out = sample(&model.transformer, &model.tokenizer, &[], &[j]).unwrap();
+    let plp = out[0].prompt_logprobs.as_ref().unwrap();
+    assert_eq!(plp.len(), prompt.len());
+    assert!(plp[0].is_none() && plp[1..].iter().all(|x| x.is_some_and(|v| v < 0.0)));
+}
+
+#[test]
+fn too_long_requests_are_rejected() {
+    let model = tiny(Arch::Llama);
+    let j = SampleJob {
+        max_tokens: 10_000,
+        ..job(vec![1, 2, 3], None, 1, 0)
+    };
+    let err = sample(&model.transformer, &model.tokenizer, &[], &[j]).unwrap_err();
+    assert!(err.to_string().contains("context limit"), "{err}");
+}
