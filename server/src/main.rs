@@ -1,1 +1,35 @@
-fn main() {}
+//! The `lathe` command: generate text, and measure training and sampling speed.
+
+mod cli;
+
+use clap::{Parser, Subcommand};
+
+/// Lathe: one frozen base model, many LoRA training sessions.
+#[derive(Parser)]
+#[command(name = "lathe", version, about)]
+struct Args {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate a completion for a prompt (chat template applied unless --raw).
+    Generate(cli::generate::GenerateArgs),
+    /// Measure throughput and memory; prints one JSON object.
+    #[command(subcommand)]
+    Bench(cli::bench::BenchCommand),
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match Args::parse().command {
+        Command::Generate(args) => cli::generate::run(args),
+        Command::Bench(cmd) => cli::bench::run(cmd),
+    }
+}

@@ -1,0 +1,302 @@
+//! `lathe bench`: training and sampling throughput and memory, as one JSON object each.
+//!
+//! Numbers are medians over timed iterations after a warm-up, because the machines this
+//! runs on are shared and noisy; min and max are printed too.
+
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor};
+use clap::{Args, Subcommand};
+use lathe_sdk::types::AdamParams;
+use lathe_server::model::{Adapter, LoadedModel, LoraSpec};
+use lathe_server::sample::{sample, Picker, SampleJob};
+use lathe_server::train::adamw::{self, AdamState};
+use lathe_server::train::{forward_backward, DatumJob, Loss, TokenInputs};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+use serde_json::json;
+
+/// Benchmarks.
+#[derive(Subcommand)]
+pub enum BenchCommand {
+    /// forward_backward + optim_step on a batch of random tokens.
+    Train(TrainArgs),
+    /// Single-stream and multi-adapter batched decoding.
+    Sample(SampleArgs),
+    /// f32 matrix multiplication GFLOP/s at the model's shapes.
+    Gemm(GemmArgs),
+}
+
+/// Options of `lathe bench train`.
+#[derive(Args)]
+pub struct TrainArgs {
+    /// `default`, a `.gguf` file or a Hugging Face directory.
+    #[arg(long, default_value = "default")]
+    model: String,
+    /// Sequences per step.
+    #[arg(long, default_value_t = 4)]
+    batch: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 128)]
+    seq_len: usize,
+    /// LoRA rank (on all seven projections).
+    #[arg(long, default_value_t = 8)]
+    rank: usize,
+    /// Timed iterations (after one warm-up).
+    #[arg(long, default_value_t = 5)]
+    iters: usize,
+}
+
+/// Options of `lathe bench sample`.
+#[derive(Args)]
+pub struct SampleArgs {
+    /// `default`, a `.gguf` file or a Hugging Face directory.
+    #[arg(long, default_value = "default")]
+    model: String,
+    /// Prompt tokens.
+    #[arg(long, default_value_t = 32)]
+    prompt_len: usize,
+    /// New tokens per sequence.
+    #[arg(long, default_value_t = 64)]
+    new_tokens: usize,
+    /// Streams decoded together in the batched run.
+    #[arg(long, default_value_t = 8)]
+    streams: usize,
+    /// Distinct adapters among those streams.
+    #[arg(long, default_value_t = 4)]
+    adapters: usize,
+    /// LoRA rank of the adapters.
+    #[arg(long, default_value_t = 8)]
+    rank: usize,
+    /// Timed iterations (after one warm-up).
+    #[arg(long, default_value_t = 3)]
+    iters: usize,
+}
+
+/// Options of `lathe bench gemm`.
+#[derive(Args)]
+pub struct GemmArgs {
+    /// Timed iterations per shape.
+    #[arg(long, default_value_t = 20)]
+    iters: usize,
+}
+
+/// Runs a benchmark and prints its JSON object on stdout.
+pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
+    let report = match cmd {
+        BenchCommand::Train(a) => bench_train(a)?,
+        BenchCommand::Sample(a) => bench_sample(a)?,
+        BenchCommand::Gemm(a) => bench_gemm(&a)?,
+    };
+    println!("{}", serde_json::to_string_pretty(&report)?);
+    Ok(())
+}
+
+struct Stats {
+    median: f64,
+    min: f64,
+    max: f64,
+}
+
+fn stats(mut v: Vec<f64>) -> Stats {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    let median = if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 };
+    Stats {
+        median,
+        min: v[0],
+        max: v[n - 1],
+    }
+}
+
+/// Peak resident memory of this process (VmHWM), in MiB.
+fn peak_rss_mib() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<f64>().ok())
+        })
+        .map_or(f64::NAN, |kb| kb / 1024.0)
+}
+
+fn threads() -> usize {
+    candle_core::utils::get_num_threads()
+}
+
+fn gemm_gflops(m: usize, k: usize, n: usize, iters: usize) -> anyhow::Result<Stats> {
+    let dev = Device::Cpu;
+    let a = Tensor::randn(0f32, 1.0, (m, k), &dev)?;
+    let w = Tensor::randn(0f32, 1.0, (n, k), &dev)?;
+    let _ = a.matmul(&w.t()?)?;
+    let mut rates = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let t = Instant::now();
+        let c = a.matmul(&w.t()?)?;
+        let dt = t.elapsed().as_secs_f64();
+        drop(c);
+        rates.push(2.0 * (m * k * n) as f64 / dt / 1e9);
+    }
+    Ok(stats(rates))
+}
+
+fn bench_gemm(a: &GemmArgs) -> anyhow::Result<serde_json::Value> {
+    // The training step's shapes on SmolLM2-135M at 512 tokens: MLP, attention, head.
+    let shapes = [(512, 576, 1536), (512, 1536, 576), (512, 576, 576), (512, 576, 8192)];
+    let mut per_shape = Vec::new();
+    let mut best = 0f64;
+    for (m, k, n) in shapes {
+        let s = gemm_gflops(m, k, n, a.iters)?;
+        best = best.max(s.median);
+        per_shape.push(json!({"m": m, "k": k, "n": n, "gflops_median": round(s.median), "gflops_min": round(s.min), "gflops_max": round(s.max)}));
+    }
+    Ok(json!({"bench": "gemm", "threads": threads(), "gflops": round(best), "shapes": per_shape}))
+}
+
+fn round(x: f64) -> f64 {
+    (x * 100.0).round() / 100.0
+}
+
+fn random_tokens(rng: &mut StdRng, n: usize, vocab: usize) -> Vec<u32> {
+    // Skip the first ids (special tokens) so the text looks like ordinary tokens.
+    (0..n).map(|_| rng.random_range(100..vocab as u32)).collect()
+}
+
+fn bench_train(a: TrainArgs) -> anyhow::Result<serde_json::Value> {
+    let model = super::load_model(&a.model)?;
+    let t = &model.transformer;
+    let spec = LoraSpec {
+        rank: a.rank,
+        train_attn: true,
+        train_mlp: true,
+        train_unembed: false,
+    };
+    let mut adapter = Adapter::new(&t.config, spec, 0, DType::F32, &Device::Cpu)?;
+    let mut state = AdamState::default();
+    let mut rng = StdRng::seed_from_u64(0);
+    let jobs: Vec<DatumJob> = (0..a.batch)
+        .map(|_| {
+            let toks = random_tokens(&mut rng, a.seq_len + 1, t.config.vocab_size);
+            DatumJob {
+                tokens: toks[..a.seq_len].to_vec(),
+                targets: toks[1..].to_vec(),
+                k: 1,
+                adapter: 0,
+                loss: Loss::CrossEntropy,
+                inputs: TokenInputs {
+                    weights: vec![1.0; a.seq_len],
+                    ..Default::default()
+                },
+            }
+        })
+        .collect();
+    let tokens = (a.batch * a.seq_len) as f64;
+    let params = AdamParams::default();
+    let mut rates = Vec::new();
+    let (mut fb_times, mut opt_times) = (Vec::new(), Vec::new());
+    for i in 0..=a.iters {
+        let t0 = Instant::now();
+        let (_, mut grads) = forward_backward(t, &[&adapter], &jobs, true)?;
+        let t1 = Instant::now();
+        adamw::step(&mut adapter, &mut state, &grads.remove(0), &params)?;
+        let t2 = Instant::now();
+        let total = (t2 - t0).as_secs_f64();
+        eprintln!("iteration {i}{}: {:.0} tokens/s", if i == 0 { " (warm-up)" } else { "" }, tokens / total);
+        if i > 0 {
+            rates.push(tokens / total);
+            fb_times.push((t1 - t0).as_secs_f64());
+            opt_times.push((t2 - t1).as_secs_f64());
+        }
+    }
+    let s = stats(rates);
+    let gemm = gemm_gflops(512, 576, 1536, 20)?;
+    let params_count = t.weights.num_params() as f64;
+    let achieved = 4.0 * params_count * s.median / 1e9;
+    Ok(json!({
+        "bench": "train",
+        "model": model.name,
+        "threads": threads(),
+        "batch": a.batch, "seq_len": a.seq_len, "rank": a.rank,
+        "trainable_params": adapter.num_params(),
+        "tokens_per_s_median": round(s.median), "tokens_per_s_min": round(s.min), "tokens_per_s_max": round(s.max),
+        "forward_backward_s_median": round(stats(fb_times).median * 1000.0) / 1000.0,
+        "optim_step_s_median": round(stats(opt_times).median * 1000.0) / 1000.0,
+        "peak_rss_mib": round(peak_rss_mib()),
+        "gemm_gflops": round(gemm.median),
+        "achieved_gflops": round(achieved),
+        "fraction_of_gemm": round(achieved / gemm.median),
+    }))
+}
+
+fn bench_sample(a: SampleArgs) -> anyhow::Result<serde_json::Value> {
+    let model = super::load_model(&a.model)?;
+    let t = &model.transformer;
+    let spec = LoraSpec {
+        rank: a.rank,
+        train_attn: true,
+        train_mlp: true,
+        train_unembed: false,
+    };
+    let adapters = (0..a.adapters.max(1))
+        .map(|i| random_b_adapter(&model, spec, i as u64))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let refs: Vec<&Adapter> = adapters.iter().collect();
+    let mut rng = StdRng::seed_from_u64(1);
+    let job = |rng: &mut StdRng, adapter: usize| SampleJob {
+        prompt: random_tokens(rng, a.prompt_len, t.config.vocab_size),
+        adapter: Some(adapter),
+        num_samples: 1,
+        picker: Picker::default(),
+        max_tokens: a.new_tokens,
+        stop_strings: vec![],
+        // Never stop early: every stream produces exactly `new_tokens`.
+        stop_tokens: vec![],
+        seed: Some(0),
+        prompt_logprobs: false,
+    };
+    let run = |jobs: &[SampleJob]| -> anyhow::Result<f64> {
+        let t0 = Instant::now();
+        let out = sample(t, &model.tokenizer, &refs, jobs)?;
+        let n: usize = out.iter().flat_map(|o| &o.sequences).map(|s| s.tokens.len()).sum();
+        Ok(n as f64 / t0.elapsed().as_secs_f64())
+    };
+    let single = vec![job(&mut rng, 0)];
+    let multi: Vec<SampleJob> = (0..a.streams).map(|i| job(&mut rng, i % adapters.len())).collect();
+    let (mut single_rates, mut multi_rates, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..=a.iters {
+        let s = run(&single)?;
+        let m = run(&multi)?;
+        eprintln!("iteration {i}{}: single {s:.1} tokens/s, {} streams {m:.1} tokens/s", if i == 0 { " (warm-up)" } else { "" }, a.streams);
+        if i > 0 {
+            single_rates.push(s);
+            multi_rates.push(m);
+            ratios.push(m / s);
+        }
+    }
+    let (s, m, r) = (stats(single_rates), stats(multi_rates), stats(ratios));
+    Ok(json!({
+        "bench": "sample",
+        "model": model.name,
+        "threads": threads(),
+        "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "rank": a.rank,
+        "single_stream_tokens_per_s_median": round(s.median),
+        "single_stream_tokens_per_s_min": round(s.min),
+        "single_stream_tokens_per_s_max": round(s.max),
+        "streams": a.streams, "adapters": adapters.len(),
+        "batched_tokens_per_s_median": round(m.median),
+        "batched_tokens_per_s_min": round(m.min),
+        "batched_tokens_per_s_max": round(m.max),
+        "batched_over_single_ratio_median": round(r.median),
+        "peak_rss_mib": round(peak_rss_mib()),
+    }))
+}
+
+/// An adapter with small random B, so its delta is not a no-op (as after training).
+fn random_b_adapter(model: &LoadedModel, spec: LoraSpec, seed: u64) -> anyhow::Result<Adapter> {
+    let mut a = Adapter::new(&model.transformer.config, spec, seed, DType::F32, &Device::Cpu)?;
+    for pair in a.pairs.values_mut() {
+        pair.b = (Tensor::randn(0f32, 1.0, pair.b.dims(), &Device::Cpu)? * 0.01)?;
+    }
+    Ok(a)
+}
