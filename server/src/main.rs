@@ -4,6 +4,11 @@ mod cli;
 
 use clap::{Parser, Subcommand};
 
+/// Tensors are large and short-lived; glibc's malloc returns them to the OS and
+/// page-faults them back in on every step, mimalloc keeps them.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Lathe: one frozen base model, many LoRA training sessions.
 #[derive(Parser)]
 #[command(name = "lathe", version, about)]
