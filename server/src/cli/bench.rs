@@ -100,7 +100,11 @@ struct Stats {
 fn stats(mut v: Vec<f64>) -> Stats {
     v.sort_by(f64::total_cmp);
     let n = v.len();
-    let median = if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 };
+    let median = if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    };
     Stats {
         median,
         min: v[0],
@@ -143,7 +147,12 @@ fn gemm_gflops(m: usize, k: usize, n: usize, iters: usize) -> anyhow::Result<Sta
 
 fn bench_gemm(a: &GemmArgs) -> anyhow::Result<serde_json::Value> {
     // The training step's shapes on SmolLM2-135M at 512 tokens: MLP, attention, head.
-    let shapes = [(512, 576, 1536), (512, 1536, 576), (512, 576, 576), (512, 576, 8192)];
+    let shapes = [
+        (512, 576, 1536),
+        (512, 1536, 576),
+        (512, 576, 576),
+        (512, 576, 8192),
+    ];
     let mut per_shape = Vec::new();
     let mut best = 0f64;
     for (m, k, n) in shapes {
@@ -160,7 +169,9 @@ fn round(x: f64) -> f64 {
 
 fn random_tokens(rng: &mut StdRng, n: usize, vocab: usize) -> Vec<u32> {
     // Skip the first ids (special tokens) so the text looks like ordinary tokens.
-    (0..n).map(|_| rng.random_range(100..vocab as u32)).collect()
+    (0..n)
+        .map(|_| rng.random_range(100..vocab as u32))
+        .collect()
 }
 
 fn bench_train(a: TrainArgs) -> anyhow::Result<serde_json::Value> {
@@ -202,7 +213,11 @@ fn bench_train(a: TrainArgs) -> anyhow::Result<serde_json::Value> {
         adamw::step(&mut adapter, &mut state, &grads.remove(0), &params)?;
         let t2 = Instant::now();
         let total = (t2 - t0).as_secs_f64();
-        eprintln!("iteration {i}{}: {:.0} tokens/s", if i == 0 { " (warm-up)" } else { "" }, tokens / total);
+        eprintln!(
+            "iteration {i}{}: {:.0} tokens/s",
+            if i == 0 { " (warm-up)" } else { "" },
+            tokens / total
+        );
         if i > 0 {
             rates.push(tokens / total);
             fb_times.push((t1 - t0).as_secs_f64());
@@ -258,16 +273,26 @@ fn bench_sample(a: SampleArgs) -> anyhow::Result<serde_json::Value> {
     let run = |jobs: &[SampleJob]| -> anyhow::Result<f64> {
         let t0 = Instant::now();
         let out = sample(t, &model.tokenizer, &refs, jobs)?;
-        let n: usize = out.iter().flat_map(|o| &o.sequences).map(|s| s.tokens.len()).sum();
+        let n: usize = out
+            .iter()
+            .flat_map(|o| &o.sequences)
+            .map(|s| s.tokens.len())
+            .sum();
         Ok(n as f64 / t0.elapsed().as_secs_f64())
     };
     let single = vec![job(&mut rng, 0)];
-    let multi: Vec<SampleJob> = (0..a.streams).map(|i| job(&mut rng, i % adapters.len())).collect();
+    let multi: Vec<SampleJob> = (0..a.streams)
+        .map(|i| job(&mut rng, i % adapters.len()))
+        .collect();
     let (mut single_rates, mut multi_rates, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
     for i in 0..=a.iters {
         let s = run(&single)?;
         let m = run(&multi)?;
-        eprintln!("iteration {i}{}: single {s:.1} tokens/s, {} streams {m:.1} tokens/s", if i == 0 { " (warm-up)" } else { "" }, a.streams);
+        eprintln!(
+            "iteration {i}{}: single {s:.1} tokens/s, {} streams {m:.1} tokens/s",
+            if i == 0 { " (warm-up)" } else { "" },
+            a.streams
+        );
         if i > 0 {
             single_rates.push(s);
             multi_rates.push(m);
@@ -294,7 +319,13 @@ fn bench_sample(a: SampleArgs) -> anyhow::Result<serde_json::Value> {
 
 /// An adapter with small random B, so its delta is not a no-op (as after training).
 fn random_b_adapter(model: &LoadedModel, spec: LoraSpec, seed: u64) -> anyhow::Result<Adapter> {
-    let mut a = Adapter::new(&model.transformer.config, spec, seed, DType::F32, &Device::Cpu)?;
+    let mut a = Adapter::new(
+        &model.transformer.config,
+        spec,
+        seed,
+        DType::F32,
+        &Device::Cpu,
+    )?;
     for pair in a.pairs.values_mut() {
         pair.b = (Tensor::randn(0f32, 1.0, pair.b.dims(), &Device::Cpu)? * 0.01)?;
     }

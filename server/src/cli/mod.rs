@@ -17,7 +17,8 @@ pub fn load_model(spec: &str) -> anyhow::Result<LoadedModel> {
         fetch_default_model()?;
     }
     let started = std::time::Instant::now();
-    let model = LoadedModel::load(spec, &Device::Cpu).with_context(|| format!("loading model {spec:?}"))?;
+    let model =
+        LoadedModel::load(spec, &Device::Cpu).with_context(|| format!("loading model {spec:?}"))?;
     tracing::info!(
         model = %model.name,
         params = model.transformer.weights.num_params(),

@@ -5,6 +5,7 @@ pub mod chat_template;
 pub mod config;
 pub mod gguf;
 pub mod hf;
+pub mod kernels;
 pub mod lora;
 pub mod ops;
 pub mod tiny;

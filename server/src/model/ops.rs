@@ -8,29 +8,63 @@
 
 use candle_core::{DType, Device, Result, Tensor, D};
 
-/// RMSNorm forward over the last dim: returns `y` and the saved `(xhat, rstd)`.
+use super::kernels;
+
+/// RMSNorm forward over the last dim: returns `y` and what the backward needs.
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<(Tensor, RmsSaved)> {
+    if kernels::supported(x) {
+        let (y, rstd) = match x.dtype() {
+            DType::F64 => kernels::rms_norm::<f64>(x, weight, eps)?,
+            _ => kernels::rms_norm::<f32>(x, weight, eps)?,
+        };
+        return Ok((y, RmsSaved::Fused { x: x.clone(), rstd }));
+    }
+    rms_norm_composite(x, weight, eps)
+}
+
+/// RMSNorm from candle ops (any device); the reference for the fused kernel.
+pub fn rms_norm_composite(x: &Tensor, weight: &Tensor, eps: f64) -> Result<(Tensor, RmsSaved)> {
     let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
     let rstd = (ms + eps)?.sqrt()?.recip()?;
     let xhat = x.broadcast_mul(&rstd)?;
     let y = xhat.broadcast_mul(weight)?;
-    Ok((y, RmsSaved { xhat, rstd }))
+    Ok((y, RmsSaved::Composite { xhat, rstd }))
 }
 
 /// What RMSNorm's backward needs.
 #[derive(Debug)]
-pub struct RmsSaved {
-    xhat: Tensor,
-    rstd: Tensor,
+pub enum RmsSaved {
+    /// From the fused kernel: the input and `1/rms` per row.
+    Fused {
+        /// Input rows.
+        x: Tensor,
+        /// `(rows,)`.
+        rstd: Tensor,
+    },
+    /// From the composite path.
+    Composite {
+        /// Normalised input.
+        xhat: Tensor,
+        /// `(.., 1)`.
+        rstd: Tensor,
+    },
 }
 
 /// RMSNorm input gradient (the norm weight is frozen):
 /// `dx = rstd * (g*dy - xhat * mean(g*dy * xhat))`.
 pub fn rms_norm_backward(dy: &Tensor, weight: &Tensor, saved: &RmsSaved) -> Result<Tensor> {
-    let dxhat = dy.broadcast_mul(weight)?;
-    let proj = (&dxhat * &saved.xhat)?.mean_keepdim(D::Minus1)?;
-    let dx = (dxhat - saved.xhat.broadcast_mul(&proj)?)?;
-    dx.broadcast_mul(&saved.rstd)
+    match saved {
+        RmsSaved::Fused { x, rstd } => match x.dtype() {
+            DType::F64 => kernels::rms_norm_backward::<f64>(dy, x, weight, rstd),
+            _ => kernels::rms_norm_backward::<f32>(dy, x, weight, rstd),
+        },
+        RmsSaved::Composite { xhat, rstd } => {
+            let dxhat = dy.broadcast_mul(weight)?;
+            let proj = (&dxhat * xhat)?.mean_keepdim(D::Minus1)?;
+            let dx = (dxhat - xhat.broadcast_mul(&proj)?)?;
+            dx.broadcast_mul(rstd)
+        }
+    }
 }
 
 /// Rotary tables for positions `0..max_len`: `(cos, sin)`, each `(max_len, head_dim/2)`.
@@ -74,17 +108,29 @@ impl Rope {
         self.cos.dims()[0]
     }
 
-    /// The `(cos, sin)` rows of the given positions, shaped `(n, 1, half)` to broadcast
-    /// over heads.
+    /// The `(cos, sin)` rows of the given positions, each `(n, half)`.
     pub fn gather(&self, positions: &Tensor) -> Result<(Tensor, Tensor)> {
-        let cos = self.cos.index_select(positions, 0)?.unsqueeze(1)?;
-        let sin = self.sin.index_select(positions, 0)?.unsqueeze(1)?;
+        let cos = self.cos.index_select(positions, 0)?;
+        let sin = self.sin.index_select(positions, 0)?;
         Ok((cos, sin))
     }
 }
 
-/// Rotate-half RoPE on `x` of shape `(n, heads, head_dim)`.
+/// Rotate-half RoPE on `x` of shape `(n, heads, head_dim)`, `cos`/`sin` `(n, half)`.
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    if kernels::supported(x) {
+        return match x.dtype() {
+            DType::F64 => kernels::rope::<f64>(x, cos, sin, 1.0),
+            _ => kernels::rope::<f32>(x, cos, sin, 1.0),
+        };
+    }
+    rope_composite(x, cos, sin)
+}
+
+/// RoPE from candle ops (any device); the reference for the fused kernel.
+pub fn rope_composite(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let (cos, sin) = (cos.unsqueeze(1)?, sin.unsqueeze(1)?);
+    let (cos, sin) = (&cos, &sin);
     let half = x.dim(D::Minus1)? / 2;
     let x1 = x.narrow(D::Minus1, 0, half)?;
     let x2 = x.narrow(D::Minus1, half, half)?;
@@ -95,16 +141,43 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 
 /// RoPE is a rotation, so its backward is the rotation by the opposite angle.
 pub fn rope_backward(dy: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    rope(dy, cos, &sin.neg()?)
+    if kernels::supported(dy) {
+        return match dy.dtype() {
+            DType::F64 => kernels::rope::<f64>(dy, cos, sin, -1.0),
+            _ => kernels::rope::<f32>(dy, cos, sin, -1.0),
+        };
+    }
+    rope_composite(dy, cos, &sin.neg()?)
 }
 
 /// SwiGLU forward: `silu(gate) * up`.
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    if kernels::supported(gate) {
+        return match gate.dtype() {
+            DType::F64 => kernels::swiglu::<f64>(gate, up),
+            _ => kernels::swiglu::<f32>(gate, up),
+        };
+    }
     gate.silu()? * up
 }
 
 /// SwiGLU backward: returns `(dgate, dup)`.
 pub fn swiglu_backward(dy: &Tensor, gate: &Tensor, up: &Tensor) -> Result<(Tensor, Tensor)> {
+    if kernels::supported(gate) {
+        return match gate.dtype() {
+            DType::F64 => kernels::swiglu_backward::<f64>(dy, gate, up),
+            _ => kernels::swiglu_backward::<f32>(dy, gate, up),
+        };
+    }
+    swiglu_backward_composite(dy, gate, up)
+}
+
+/// SwiGLU backward from candle ops; the reference for the fused kernel.
+pub fn swiglu_backward_composite(
+    dy: &Tensor,
+    gate: &Tensor,
+    up: &Tensor,
+) -> Result<(Tensor, Tensor)> {
     let sig = (gate.neg()?.exp()? + 1.0)?.recip()?;
     let silu = (gate * &sig)?;
     let dup = (dy * &silu)?;
@@ -140,10 +213,16 @@ pub fn attention(
         .reshape((tk, kv_heads, hd))?
         .transpose(0, 1)?
         .contiguous()?;
-    let scores = (qg.matmul(&kh.t()?)? * scale)?; // (KV, G*tq, tk)
-    let mask = causal_mask(group, tq, tk, q.dtype(), q.device())?;
-    let scores = scores.broadcast_add(&mask)?;
-    let p = softmax_last(&scores)?;
+    let scores = qg.matmul(&kh.t()?)?; // (KV, G*tq, tk), unscaled
+    let p = if kernels::supported(&scores) {
+        match scores.dtype() {
+            DType::F64 => kernels::causal_softmax::<f64>(&scores, tq, scale)?,
+            _ => kernels::causal_softmax::<f32>(&scores, tq, scale)?,
+        }
+    } else {
+        let mask = causal_mask(group, tq, tk, q.dtype(), q.device())?;
+        softmax_last(&(scores * scale)?.broadcast_add(&mask)?)?
+    };
     let o = p.matmul(&vh)?; // (KV, G*tq, hd)
     let out = o
         .reshape((heads, tq, hd))?
@@ -188,8 +267,15 @@ pub fn attention_backward(dout: &Tensor, s: &AttnSaved) -> Result<(Tensor, Tenso
         .reshape((s.kv_heads, group * tq, hd))?;
     let dv = s.p.t()?.matmul(&dog)?; // (KV, tk, hd)
     let dp = dog.matmul(&s.vh.t()?)?; // (KV, G*tq, tk)
-    let rowdot = (&dp * &s.p)?.sum_keepdim(D::Minus1)?;
-    let ds = ((s.p.clone() * dp.broadcast_sub(&rowdot)?)? * s.scale)?;
+    let ds = if kernels::supported(&dp) {
+        match dp.dtype() {
+            DType::F64 => kernels::softmax_backward::<f64>(&s.p, &dp, s.scale)?,
+            _ => kernels::softmax_backward::<f32>(&s.p, &dp, s.scale)?,
+        }
+    } else {
+        let rowdot = (&dp * &s.p)?.sum_keepdim(D::Minus1)?;
+        ((s.p.clone() * dp.broadcast_sub(&rowdot)?)? * s.scale)?
+    };
     let dqg = ds.matmul(&s.kh)?; // (KV, G*tq, hd)
     let dk = ds.t()?.matmul(&s.qg)?; // (KV, tk, hd)
     let dq = dqg
@@ -208,6 +294,38 @@ pub fn softmax_last(x: &Tensor) -> Result<Tensor> {
     let e = x.broadcast_sub(&max)?.exp()?;
     let sum = e.sum_keepdim(D::Minus1)?;
     e.broadcast_div(&sum)
+}
+
+/// Log-probabilities of `targets (n, k)` under `logits (n, V)`: `(lp (n, k), lse (n,))`.
+pub fn logprobs_at(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
+    if kernels::supported(logits) {
+        return match logits.dtype() {
+            DType::F64 => kernels::logprobs_at::<f64>(logits, targets),
+            _ => kernels::logprobs_at::<f32>(logits, targets),
+        };
+    }
+    let lse = logsumexp_last(logits)?;
+    let picked = logits.gather(targets, 1)?;
+    Ok((picked.broadcast_sub(&lse)?, lse.squeeze(1)?))
+}
+
+/// Gradient of [`logprobs_at`] w.r.t. the logits: `scatter(d) - softmax * sum_k d`.
+pub fn logprobs_at_backward(
+    logits: &Tensor,
+    lse: &Tensor,
+    targets: &Tensor,
+    d: &Tensor,
+) -> Result<Tensor> {
+    if kernels::supported(logits) {
+        return match logits.dtype() {
+            DType::F64 => kernels::logprobs_at_backward::<f64>(logits, lse, targets, d),
+            _ => kernels::logprobs_at_backward::<f32>(logits, lse, targets, d),
+        };
+    }
+    let probs = logits.broadcast_sub(&lse.unsqueeze(1)?)?.exp()?;
+    let dsum = d.sum_keepdim(D::Minus1)?;
+    let scattered = probs.zeros_like()?.scatter_add(targets, d, 1)?;
+    scattered - probs.broadcast_mul(&dsum)?
 }
 
 /// Log-sum-exp over the last dim, `(n, 1)`.
@@ -233,4 +351,109 @@ fn causal_mask(group: usize, tq: usize, tk: usize, dtype: DType, dev: &Device) -
         }
     }
     Tensor::from_vec(m, (group * tq, tk), dev)?.to_dtype(dtype)
+}
+
+#[cfg(test)]
+mod tests {
+    //! The fused CPU kernels against the composite candle versions they replace.
+    use super::*;
+
+    fn rand(shape: &[usize], seed: u64) -> Tensor {
+        use rand::{rngs::StdRng, Rng, SeedableRng};
+        let mut rng = StdRng::seed_from_u64(seed);
+        let n = shape.iter().product();
+        let v: Vec<f64> = (0..n).map(|_| rng.random_range(-2.0..2.0)).collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    }
+
+    fn diff(a: &Tensor, b: &Tensor) -> f64 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap()
+    }
+
+    #[test]
+    fn fused_rms_norm_matches_composite() {
+        let (x, w, dy) = (rand(&[5, 3, 8], 1), rand(&[8], 2), rand(&[5, 3, 8], 3));
+        let (y1, s1) = rms_norm(&x, &w, 1e-5).unwrap();
+        let (y2, s2) = rms_norm_composite(&x, &w, 1e-5).unwrap();
+        assert!(matches!(s1, RmsSaved::Fused { .. }));
+        assert!(diff(&y1, &y2) < 1e-12);
+        let d1 = rms_norm_backward(&dy, &w, &s1).unwrap();
+        let d2 = rms_norm_backward(&dy, &w, &s2).unwrap();
+        assert!(diff(&d1, &d2) < 1e-12);
+    }
+
+    #[test]
+    fn fused_rope_matches_composite_both_ways() {
+        let (x, cos, sin) = (rand(&[6, 2, 8], 4), rand(&[6, 4], 5), rand(&[6, 4], 6));
+        assert!(
+            diff(
+                &rope(&x, &cos, &sin).unwrap(),
+                &rope_composite(&x, &cos, &sin).unwrap()
+            ) < 1e-12
+        );
+        let back = rope_backward(&x, &cos, &sin).unwrap();
+        let want = rope_composite(&x, &cos, &sin.neg().unwrap()).unwrap();
+        assert!(diff(&back, &want) < 1e-12);
+    }
+
+    #[test]
+    fn fused_swiglu_matches_composite() {
+        let (g, u, dy) = (rand(&[7, 9], 7), rand(&[7, 9], 8), rand(&[7, 9], 9));
+        let want = (g.silu().unwrap() * &u).unwrap();
+        assert!(diff(&swiglu(&g, &u).unwrap(), &want) < 1e-12);
+        let (a1, b1) = swiglu_backward(&dy, &g, &u).unwrap();
+        let (a2, b2) = swiglu_backward_composite(&dy, &g, &u).unwrap();
+        assert!(diff(&a1, &a2) < 1e-12 && diff(&b1, &b2) < 1e-12);
+    }
+
+    #[test]
+    fn fused_causal_softmax_and_backward_match_composite() {
+        // Two groups of 3 queries at the end of 5 keys (a KV-cache step).
+        let (group, tq, tk, scale) = (2, 3, 5, 0.5);
+        let scores = rand(&[2, group * tq, tk], 10);
+        let dp = rand(&[2, group * tq, tk], 11);
+        let p = kernels::causal_softmax::<f64>(&scores, tq, scale).unwrap();
+        let mask = causal_mask(group, tq, tk, DType::F64, &Device::Cpu).unwrap();
+        let want = softmax_last(&(&scores * scale).unwrap().broadcast_add(&mask).unwrap()).unwrap();
+        assert!(diff(&p, &want) < 1e-12);
+        let ds = kernels::softmax_backward::<f64>(&p, &dp, scale).unwrap();
+        let rowdot = (&dp * &p).unwrap().sum_keepdim(D::Minus1).unwrap();
+        let want = ((&p * dp.broadcast_sub(&rowdot).unwrap()).unwrap() * scale).unwrap();
+        assert!(diff(&ds, &want) < 1e-12);
+    }
+
+    #[test]
+    fn fused_logprobs_at_matches_composite() {
+        let logits = rand(&[4, 11], 12);
+        let targets = Tensor::new(&[[1u32, 3], [0, 0], [10, 2], [5, 9]], &Device::Cpu).unwrap();
+        let d = rand(&[4, 2], 13);
+        let (lp, lse) = logprobs_at(&logits, &targets).unwrap();
+        let want_lse = logsumexp_last(&logits).unwrap();
+        let want_lp = logits
+            .gather(&targets, 1)
+            .unwrap()
+            .broadcast_sub(&want_lse)
+            .unwrap();
+        assert!(diff(&lp, &want_lp) < 1e-12);
+        let got = logprobs_at_backward(&logits, &lse, &targets, &d).unwrap();
+        let probs = logits.broadcast_sub(&want_lse).unwrap().exp().unwrap();
+        let dsum = d.sum_keepdim(D::Minus1).unwrap();
+        let want = (probs
+            .zeros_like()
+            .unwrap()
+            .scatter_add(&targets, &d, 1)
+            .unwrap()
+            - probs.broadcast_mul(&dsum).unwrap())
+        .unwrap();
+        assert!(diff(&got, &want) < 1e-12);
+    }
 }

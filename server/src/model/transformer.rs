@@ -5,7 +5,7 @@
 //! Sequences are packed row after row (no padding): the projections run over all rows at
 //! once, attention runs per sequence. Rows of one adapter are contiguous ([`Segment`]).
 
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor};
 
 use super::config::ModelConfig;
 use super::lora::{
@@ -152,7 +152,9 @@ struct HeadChunk {
     start: usize,
     len: usize,
     adapter: Option<usize>,
-    probs: Tensor,
+    logits: Tensor,
+    /// Log-sum-exp of each row of `logits`, `(len,)`.
+    lse: Tensor,
     u: Option<Tensor>,
 }
 
@@ -449,16 +451,16 @@ impl Transformer {
                 }];
                 let (logits, mut cache) =
                     lora_forward(&x, x.matmul(&w.t()?)?, Target::LmHead, &local, adapters)?;
-                let lse = ops::logsumexp_last(&logits)?;
-                let t = targets.narrow(0, start, len)?;
-                let picked = logits.gather(&t.contiguous()?, 1)?;
-                lps.push(picked.broadcast_sub(&lse)?);
+                let t = targets.narrow(0, start, len)?.contiguous()?;
+                let (lp, lse) = ops::logprobs_at(&logits, &t)?;
+                lps.push(lp);
                 if keep {
                     chunks.push(HeadChunk {
                         start,
                         len,
                         adapter: seg.adapter,
-                        probs: logits.broadcast_sub(&lse)?.exp()?,
+                        logits,
+                        lse,
                         u: cache.pop().flatten(),
                     });
                 }
@@ -513,10 +515,7 @@ impl Transformer {
         for c in &tape.head {
             let d = dlp.narrow(0, c.start, c.len)?.contiguous()?;
             let t = tape.targets.narrow(0, c.start, c.len)?.contiguous()?;
-            // d logits = scatter(d at targets) - probs * sum_k d
-            let dsum = d.sum_keepdim(D::Minus1)?;
-            let dlogits = c.probs.zeros_like()?.scatter_add(&t, &d, 1)?;
-            let dlogits = (dlogits - c.probs.broadcast_mul(&dsum)?)?;
+            let dlogits = ops::logprobs_at_backward(&c.logits, &c.lse, &t, &d)?;
             let x = tape.xf.narrow(0, c.start, c.len)?;
             let mut dx = dlogits.matmul(w)?;
             let local = [Segment {

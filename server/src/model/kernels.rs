@@ -1,0 +1,305 @@
+//! Fused CPU kernels for the row-wise parts of the forward and backward passes.
+//!
+//! candle runs each elementwise op as its own pass over memory with a fresh allocation;
+//! RMSNorm alone is seven passes. These kernels do each block in one or two passes over
+//! contiguous rows, in parallel over rows, for f32 and f64. [`super::ops`] calls them for
+//! CPU tensors and keeps the composite candle versions for other devices; tests check the
+//! two agree.
+
+use candle_core::{DType, Device, Result, Storage, Tensor, WithDType};
+use num_traits::Float;
+use rayon::prelude::*;
+
+/// Float types the kernels run on.
+pub trait Real: WithDType + Float + Send + Sync {}
+impl Real for f32 {}
+impl Real for f64 {}
+
+/// Whether `t` can go through these kernels.
+pub fn supported(t: &Tensor) -> bool {
+    t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
+}
+
+/// Calls `f` with the contiguous data of `t`.
+fn with<T: Real, R>(t: &Tensor, f: impl FnOnce(&[T]) -> Result<R>) -> Result<R> {
+    let t = t.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    match &*storage {
+        Storage::Cpu(cpu) => {
+            let all = cpu.as_slice::<T>()?;
+            let start = layout.start_offset();
+            f(&all[start..start + t.elem_count()])
+        }
+        _ => candle_core::bail!("fused kernels need CPU tensors"),
+    }
+}
+
+fn out<T: Real>(v: Vec<T>, shape: &[usize]) -> Result<Tensor> {
+    Tensor::from_vec(v, shape, &Device::Cpu)
+}
+
+fn cols(t: &Tensor) -> Result<usize> {
+    t.dims()
+        .last()
+        .copied()
+        .ok_or_else(|| candle_core::Error::Msg("scalar tensor".into()))
+}
+
+/// RMSNorm over the last dim: returns `(y, rstd)` with `rstd` of shape `(rows,)`.
+pub fn rms_norm<T: Real>(x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+    let c = cols(x)?;
+    let rows = x.elem_count() / c;
+    let eps = T::from(eps).expect("eps fits");
+    let inv_c = T::one() / T::from(c).expect("cols fit");
+    let (y, rstd) = with::<T, _>(x, |xs| {
+        with::<T, _>(w, |ws| {
+            let mut y = vec![T::zero(); xs.len()];
+            let mut rstd = vec![T::zero(); rows];
+            y.par_chunks_mut(c)
+                .zip(rstd.par_iter_mut())
+                .zip(xs.par_chunks(c))
+                .for_each(|((yr, r), xr)| {
+                    let ms = xr.iter().fold(T::zero(), |acc, &v| acc + v * v) * inv_c;
+                    *r = T::one() / (ms + eps).sqrt();
+                    for ((o, &v), &g) in yr.iter_mut().zip(xr).zip(ws) {
+                        *o = v * *r * g;
+                    }
+                });
+            Ok((y, rstd))
+        })
+    })?;
+    Ok((out(y, x.dims())?, out(rstd, &[rows])?))
+}
+
+/// RMSNorm input gradient: `dx = rstd * (g*dy - xhat * mean(g*dy * xhat))`.
+pub fn rms_norm_backward<T: Real>(
+    dy: &Tensor,
+    x: &Tensor,
+    w: &Tensor,
+    rstd: &Tensor,
+) -> Result<Tensor> {
+    let c = cols(x)?;
+    let inv_c = T::one() / T::from(c).expect("cols fit");
+    let dx = with::<T, _>(dy, |dys| {
+        with::<T, _>(x, |xs| {
+            with::<T, _>(w, |ws| {
+                with::<T, _>(rstd, |rs| {
+                    let mut dx = vec![T::zero(); xs.len()];
+                    dx.par_chunks_mut(c)
+                        .zip(dys.par_chunks(c))
+                        .zip(xs.par_chunks(c))
+                        .zip(rs.par_iter())
+                        .for_each(|(((dxr, dyr), xr), &r)| {
+                            let mut dot = T::zero();
+                            for ((&d, &v), &g) in dyr.iter().zip(xr).zip(ws) {
+                                dot = dot + d * g * v * r;
+                            }
+                            let m = dot * inv_c;
+                            for (((o, &d), &v), &g) in dxr.iter_mut().zip(dyr).zip(xr).zip(ws) {
+                                *o = r * (d * g - v * r * m);
+                            }
+                        });
+                    Ok(dx)
+                })
+            })
+        })
+    })?;
+    out(dx, x.dims())
+}
+
+fn sigmoid<T: Real>(v: T) -> T {
+    T::one() / (T::one() + (-v).exp())
+}
+
+/// `silu(gate) * up`.
+pub fn swiglu<T: Real>(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    let y = with::<T, _>(gate, |g| {
+        with::<T, _>(up, |u| {
+            let mut y = vec![T::zero(); g.len()];
+            y.par_chunks_mut(4096)
+                .zip(g.par_chunks(4096).zip(u.par_chunks(4096)))
+                .for_each(|(yc, (gc, uc))| {
+                    for ((o, &gv), &uv) in yc.iter_mut().zip(gc).zip(uc) {
+                        *o = gv * sigmoid(gv) * uv;
+                    }
+                });
+            Ok(y)
+        })
+    })?;
+    out(y, gate.dims())
+}
+
+/// SwiGLU backward: `(dgate, dup)`.
+pub fn swiglu_backward<T: Real>(
+    dy: &Tensor,
+    gate: &Tensor,
+    up: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let (dg, du) = with::<T, _>(dy, |d| {
+        with::<T, _>(gate, |g| {
+            with::<T, _>(up, |u| {
+                let mut dg = vec![T::zero(); g.len()];
+                let mut du = vec![T::zero(); g.len()];
+                dg.par_chunks_mut(4096)
+                    .zip(du.par_chunks_mut(4096))
+                    .zip(
+                        d.par_chunks(4096)
+                            .zip(g.par_chunks(4096))
+                            .zip(u.par_chunks(4096)),
+                    )
+                    .for_each(|((dgc, duc), ((dc, gc), uc))| {
+                        for i in 0..dgc.len() {
+                            let s = sigmoid(gc[i]);
+                            duc[i] = dc[i] * gc[i] * s;
+                            dgc[i] = dc[i] * uc[i] * s * (T::one() + gc[i] * (T::one() - s));
+                        }
+                    });
+                Ok((dg, du))
+            })
+        })
+    })?;
+    Ok((out(dg, gate.dims())?, out(du, gate.dims())?))
+}
+
+/// Rotate-half RoPE on `(n, heads, hd)` with `cos`, `sin` of shape `(n, hd/2)`; `sign`
+/// -1 rotates backwards (the backward pass).
+pub fn rope<T: Real>(x: &Tensor, cos: &Tensor, sin: &Tensor, sign: f64) -> Result<Tensor> {
+    let dims = x.dims().to_vec();
+    let (heads, hd) = (dims[1], dims[2]);
+    let half = hd / 2;
+    let sign = T::from(sign).expect("sign fits");
+    let y = with::<T, _>(x, |xs| {
+        with::<T, _>(cos, |cs| {
+            with::<T, _>(sin, |ss| {
+                let mut y = vec![T::zero(); xs.len()];
+                y.par_chunks_mut(heads * hd)
+                    .zip(xs.par_chunks(heads * hd))
+                    .zip(cs.par_chunks(half).zip(ss.par_chunks(half)))
+                    .for_each(|((yr, xr), (c, s))| {
+                        for h in 0..heads {
+                            let (xo, yo) =
+                                (&xr[h * hd..(h + 1) * hd], &mut yr[h * hd..(h + 1) * hd]);
+                            for i in 0..half {
+                                let (x1, x2, sn) = (xo[i], xo[i + half], s[i] * sign);
+                                yo[i] = x1 * c[i] - x2 * sn;
+                                yo[i + half] = x2 * c[i] + x1 * sn;
+                            }
+                        }
+                    });
+                Ok(y)
+            })
+        })
+    })?;
+    out(y, &dims)
+}
+
+/// Scaled causal softmax, in one pass per row, of `scores` `(b, g*tq, tk)`: row `r`
+/// is query `r % tq`, at position `tk - tq + r % tq`, and sees keys up to it.
+pub fn causal_softmax<T: Real>(scores: &Tensor, tq: usize, scale: f64) -> Result<Tensor> {
+    let tk = cols(scores)?;
+    let offset = tk - tq;
+    let scale = T::from(scale).expect("scale fits");
+    let p = with::<T, _>(scores, |s| {
+        let mut p = vec![T::zero(); s.len()];
+        p.par_chunks_mut(tk)
+            .zip(s.par_chunks(tk))
+            .enumerate()
+            .for_each(|(r, (pr, sr))| {
+                let visible = offset + r % tq + 1;
+                let max = sr[..visible]
+                    .iter()
+                    .fold(T::neg_infinity(), |m, &v| Float::max(m, v))
+                    * scale;
+                let mut sum = T::zero();
+                for (o, &v) in pr[..visible].iter_mut().zip(&sr[..visible]) {
+                    *o = (v * scale - max).exp();
+                    sum = sum + *o;
+                }
+                let inv = T::one() / sum;
+                pr[..visible].iter_mut().for_each(|o| *o = *o * inv);
+            });
+        Ok(p)
+    })?;
+    out(p, scores.dims())
+}
+
+/// Softmax backward with the scale folded in: `ds = scale * p * (dp - sum(dp * p))`.
+pub fn softmax_backward<T: Real>(p: &Tensor, dp: &Tensor, scale: f64) -> Result<Tensor> {
+    let tk = cols(p)?;
+    let scale = T::from(scale).expect("scale fits");
+    let ds = with::<T, _>(p, |ps| {
+        with::<T, _>(dp, |dps| {
+            let mut ds = vec![T::zero(); ps.len()];
+            ds.par_chunks_mut(tk)
+                .zip(ps.par_chunks(tk).zip(dps.par_chunks(tk)))
+                .for_each(|(o, (pr, dr))| {
+                    let dot = pr.iter().zip(dr).fold(T::zero(), |a, (&x, &y)| a + x * y);
+                    for ((v, &x), &y) in o.iter_mut().zip(pr).zip(dr) {
+                        *v = scale * x * (y - dot);
+                    }
+                });
+            Ok(ds)
+        })
+    })?;
+    out(ds, p.dims())
+}
+
+/// Log-softmax at the targets: `(lp (n, k), lse (n,))` from `logits (n, V)` and u32
+/// `targets (n, k)`. Two passes over each row (max, then sum of exponentials).
+pub fn logprobs_at<T: Real>(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
+    let v = cols(logits)?;
+    let k = cols(targets)?;
+    let rows = logits.elem_count() / v;
+    let tg: Vec<u32> = targets.flatten_all()?.to_vec1()?;
+    let (lp, lse) = with::<T, _>(logits, |ls| {
+        let mut lp = vec![T::zero(); rows * k];
+        let mut lse = vec![T::zero(); rows];
+        lp.par_chunks_mut(k)
+            .zip(lse.par_iter_mut())
+            .zip(ls.par_chunks(v).zip(tg.par_chunks(k)))
+            .for_each(|((lpr, l), (row, t))| {
+                let max = row.iter().fold(T::neg_infinity(), |m, &x| Float::max(m, x));
+                let sum = row.iter().fold(T::zero(), |a, &x| a + (x - max).exp());
+                *l = sum.ln() + max;
+                for (o, &ti) in lpr.iter_mut().zip(t) {
+                    *o = row[ti as usize] - *l;
+                }
+            });
+        Ok((lp, lse))
+    })?;
+    Ok((out(lp, &[rows, k])?, out(lse, &[rows])?))
+}
+
+/// Gradient of the target log-probs w.r.t. the logits, given `d = dLoss/dlp (n, k)`:
+/// `dlogits = scatter(d) - softmax * sum_k d`, recomputing the softmax from `lse`.
+pub fn logprobs_at_backward<T: Real>(
+    logits: &Tensor,
+    lse: &Tensor,
+    targets: &Tensor,
+    d: &Tensor,
+) -> Result<Tensor> {
+    let v = cols(logits)?;
+    let k = cols(targets)?;
+    let tg: Vec<u32> = targets.flatten_all()?.to_vec1()?;
+    let dl = with::<T, _>(logits, |ls| {
+        with::<T, _>(lse, |lses| {
+            with::<T, _>(d, |ds| {
+                let mut dl = vec![T::zero(); ls.len()];
+                dl.par_chunks_mut(v)
+                    .zip(ls.par_chunks(v))
+                    .zip(lses.par_iter().zip(ds.par_chunks(k).zip(tg.par_chunks(k))))
+                    .for_each(|((o, row), (&l, (dr, t)))| {
+                        let total = dr.iter().fold(T::zero(), |a, &x| a + x);
+                        for (ov, &x) in o.iter_mut().zip(row) {
+                            *ov = -(x - l).exp() * total;
+                        }
+                        for (&ti, &dv) in t.iter().zip(dr) {
+                            o[ti as usize] = o[ti as usize] + dv;
+                        }
+                    });
+                Ok(dl)
+            })
+        })
+    })?;
+    out(dl, logits.dims())
+}
