@@ -7,7 +7,7 @@ use lathe_sdk::types::AdamParams;
 use lathe_server::model::{
     default_model_path, Adapter, ChatMessage, LoadedModel, LoraSpec, PackedBatch,
 };
-use lathe_server::sample::{sample, Picker, SampleJob};
+use lathe_server::sample::{sample, DecodeMode, Picker, SampleJob};
 use lathe_server::train::adamw::{self, AdamState};
 use lathe_server::train::{forward_backward, DatumJob, Loss, TokenInputs};
 
@@ -117,7 +117,14 @@ fn greedy_answer_to_two_plus_three_contains_five() {
         seed: Some(0),
         prompt_logprobs: false,
     };
-    let out = sample(&model.transformer, &model.tokenizer, &[], &[job]).unwrap();
+    let out = sample(
+        &model.transformer,
+        &model.tokenizer,
+        &[],
+        &[job],
+        DecodeMode::Fast,
+    )
+    .unwrap();
     let text = model.tokenizer.decode(&out[0].sequences[0].tokens).unwrap();
     eprintln!("greedy answer: {text:?}");
     assert!(text.contains('5'), "{text:?}");

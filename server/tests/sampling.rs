@@ -6,7 +6,7 @@ mod common;
 use candle_core::{Device, Tensor};
 use common::*;
 use lathe_server::model::{Arch, PackedBatch};
-use lathe_server::sample::{sample, Picker, SampleJob, Stop};
+use lathe_server::sample::{sample, DecodeMode, Picker, SampleJob, Stop};
 
 fn job(prompt: Vec<u32>, adapter: Option<usize>, n: usize, seed: u64) -> SampleJob {
     SampleJob {
@@ -24,7 +24,12 @@ fn job(prompt: Vec<u32>, adapter: Option<usize>, n: usize, seed: u64) -> SampleJ
 
 #[test]
 fn sampled_logprobs_equal_the_training_forward() {
-    for arch in [Arch::Llama, Arch::Qwen3] {
+    for (arch, mode) in [
+        (Arch::Llama, DecodeMode::Exact),
+        (Arch::Llama, DecodeMode::Fast),
+        (Arch::Qwen3, DecodeMode::Exact),
+        (Arch::Qwen3, DecodeMode::Fast),
+    ] {
         let model = tiny(arch);
         let a = random_adapter(&model, full_spec(4), 3);
         let prompt = tokens(5, 9, 256);
@@ -33,6 +38,7 @@ fn sampled_logprobs_equal_the_training_forward() {
             &model.tokenizer,
             &[&a],
             &[job(prompt.clone(), Some(0), 3, 42)],
+            mode,
         )
         .unwrap();
         for seq in &out[0].sequences {
@@ -49,7 +55,10 @@ fn sampled_logprobs_equal_the_training_forward() {
             let trained = &lp[prompt.len() - 1..];
             assert_eq!(trained.len(), seq.logprobs.len());
             for (x, y) in trained.iter().zip(&seq.logprobs) {
-                assert!((x - y).abs() < 1e-4, "{arch:?}: trainer {x} vs sampler {y}");
+                assert!(
+                    (x - y).abs() < 1e-4,
+                    "{arch:?} {mode:?}: trainer {x} vs sampler {y}"
+                );
             }
         }
     }
@@ -67,7 +76,16 @@ fn same_seed_same_output_and_different_seeds_differ() {
         },
         ..job(prompt.clone(), None, 2, seed)
     };
-    let run = |seed| sample(&model.transformer, &model.tokenizer, &[], &[hot(seed)]).unwrap();
+    let run = |seed| {
+        sample(
+            &model.transformer,
+            &model.tokenizer,
+            &[],
+            &[hot(seed)],
+            DecodeMode::Fast,
+        )
+        .unwrap()
+    };
     let a = run(7);
     assert_eq!(a, run(7));
     assert_ne!(a[0].sequences[0].tokens, run(8)[0].sequences[0].tokens);
@@ -77,6 +95,12 @@ fn same_seed_same_output_and_different_seeds_differ() {
 
 #[test]
 fn batched_decoding_over_adapters_equals_decoding_alone() {
+    for mode in [DecodeMode::Exact, DecodeMode::Fast] {
+        batched_equals_alone(mode);
+    }
+}
+
+fn batched_equals_alone(mode: DecodeMode) {
     let model = tiny(Arch::Qwen3);
     let a = random_adapter(&model, full_spec(4), 1);
     let b = random_adapter(&model, full_spec(2), 2);
@@ -93,13 +117,14 @@ fn batched_decoding_over_adapters_equals_decoding_alone() {
         greedy(tokens(3, 9, 256), None),
         greedy(tokens(4, 5, 256), Some(0)),
     ];
-    let together = sample(&model.transformer, &model.tokenizer, &[&a, &b], &jobs).unwrap();
+    let together = sample(&model.transformer, &model.tokenizer, &[&a, &b], &jobs, mode).unwrap();
     for (j, got) in jobs.iter().zip(&together) {
         let alone = sample(
             &model.transformer,
             &model.tokenizer,
             &[&a, &b],
             std::slice::from_ref(j),
+            mode,
         )
         .unwrap();
         assert_eq!(got.sequences[0].tokens, alone[0].sequences[0].tokens);
@@ -122,6 +147,7 @@ fn stop_tokens_strings_and_length_end_sequences() {
         &model.tokenizer,
         &[],
         &[job(prompt.clone(), None, 1, 3)],
+        DecodeMode::Fast,
     )
     .unwrap();
     let seq = &base[0].sequences[0];
@@ -134,7 +160,14 @@ fn stop_tokens_strings_and_length_end_sequences() {
         stop_tokens: vec![stop_tok],
         ..job(prompt.clone(), None, 1, 3)
     };
-    let out = sample(&model.transformer, &model.tokenizer, &[], &[by_token]).unwrap();
+    let out = sample(
+        &model.transformer,
+        &model.tokenizer,
+        &[],
+        &[by_token],
+        DecodeMode::Fast,
+    )
+    .unwrap();
     assert_eq!(out[0].sequences[0].stop, Stop::Stop);
     assert_eq!(out[0].sequences[0].tokens, seq.tokens[..=first].to_vec());
     // Stop by string: the decoded text of the first four tokens.
@@ -143,7 +176,14 @@ fn stop_tokens_strings_and_length_end_sequences() {
         stop_strings: vec![text.clone()],
         ..job(prompt.clone(), None, 1, 3)
     };
-    let out = sample(&model.transformer, &model.tokenizer, &[], &[by_string]).unwrap();
+    let out = sample(
+        &model.transformer,
+        &model.tokenizer,
+        &[],
+        &[by_string],
+        DecodeMode::Fast,
+    )
+    .unwrap();
     assert_eq!(out[0].sequences[0].stop, Stop::Stop);
     assert!(model
         .tokenizer
@@ -162,7 +202,14 @@ fn prompt_logprobs_start_with_none_and_match_the_trainer() {
         max_tokens: 1,
         ..job(prompt.clone(), None, 1, 0)
     };
-    let out = sample(&model.transformer, &model.tokenizer, &[], &[j]).unwrap();
+    let out = sample(
+        &model.transformer,
+        &model.tokenizer,
+        &[],
+        &[j],
+        DecodeMode::Fast,
+    )
+    .unwrap();
     let plp = out[0].prompt_logprobs.as_ref().unwrap();
     assert_eq!(plp.len(), prompt.len());
     assert!(plp[0].is_none() && plp[1..].iter().all(|x| x.is_some_and(|v| v < 0.0)));
@@ -175,6 +222,13 @@ fn too_long_requests_are_rejected() {
         max_tokens: 10_000,
         ..job(vec![1, 2, 3], None, 1, 0)
     };
-    let err = sample(&model.transformer, &model.tokenizer, &[], &[j]).unwrap_err();
+    let err = sample(
+        &model.transformer,
+        &model.tokenizer,
+        &[],
+        &[j],
+        DecodeMode::Fast,
+    )
+    .unwrap_err();
     assert!(err.to_string().contains("context limit"), "{err}");
 }

@@ -9,7 +9,7 @@ use candle_core::{DType, Device, Tensor};
 use clap::{Args, Subcommand};
 use lathe_sdk::types::AdamParams;
 use lathe_server::model::{Adapter, LoadedModel, LoraSpec};
-use lathe_server::sample::{sample, Picker, SampleJob};
+use lathe_server::sample::{sample, DecodeMode, Picker, SampleJob};
 use lathe_server::train::adamw::{self, AdamState};
 use lathe_server::train::{forward_backward, DatumJob, Loss, TokenInputs};
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -272,7 +272,7 @@ fn bench_sample(a: SampleArgs) -> anyhow::Result<serde_json::Value> {
     };
     let run = |jobs: &[SampleJob]| -> anyhow::Result<f64> {
         let t0 = Instant::now();
-        let out = sample(t, &model.tokenizer, &refs, jobs)?;
+        let out = sample(t, &model.tokenizer, &refs, jobs, DecodeMode::Fast)?;
         let n: usize = out
             .iter()
             .flat_map(|o| &o.sequences)

@@ -7,7 +7,7 @@ use anyhow::Context;
 use candle_core::Device;
 use clap::Args;
 use lathe_server::model::ChatMessage;
-use lathe_server::sample::{sample, Picker, SampleJob};
+use lathe_server::sample::{sample, DecodeMode, Picker, SampleJob};
 use lathe_server::store::peft;
 
 /// Options of `lathe generate`.
@@ -73,7 +73,13 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         prompt_logprobs: false,
     };
     let adapters: Vec<_> = adapter.iter().collect();
-    let out = sample(&model.transformer, &model.tokenizer, &adapters, &[job])?;
+    let out = sample(
+        &model.transformer,
+        &model.tokenizer,
+        &adapters,
+        &[job],
+        DecodeMode::Fast,
+    )?;
     let seq = &out[0].sequences[0];
     let mut tokens = seq.tokens.as_slice();
     if let Some((last, rest)) = tokens.split_last() {

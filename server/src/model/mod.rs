@@ -3,6 +3,7 @@
 
 pub mod chat_template;
 pub mod config;
+pub mod decode;
 pub mod gguf;
 pub mod hf;
 pub mod kernels;

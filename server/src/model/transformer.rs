@@ -8,6 +8,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::config::ModelConfig;
+use super::decode::{DecodeLayer, DecodeWeights};
 use super::lora::{
     lora_backward, lora_forward, Adapter, AdapterGrads, LoraCache, Proj, Segment, Target,
 };
@@ -15,8 +16,10 @@ use super::ops::{self, AttnSaved, RmsSaved, Rope};
 use super::weights::{BaseWeights, FrozenLinear, LayerWeights};
 use super::ModelError;
 
-/// Rows of the output head computed at once, bounding the `(rows, vocab)` logits buffer.
-const HEAD_CHUNK_ROWS: usize = 128;
+/// Rows of the output head computed at once, bounding the `(rows, vocab)` logits buffer
+/// (50 MB at 256 rows of SmolLM2). Larger chunks repack the `(vocab, hidden)` head
+/// weight for the matmul fewer times.
+const HEAD_CHUNK_ROWS: usize = 256;
 
 /// One sequence of a packed batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -125,6 +128,8 @@ pub struct Transformer {
     /// Frozen weights in the Hugging Face layout.
     pub weights: BaseWeights,
     rope: Rope,
+    /// Q8_0 copies for decoding, built on first use.
+    decode: std::sync::OnceLock<DecodeWeights>,
 }
 
 struct LayerTape {
@@ -188,7 +193,17 @@ impl Transformer {
             config,
             weights,
             rope,
+            decode: std::sync::OnceLock::new(),
         })
+    }
+
+    /// The quantized decode weights, built (about 0.3 s for SmolLM2) on first call.
+    pub fn decode_weights(&self) -> Result<&DecodeWeights, ModelError> {
+        if let Some(d) = self.decode.get() {
+            return Ok(d);
+        }
+        let built = DecodeWeights::new(&self.weights)?;
+        Ok(self.decode.get_or_init(|| built))
     }
 
     /// A copy in another dtype (f64 for gradient checks).
@@ -221,7 +236,7 @@ impl Transformer {
         let mut tapes = Vec::new();
         for (i, layer) in self.weights.layers.iter().enumerate() {
             let (next, tape) =
-                self.layer_forward(i, layer, &h, batch, adapters, &cos, &sin, None)?;
+                self.layer_forward(i, layer, &h, batch, adapters, &cos, &sin, None, None)?;
             h = next;
             if keep_tape {
                 tapes.push(tape);
@@ -246,13 +261,20 @@ impl Transformer {
     }
 
     /// Runs `batch` through the model appending to each sequence's KV cache, and returns
-    /// the next-token logits of each sequence's last row, `(seqs, vocab)`.
+    /// the next-token logits of each sequence's last row, `(seqs, vocab)`. With
+    /// `quantized`, the frozen projections use the Q8_0 decode weights.
     pub fn forward_cached(
         &self,
         batch: &PackedBatch,
         adapters: &[&Adapter],
         caches: &mut [&mut KvCache],
+        quantized: bool,
     ) -> Result<Tensor, ModelError> {
+        let dec = if quantized {
+            Some(self.decode_weights()?)
+        } else {
+            None
+        };
         self.check_batch(batch, adapters)?;
         if caches.len() != batch.seqs.len() {
             return Err(ModelError::Input(
@@ -271,6 +293,7 @@ impl Transformer {
                 &cos,
                 &sin,
                 Some(&mut *caches),
+                dec.map(|d| &d.layers[i]),
             )?;
             h = next;
         }
@@ -282,19 +305,25 @@ impl Transformer {
         let idx = Tensor::new(last.as_slice(), h.device())?;
         let h_last = h.index_select(&idx, 0)?;
         let (xf, _) = ops::rms_norm(&h_last, &self.weights.norm, self.config.rms_norm_eps)?;
-        let mut rows = Vec::with_capacity(batch.seqs.len());
+        // One head matmul for all rows, then each row's adapter (rows follow the
+        // sequences, which are grouped by adapter).
+        let base = match dec {
+            Some(d) => d.lm_head.forward(&xf)?,
+            None => xf.matmul(&self.weights.lm_head().t()?)?,
+        };
+        let mut segs: Vec<Segment> = Vec::new();
         for (i, s) in batch.seqs.iter().enumerate() {
-            let x = xf.narrow(0, i, 1)?;
-            let seg = [Segment {
-                start: 0,
-                len: 1,
-                adapter: s.adapter,
-            }];
-            let base = x.matmul(&self.weights.lm_head().t()?)?;
-            let (logits, _) = lora_forward(&x, base, Target::LmHead, &seg, adapters)?;
-            rows.push(logits);
+            match segs.last_mut() {
+                Some(g) if g.adapter == s.adapter => g.len += 1,
+                _ => segs.push(Segment {
+                    start: i,
+                    len: 1,
+                    adapter: s.adapter,
+                }),
+            }
         }
-        Ok(Tensor::cat(&rows, 0)?)
+        let (logits, _) = lora_forward(&xf, base, Target::LmHead, &segs, adapters)?;
+        Ok(logits)
     }
 
     fn check_batch(&self, batch: &PackedBatch, adapters: &[&Adapter]) -> Result<(), ModelError> {
@@ -334,12 +363,17 @@ impl Transformer {
         cos: &Tensor,
         sin: &Tensor,
         mut caches: Option<&mut [&mut KvCache]>,
+        dec: Option<&DecodeLayer>,
     ) -> Result<(Tensor, LayerTape), ModelError> {
         let cfg = &self.config;
         let segs = &batch.segments;
         let lin =
             |x: &Tensor, l: &FrozenLinear, p: Proj| -> candle_core::Result<(Tensor, LoraCache)> {
-                lora_forward(x, l.forward(x)?, Target::Layer(index, p), segs, adapters)
+                let base = match dec {
+                    Some(d) => d[p as usize].forward(x)?,
+                    None => l.forward(x)?,
+                };
+                lora_forward(x, base, Target::Layer(index, p), segs, adapters)
             };
         let n = h.dims()[0];
         let (hq, hkv, hd) = (

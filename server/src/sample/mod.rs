@@ -4,5 +4,7 @@
 pub mod decode;
 pub mod logits;
 
-pub use decode::{sample, Generated, SampleJob, SampleOutput, Stop, DEFAULT_MAX_TOKENS};
+pub use decode::{
+    sample, DecodeMode, Generated, SampleJob, SampleOutput, Stop, DEFAULT_MAX_TOKENS,
+};
 pub use logits::Picker;
