@@ -27,6 +27,7 @@ enum Command {
 }
 
 fn main() -> anyhow::Result<()> {
+    pin_thread_count();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
@@ -36,5 +37,15 @@ fn main() -> anyhow::Result<()> {
     match Args::parse().command {
         Command::Generate(args) => cli::generate::run(args),
         Command::Bench(cmd) => cli::bench::run(cmd),
+    }
+}
+
+/// candle asks for its thread count on every matmul, and without `RAYON_NUM_THREADS` it
+/// parses /proc/cpuinfo each time (7 % of decoding time). Resolve it once, before any
+/// other thread exists.
+fn pin_thread_count() {
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        let n = candle_core::utils::get_num_threads();
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
     }
 }
