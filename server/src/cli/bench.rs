@@ -70,6 +70,27 @@ pub struct SampleArgs {
     /// Timed iterations (after one warm-up).
     #[arg(long, default_value_t = 3)]
     iters: usize,
+    /// `fast`: Q8_0 decode weights + f32 rescoring; `exact`: f32 decode.
+    #[arg(long, value_enum, default_value_t = Mode::Fast)]
+    mode: Mode,
+}
+
+/// Decode mode flag.
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum Mode {
+    /// Q8_0 decode weights, f32 rescoring.
+    Fast,
+    /// f32 decode.
+    Exact,
+}
+
+impl From<Mode> for DecodeMode {
+    fn from(m: Mode) -> Self {
+        match m {
+            Mode::Fast => DecodeMode::Fast,
+            Mode::Exact => DecodeMode::Exact,
+        }
+    }
 }
 
 /// Options of `lathe bench gemm`.
@@ -272,7 +293,7 @@ fn bench_sample(a: SampleArgs) -> anyhow::Result<serde_json::Value> {
     };
     let run = |jobs: &[SampleJob]| -> anyhow::Result<f64> {
         let t0 = Instant::now();
-        let out = sample(t, &model.tokenizer, &refs, jobs, DecodeMode::Fast)?;
+        let out = sample(t, &model.tokenizer, &refs, jobs, a.mode.into())?;
         let n: usize = out
             .iter()
             .flat_map(|o| &o.sequences)
@@ -302,6 +323,7 @@ fn bench_sample(a: SampleArgs) -> anyhow::Result<serde_json::Value> {
     let (s, m, r) = (stats(single_rates), stats(multi_rates), stats(ratios));
     Ok(json!({
         "bench": "sample",
+        "mode": match a.mode { Mode::Fast => "fast", Mode::Exact => "exact" },
         "model": model.name,
         "threads": threads(),
         "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "rank": a.rank,
