@@ -7,6 +7,7 @@ pub mod decode;
 pub mod gguf;
 pub mod hf;
 pub mod kernels;
+pub mod kv;
 pub mod lora;
 pub mod ops;
 pub mod tiny;
@@ -22,7 +23,8 @@ pub use chat_template::{ChatMessage, ChatTemplate};
 pub use config::{Arch, ModelConfig};
 pub use lora::{Adapter, AdapterGrads, LoraSpec, Proj, Target};
 pub use tokenizer::TextTokenizer;
-pub use transformer::{KvCache, PackedBatch, Transformer};
+pub use kv::KvCache;
+pub use transformer::{PackedBatch, Transformer};
 
 /// The name clients use for the default model.
 pub const DEFAULT_MODEL_NAME: &str = "HuggingFaceTB/SmolLM2-135M-Instruct";

@@ -8,6 +8,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::config::ModelConfig;
+use super::kv::{self, KvCache};
 use super::decode::{DecodeLayer, DecodeWeights};
 use super::lora::{
     lora_backward, lora_forward, Adapter, AdapterGrads, LoraCache, Proj, Segment, Target,
@@ -92,31 +93,6 @@ impl PackedBatch {
     /// Total rows.
     pub fn rows(&self) -> usize {
         self.seqs.iter().map(|s| s.len).sum()
-    }
-}
-
-/// Keys and values of one sequence in one layer, `(tokens, kv_dim)` each.
-#[derive(Debug, Clone)]
-pub struct LayerKv {
-    k: Tensor,
-    v: Tensor,
-}
-
-/// The KV cache of one sequence: one entry per layer once it has been prefilled.
-#[derive(Debug, Clone, Default)]
-pub struct KvCache {
-    layers: Vec<LayerKv>,
-}
-
-impl KvCache {
-    /// Tokens already cached.
-    pub fn len(&self) -> usize {
-        self.layers.first().map_or(0, |l| l.k.dims()[0])
-    }
-
-    /// Whether nothing is cached yet.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 
@@ -395,37 +371,28 @@ impl Transformer {
         }
         let q = ops::rope(&q, cos, sin)?.reshape((n, hq * hd))?;
         let k = ops::rope(&k, cos, sin)?.reshape((n, hkv * hd))?;
-        let mut outs = Vec::with_capacity(batch.seqs.len());
-        let mut saved = Vec::with_capacity(batch.seqs.len());
-        for (si, s) in batch.seqs.iter().enumerate() {
-            let qs = q.narrow(0, s.start, s.len)?;
-            let mut ks = k.narrow(0, s.start, s.len)?;
-            let mut vs = v.narrow(0, s.start, s.len)?;
-            if let Some(caches) = caches.as_deref_mut() {
-                let cache = &mut *caches[si];
-                if cache.layers.len() > index {
-                    let entry = &mut cache.layers[index];
-                    entry.k = Tensor::cat(&[&entry.k, &ks], 0)?;
-                    entry.v = Tensor::cat(&[&entry.v, &vs], 0)?;
-                    ks = entry.k.clone();
-                    vs = entry.v.clone();
+        let mut saved = Vec::new();
+        let attn_out = match caches.as_deref_mut() {
+            Some(caches) => kv::cached_attention(index, &q, &k, &v, &batch.seqs, caches, hq, hkv)?,
+            None => {
+                let mut outs = Vec::with_capacity(batch.seqs.len());
+                for s in &batch.seqs {
+                    let (o, sv) = ops::attention(
+                        &q.narrow(0, s.start, s.len)?,
+                        &k.narrow(0, s.start, s.len)?,
+                        &v.narrow(0, s.start, s.len)?,
+                        hq,
+                        hkv,
+                    )?;
+                    outs.push(o);
+                    saved.push(sv);
+                }
+                if outs.len() == 1 {
+                    outs.pop().expect("one sequence")
                 } else {
-                    cache.layers.push(LayerKv {
-                        k: ks.clone(),
-                        v: vs.clone(),
-                    });
+                    Tensor::cat(&outs, 0)?
                 }
             }
-            let (o, sv) = ops::attention(&qs, &ks, &vs, hq, hkv)?;
-            outs.push(o);
-            if caches.is_none() {
-                saved.push(sv);
-            }
-        }
-        let attn_out = if outs.len() == 1 {
-            outs.pop().expect("one sequence")
-        } else {
-            Tensor::cat(&outs, 0)?
         };
         let (o, lo) = lin(&attn_out, &w.o_proj, Proj::O)?;
         let h2 = (h + o)?;

@@ -1,0 +1,167 @@
+//! KV caches and attention against them, for decoding.
+//!
+//! On CPU with f32 the cache is a plain growable buffer per layer and attention for all
+//! sequences of a step runs in one parallel kernel: a decode step of 8 sequences is 30
+//! kernel calls instead of thousands of small tensor ops. Elsewhere the cache holds
+//! tensors and attention goes through [`ops::attention`], the same code training uses.
+
+use candle_core::{DType, Device, Tensor};
+use rayon::prelude::*;
+
+use super::ops;
+use super::transformer::SeqSpan;
+
+/// Keys and values of one sequence in one layer, `(tokens, kv_dim)` each.
+#[derive(Debug, Clone)]
+enum LayerKv {
+    Tensors { k: Tensor, v: Tensor },
+    Host { k: Vec<f32>, v: Vec<f32>, kv_dim: usize },
+}
+
+impl LayerKv {
+    fn len(&self) -> usize {
+        match self {
+            LayerKv::Tensors { k, .. } => k.dims()[0],
+            LayerKv::Host { k, kv_dim, .. } => k.len() / kv_dim,
+        }
+    }
+}
+
+/// The KV cache of one sequence: one entry per layer once it has been prefilled.
+#[derive(Debug, Clone, Default)]
+pub struct KvCache {
+    layers: Vec<LayerKv>,
+}
+
+impl KvCache {
+    /// Tokens already cached.
+    pub fn len(&self) -> usize {
+        self.layers.first().map_or(0, LayerKv::len)
+    }
+
+    /// Whether nothing is cached yet.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Appends the new keys and values of every sequence to its cache for layer `index`
+/// and returns the attention output for the new rows, `(rows, heads*hd)`.
+#[allow(clippy::too_many_arguments)]
+pub fn cached_attention(
+    index: usize,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    seqs: &[SeqSpan],
+    caches: &mut [&mut KvCache],
+    heads: usize,
+    kv_heads: usize,
+) -> candle_core::Result<Tensor> {
+    if q.device().is_cpu() && q.dtype() == DType::F32 {
+        return host_attention(index, q, k, v, seqs, caches, heads, kv_heads);
+    }
+    let mut outs = Vec::with_capacity(seqs.len());
+    for (s, cache) in seqs.iter().zip(caches.iter_mut()) {
+        let (mut ks, mut vs) = (k.narrow(0, s.start, s.len)?, v.narrow(0, s.start, s.len)?);
+        match cache.layers.get_mut(index) {
+            Some(LayerKv::Tensors { k: ck, v: cv }) => {
+                *ck = Tensor::cat(&[&*ck, &ks], 0)?;
+                *cv = Tensor::cat(&[&*cv, &vs], 0)?;
+                (ks, vs) = (ck.clone(), cv.clone());
+            }
+            Some(LayerKv::Host { .. }) => candle_core::bail!("KV cache built on another device"),
+            None => cache.layers.push(LayerKv::Tensors {
+                k: ks.clone(),
+                v: vs.clone(),
+            }),
+        }
+        let (o, _) = ops::attention(&q.narrow(0, s.start, s.len)?, &ks, &vs, heads, kv_heads)?;
+        outs.push(o);
+    }
+    Tensor::cat(&outs, 0)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn host_attention(
+    index: usize,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    seqs: &[SeqSpan],
+    caches: &mut [&mut KvCache],
+    heads: usize,
+    kv_heads: usize,
+) -> candle_core::Result<Tensor> {
+    let (rows, qd) = q.dims2()?;
+    let kv_dim = k.dims()[1];
+    let hd = qd / heads;
+    let group = heads / kv_heads;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let qv: Vec<f32> = q.flatten_all()?.to_vec1()?;
+    let kv: Vec<f32> = k.flatten_all()?.to_vec1()?;
+    let vv: Vec<f32> = v.flatten_all()?.to_vec1()?;
+    let mut out = vec![0f32; rows * qd];
+    // Split the output rows by sequence so each sequence's work owns its slice.
+    let mut chunks: Vec<&mut [f32]> = Vec::with_capacity(seqs.len());
+    let mut rest = out.as_mut_slice();
+    for s in seqs {
+        let (head, tail) = rest.split_at_mut(s.len * qd);
+        chunks.push(head);
+        rest = tail;
+    }
+    let work: Vec<_> = seqs.iter().zip(caches.iter_mut()).zip(chunks).collect();
+    work.into_par_iter().try_for_each(|((s, cache), out_rows)| -> candle_core::Result<()> {
+        let new_k = &kv[s.start * kv_dim..(s.start + s.len) * kv_dim];
+        let new_v = &vv[s.start * kv_dim..(s.start + s.len) * kv_dim];
+        if cache.layers.len() <= index {
+            cache.layers.push(LayerKv::Host {
+                k: Vec::with_capacity(new_k.len() * 4),
+                v: Vec::with_capacity(new_v.len() * 4),
+                kv_dim,
+            });
+        }
+        let LayerKv::Host { k: ck, v: cv, .. } = &mut cache.layers[index] else {
+            candle_core::bail!("KV cache built on another device");
+        };
+        ck.extend_from_slice(new_k);
+        cv.extend_from_slice(new_v);
+        let total = ck.len() / kv_dim;
+        let (ck, cv) = (&*ck, &*cv);
+        let q_rows = &qv[s.start * qd..(s.start + s.len) * qd];
+        out_rows
+            .par_chunks_mut(qd)
+            .zip(q_rows.par_chunks(qd))
+            .enumerate()
+            .for_each(|(i, (o, qr))| {
+                let visible = total - s.len + i + 1;
+                let mut p = vec![0f32; visible];
+                for h in 0..heads {
+                    let g = h / group;
+                    let qh = &qr[h * hd..(h + 1) * hd];
+                    let mut max = f32::NEG_INFINITY;
+                    for (j, pj) in p.iter_mut().enumerate() {
+                        let kj = &ck[j * kv_dim + g * hd..j * kv_dim + (g + 1) * hd];
+                        *pj = qh.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale;
+                        max = max.max(*pj);
+                    }
+                    let mut sum = 0f32;
+                    for pj in p.iter_mut() {
+                        *pj = (*pj - max).exp();
+                        sum += *pj;
+                    }
+                    let oh = &mut o[h * hd..(h + 1) * hd];
+                    oh.iter_mut().for_each(|x| *x = 0.0);
+                    for (j, pj) in p.iter().enumerate() {
+                        let w = pj / sum;
+                        let vj = &cv[j * kv_dim + g * hd..j * kv_dim + (g + 1) * hd];
+                        for (x, y) in oh.iter_mut().zip(vj) {
+                            *x += w * y;
+                        }
+                    }
+                }
+            });
+        Ok(())
+    })?;
+    Tensor::from_vec(out, (rows, qd), &Device::Cpu)
+}
