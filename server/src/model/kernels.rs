@@ -303,3 +303,83 @@ pub fn logprobs_at_backward<T: Real>(
     })?;
     out(dl, logits.dims())
 }
+
+/// Most rows for which [`matmul_t_few_rows`] beats gemm: gemm packs the whole weight
+/// matrix on every call, which for a handful of rows (decoding) triples the memory
+/// traffic of a bandwidth-bound product.
+pub const FEW_ROWS: usize = 16;
+
+/// `x W^T` for f32 `x (m, k)` with `m <= FEW_ROWS` and `w (n, k)`: every weight row is
+/// read once, straight from memory, and dotted with each row of `x`.
+pub fn matmul_t_few_rows(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let (m, k) = x.dims2()?;
+    let n = w.dims2()?.0;
+    let yt = with::<f32, _>(x, |xs| {
+        with::<f32, _>(w, |ws| {
+            let mut yt = vec![0f32; n * m];
+            const BLOCK: usize = 64;
+            yt.par_chunks_mut(BLOCK * m)
+                .zip(ws.par_chunks(BLOCK * k))
+                .for_each(|(out, wrows)| dot_block(xs, m, k, wrows, out));
+            Ok(yt)
+        })
+    })?;
+    let yt = out(yt, &[n, m])?;
+    if m == 1 {
+        yt.reshape((1, n))
+    } else {
+        yt.t()?.contiguous()
+    }
+}
+
+fn dot_block(xs: &[f32], m: usize, k: usize, wrows: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU supports AVX-512F, checked just above.
+            return unsafe { dot_block_avx512(xs, m, k, wrows, out) };
+        }
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU supports AVX2 and FMA, checked just above.
+            return unsafe { dot_block_avx2(xs, m, k, wrows, out) };
+        }
+    }
+    dot_block_generic(xs, m, k, wrows, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn dot_block_avx512(xs: &[f32], m: usize, k: usize, wrows: &[f32], out: &mut [f32]) {
+    dot_block_generic(xs, m, k, wrows, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_block_avx2(xs: &[f32], m: usize, k: usize, wrows: &[f32], out: &mut [f32]) {
+    dot_block_generic(xs, m, k, wrows, out)
+}
+
+/// Dot products of each weight row with each `x` row, with 16 independent lanes so the
+/// compiler vectorises it for whatever features the caller enabled.
+#[inline(always)]
+fn dot_block_generic(xs: &[f32], m: usize, k: usize, wrows: &[f32], out: &mut [f32]) {
+    const L: usize = 16;
+    for (o, wr) in wrows.chunks_exact(k).enumerate() {
+        for mi in 0..m {
+            let xr = &xs[mi * k..(mi + 1) * k];
+            let mut acc = [0f32; L];
+            let mut wc = wr.chunks_exact(L);
+            let mut xc = xr.chunks_exact(L);
+            for (a, b) in (&mut wc).zip(&mut xc) {
+                for l in 0..L {
+                    acc[l] = a[l].mul_add(b[l], acc[l]);
+                }
+            }
+            let mut total: f32 = acc.iter().sum();
+            for (a, b) in wc.remainder().iter().zip(xc.remainder()) {
+                total += a * b;
+            }
+            out[o * m + mi] = total;
+        }
+    }
+}

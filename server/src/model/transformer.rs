@@ -285,7 +285,7 @@ impl Transformer {
         // sequences, which are grouped by adapter).
         let base = match dec {
             Some(d) => d.lm_head.forward(&xf)?,
-            None => xf.matmul(&self.weights.lm_head().t()?)?,
+            None => super::weights::matmul_t(&xf, self.weights.lm_head())?,
         };
         let mut segs: Vec<Segment> = Vec::new();
         for (i, s) in batch.seqs.iter().enumerate() {

@@ -4,7 +4,16 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::config::ModelConfig;
+use super::kernels;
 use super::ModelError;
+
+/// `x W^T`, through the few-rows kernel when decoding on CPU in f32.
+pub fn matmul_t(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+    if x.dims()[0] <= kernels::FEW_ROWS && x.device().is_cpu() && x.dtype() == DType::F32 && w.dtype() == DType::F32 {
+        return kernels::matmul_t_few_rows(x, w);
+    }
+    x.matmul(&w.t()?)
+}
 
 /// One frozen projection `y = x W^T (+ b)`. It never receives a weight gradient.
 #[derive(Debug, Clone)]
@@ -28,7 +37,7 @@ impl FrozenLinear {
 
     /// `x W^T + b` for `x` of shape `(n, in)`.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let y = x.matmul(&self.weight.t()?)?;
+        let y = matmul_t(x, &self.weight)?;
         match &self.bias {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),
