@@ -89,12 +89,12 @@ impl TensorData {
             if lo < 0 || hi < lo || hi as usize > col.len() {
                 return Err("sparse tensor row pointers are not monotone".into());
             }
-            for i in lo as usize..hi as usize {
-                let c = col[i];
+            let (lo, hi) = (lo as usize, hi as usize);
+            for (&c, &value) in col[lo..hi].iter().zip(&self.data[lo..hi]) {
                 if c < 0 || c as usize >= cols {
                     return Err(format!("sparse column index {c} out of range"));
                 }
-                dense[r * cols + c as usize] = self.data[i];
+                dense[r * cols + c as usize] = value;
             }
         }
         Ok(dense)

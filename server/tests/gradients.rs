@@ -170,14 +170,26 @@ fn rl_loss_gradients_flow_through_the_model_like_finite_differences() {
     }
 }
 
+/// In f64 the batched and separate runs agree to rounding (1e-10): the batching logic is
+/// exact. In f32 they differ by accumulation order only (different matmul shapes).
 #[test]
 fn mixed_adapter_batch_equals_separate_runs() {
-    for arch in [Arch::Llama, Arch::Qwen3] {
-        let model = tiny(arch);
-        let vocab = model.transformer.config.vocab_size;
-        let a = random_adapter(&model, full_spec(4), 21);
+    for (dtype, tol) in [(DType::F64, 1e-10), (DType::F32, 1e-4)] {
+        for arch in [Arch::Llama, Arch::Qwen3] {
+            mixed_equals_separate(arch, dtype, tol);
+        }
+    }
+}
+
+fn mixed_equals_separate(arch: Arch, dtype: DType, tol: f64) {
+    {
+        let model32 = tiny(arch);
+        let vocab = model32.transformer.config.vocab_size;
+        let a = random_adapter(&model32, full_spec(4), 21)
+            .to_dtype(dtype)
+            .unwrap();
         let b = random_adapter(
-            &model,
+            &model32,
             LoraSpec {
                 rank: 2,
                 train_attn: true,
@@ -185,7 +197,13 @@ fn mixed_adapter_batch_equals_separate_runs() {
                 train_unembed: false,
             },
             22,
-        );
+        )
+        .to_dtype(dtype)
+        .unwrap();
+        let model = LoadedModel {
+            transformer: model32.transformer.to_dtype(dtype).unwrap(),
+            ..model32
+        };
         // Interleaved on purpose: the batch must regroup rows by adapter.
         let jobs = vec![
             ce_job(1, 10, vocab, 0),
@@ -213,19 +231,22 @@ fn mixed_adapter_batch_equals_separate_runs() {
                 .collect();
             for ((_, m), s) in mixed_for_adapter.iter().zip(&alone_out) {
                 for (x, y) in m.logprobs.iter().zip(&s.logprobs) {
-                    assert!((x - y).abs() < 1e-5, "{arch:?} logprob {x} vs {y}");
+                    assert!(
+                        (x - y).abs() < 1e-5 * x.abs().max(1.0),
+                        "{arch:?} logprob {x} vs {y}"
+                    );
                 }
             }
             assert_eq!(mixed_grads[ai].pairs.len(), alone_grads[0].pairs.len());
             for (t, (da, db)) in &mixed_grads[ai].pairs {
                 let (sa, sb) = &alone_grads[0].pairs[t];
                 assert!(
-                    rel_diff(da, sa) < 1e-5,
+                    rel_diff(da, sa) < tol,
                     "{arch:?} {t:?} dA differs by {}",
                     rel_diff(da, sa)
                 );
                 assert!(
-                    rel_diff(db, sb) < 1e-5,
+                    rel_diff(db, sb) < tol,
                     "{arch:?} {t:?} dB differs by {}",
                     rel_diff(db, sb)
                 );

@@ -2,51 +2,53 @@
 //!
 //! Decoding one token reads every weight once; in f32 that is 540 MB per token for
 //! SmolLM2-135M, which memory bandwidth caps at about 20 tokens/s on two cores. Q8_0
-//! (8-bit blocks of 32 with an f16 scale) reads a quarter of that. The sampler uses these
+//! (8-bit blocks of 32 with one scale each) reads a quarter of that. The sampler uses these
 //! weights to choose tokens and then rescores the chosen tokens with the f32 trainer
 //! weights, so the log-probabilities it reports are exactly the trainer's (see
 //! `sample::decode`). Projections whose input width is not a multiple of 32 stay f32.
+//! Activations stay f32 (unlike GGML's Q8_0 x Q8_0 product), which halves the error.
 
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
-use candle_core::{Module, Tensor};
+use candle_core::{DType, Tensor};
 
-use super::weights::{BaseWeights, FrozenLinear};
+use super::kernels::{self, Q8Matrix, Q8_BLOCK};
+use super::weights::{matmul_t, BaseWeights, FrozenLinear};
 use super::ModelError;
 
-/// A projection for decoding: Q8_0 when its shape allows, else the f32 weight.
+/// A projection for decoding: 8-bit when its shape allows, else the f32 weight. Many
+/// rows at once (a prompt) go through the f32 weight: that product is compute-bound and
+/// f32 keeps the prompt's KV cache exact.
 #[derive(Debug, Clone)]
 pub struct DecodeLinear {
-    matmul: QMatMul,
-    bias: Option<Tensor>,
+    q8: Option<Q8Matrix>,
+    f32: FrozenLinear,
 }
 
 impl DecodeLinear {
     fn new(l: &FrozenLinear) -> Result<Self, ModelError> {
+        let w = &l.weight;
+        let eligible =
+            w.dims()[1] % Q8_BLOCK == 0 && w.device().is_cpu() && w.dtype() == DType::F32;
         Ok(Self {
-            matmul: quantize(&l.weight)?,
-            bias: l.bias.clone(),
+            q8: if eligible {
+                Some(Q8Matrix::new(w)?)
+            } else {
+                None
+            },
+            f32: l.clone(),
         })
     }
 
     /// `x W^T + b` with the decode weights.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let y = self.matmul.forward(&x.contiguous()?)?;
-        match &self.bias {
+        let y = match &self.q8 {
+            Some(q) if x.dims()[0] <= kernels::FEW_ROWS => q.matmul_t(x)?,
+            _ => matmul_t(x, &self.f32.weight)?,
+        };
+        match &self.f32.bias {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),
         }
     }
-}
-
-fn quantize(w: &Tensor) -> Result<QMatMul, ModelError> {
-    let in_dim = w.dims()[1];
-    if in_dim % GgmlDType::Q8_0.block_size() != 0 || !w.device().is_cpu() {
-        return Ok(QMatMul::Tensor(w.clone()));
-    }
-    Ok(QMatMul::from_qtensor(QTensor::quantize(
-        w,
-        GgmlDType::Q8_0,
-    )?)?)
 }
 
 /// The seven projections of one block, in [`super::Proj::ALL`] order.

@@ -11,7 +11,7 @@ use num_traits::Float;
 use rayon::prelude::*;
 
 /// Float types the kernels run on.
-pub trait Real: WithDType + Float + Send + Sync {}
+pub trait Real: WithDType + Float + num_traits::NumAssign + Send + Sync {}
 impl Real for f32 {}
 impl Real for f64 {}
 
@@ -32,6 +32,13 @@ fn with<T: Real, R>(t: &Tensor, f: impl FnOnce(&[T]) -> Result<R>) -> Result<R> 
         }
         _ => candle_core::bail!("fused kernels need CPU tensors"),
     }
+}
+
+/// Smallest number of `unit`-element chunks worth handing to another thread: below
+/// about 32K elements, waking a worker costs more than it saves (decode steps are full
+/// of such small calls).
+fn grain(unit: usize) -> usize {
+    (32_768 / unit.max(1)).max(1)
 }
 
 fn out<T: Real>(v: Vec<T>, shape: &[usize]) -> Result<Tensor> {
@@ -58,6 +65,7 @@ pub fn rms_norm<T: Real>(x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Te
             y.par_chunks_mut(c)
                 .zip(rstd.par_iter_mut())
                 .zip(xs.par_chunks(c))
+                .with_min_len(grain(c))
                 .for_each(|((yr, r), xr)| {
                     let ms = xr.iter().fold(T::zero(), |acc, &v| acc + v * v) * inv_c;
                     *r = T::one() / (ms + eps).sqrt();
@@ -89,10 +97,11 @@ pub fn rms_norm_backward<T: Real>(
                         .zip(dys.par_chunks(c))
                         .zip(xs.par_chunks(c))
                         .zip(rs.par_iter())
+                        .with_min_len(grain(c))
                         .for_each(|(((dxr, dyr), xr), &r)| {
                             let mut dot = T::zero();
                             for ((&d, &v), &g) in dyr.iter().zip(xr).zip(ws) {
-                                dot = dot + d * g * v * r;
+                                dot += d * g * v * r;
                             }
                             let m = dot * inv_c;
                             for (((o, &d), &v), &g) in dxr.iter_mut().zip(dyr).zip(xr).zip(ws) {
@@ -118,6 +127,7 @@ pub fn swiglu<T: Real>(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
             let mut y = vec![T::zero(); g.len()];
             y.par_chunks_mut(4096)
                 .zip(g.par_chunks(4096).zip(u.par_chunks(4096)))
+                .with_min_len(8)
                 .for_each(|(yc, (gc, uc))| {
                     for ((o, &gv), &uv) in yc.iter_mut().zip(gc).zip(uc) {
                         *o = gv * sigmoid(gv) * uv;
@@ -147,6 +157,7 @@ pub fn swiglu_backward<T: Real>(
                             .zip(g.par_chunks(4096))
                             .zip(u.par_chunks(4096)),
                     )
+                    .with_min_len(8)
                     .for_each(|((dgc, duc), ((dc, gc), uc))| {
                         for i in 0..dgc.len() {
                             let s = sigmoid(gc[i]);
@@ -175,6 +186,7 @@ pub fn rope<T: Real>(x: &Tensor, cos: &Tensor, sin: &Tensor, sign: f64) -> Resul
                 y.par_chunks_mut(heads * hd)
                     .zip(xs.par_chunks(heads * hd))
                     .zip(cs.par_chunks(half).zip(ss.par_chunks(half)))
+                    .with_min_len(grain(heads * hd))
                     .for_each(|((yr, xr), (c, s))| {
                         for h in 0..heads {
                             let (xo, yo) =
@@ -204,6 +216,7 @@ pub fn causal_softmax<T: Real>(scores: &Tensor, tq: usize, scale: f64) -> Result
         p.par_chunks_mut(tk)
             .zip(s.par_chunks(tk))
             .enumerate()
+            .with_min_len(grain(tk))
             .for_each(|(r, (pr, sr))| {
                 let visible = offset + r % tq + 1;
                 let max = sr[..visible]
@@ -213,10 +226,10 @@ pub fn causal_softmax<T: Real>(scores: &Tensor, tq: usize, scale: f64) -> Result
                 let mut sum = T::zero();
                 for (o, &v) in pr[..visible].iter_mut().zip(&sr[..visible]) {
                     *o = (v * scale - max).exp();
-                    sum = sum + *o;
+                    sum += *o;
                 }
                 let inv = T::one() / sum;
-                pr[..visible].iter_mut().for_each(|o| *o = *o * inv);
+                pr[..visible].iter_mut().for_each(|o| *o *= inv);
             });
         Ok(p)
     })?;
@@ -232,6 +245,7 @@ pub fn softmax_backward<T: Real>(p: &Tensor, dp: &Tensor, scale: f64) -> Result<
             let mut ds = vec![T::zero(); ps.len()];
             ds.par_chunks_mut(tk)
                 .zip(ps.par_chunks(tk).zip(dps.par_chunks(tk)))
+                .with_min_len(grain(tk))
                 .for_each(|(o, (pr, dr))| {
                     let dot = pr.iter().zip(dr).fold(T::zero(), |a, (&x, &y)| a + x * y);
                     for ((v, &x), &y) in o.iter_mut().zip(pr).zip(dr) {
@@ -294,7 +308,7 @@ pub fn logprobs_at_backward<T: Real>(
                             *ov = -(x - l).exp() * total;
                         }
                         for (&ti, &dv) in t.iter().zip(dr) {
-                            o[ti as usize] = o[ti as usize] + dv;
+                            o[ti as usize] += dv;
                         }
                     });
                 Ok(dl)
@@ -320,6 +334,7 @@ pub fn matmul_t_few_rows(x: &Tensor, w: &Tensor) -> Result<Tensor> {
             const BLOCK: usize = 64;
             yt.par_chunks_mut(BLOCK * m)
                 .zip(ws.par_chunks(BLOCK * k))
+                .with_min_len(grain(BLOCK * k))
                 .for_each(|(out, wrows)| dot_block(xs, m, k, wrows, out));
             Ok(yt)
         })
@@ -380,6 +395,132 @@ fn dot_block_generic(xs: &[f32], m: usize, k: usize, wrows: &[f32], out: &mut [f
                 total += a * b;
             }
             out[o * m + mi] = total;
+        }
+    }
+}
+
+/// Weights quantized to 8 bits in blocks of 32 along the input dim, one f32 scale per
+/// block (the Q8_0 scheme without its f16 scale), for decoding.
+#[derive(Debug, Clone)]
+pub struct Q8Matrix {
+    quants: Vec<i8>,
+    scales: Vec<f32>,
+    rows: usize,
+    cols: usize,
+}
+
+/// Block length of [`Q8Matrix`].
+pub const Q8_BLOCK: usize = 32;
+
+impl Q8Matrix {
+    /// Quantizes an f32 `(rows, cols)` matrix; `cols` must be a multiple of 32.
+    pub fn new(w: &Tensor) -> Result<Self> {
+        let (rows, cols) = w.dims2()?;
+        if cols % Q8_BLOCK != 0 {
+            candle_core::bail!("Q8 needs a multiple of {Q8_BLOCK} columns, got {cols}");
+        }
+        let data: Vec<f32> = w.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+        let mut quants = vec![0i8; data.len()];
+        let mut scales = vec![0f32; data.len() / Q8_BLOCK];
+        quants
+            .par_chunks_mut(Q8_BLOCK)
+            .zip(scales.par_iter_mut())
+            .zip(data.par_chunks(Q8_BLOCK))
+            .for_each(|((q, s), x)| {
+                let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+                *s = amax / 127.0;
+                let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+                for (qi, &xi) in q.iter_mut().zip(x) {
+                    *qi = (xi * inv).round() as i8;
+                }
+            });
+        Ok(Self {
+            quants,
+            scales,
+            rows,
+            cols,
+        })
+    }
+
+    /// `x W^T` for f32 `x (m, cols)` with few rows; activations stay f32.
+    pub fn matmul_t(&self, x: &Tensor) -> Result<Tensor> {
+        let (m, k) = x.dims2()?;
+        if k != self.cols {
+            candle_core::bail!("Q8 matmul: input has {k} columns, weight {}", self.cols);
+        }
+        let n = self.rows;
+        let nb = k / Q8_BLOCK;
+        let yt = with::<f32, _>(x, |xs| {
+            let mut yt = vec![0f32; n * m];
+            const BLOCK: usize = 64;
+            yt.par_chunks_mut(BLOCK * m)
+                .zip(
+                    self.quants
+                        .par_chunks(BLOCK * k)
+                        .zip(self.scales.par_chunks(BLOCK * nb)),
+                )
+                .with_min_len(grain(BLOCK * k))
+                .for_each(|(out, (q, s))| q8_block(xs, m, k, q, s, out));
+            Ok(yt)
+        })?;
+        let yt = out(yt, &[n, m])?;
+        if m == 1 {
+            yt.reshape((1, n))
+        } else {
+            yt.t()?.contiguous()
+        }
+    }
+}
+
+fn q8_block(xs: &[f32], m: usize, k: usize, q: &[i8], s: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU supports AVX-512F, checked just above.
+            return unsafe { q8_block_avx512(xs, m, k, q, s, out) };
+        }
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU supports AVX2 and FMA, checked just above.
+            return unsafe { q8_block_avx2(xs, m, k, q, s, out) };
+        }
+    }
+    q8_block_generic(xs, m, k, q, s, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+unsafe fn q8_block_avx512(xs: &[f32], m: usize, k: usize, q: &[i8], s: &[f32], out: &mut [f32]) {
+    q8_block_generic(xs, m, k, q, s, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn q8_block_avx2(xs: &[f32], m: usize, k: usize, q: &[i8], s: &[f32], out: &mut [f32]) {
+    q8_block_generic(xs, m, k, q, s, out)
+}
+
+#[inline(always)]
+fn q8_block_generic(xs: &[f32], m: usize, k: usize, q: &[i8], s: &[f32], out: &mut [f32]) {
+    const H: usize = Q8_BLOCK / 2;
+    let nb = k / Q8_BLOCK;
+    for (o, (qr, sr)) in q.chunks_exact(k).zip(s.chunks_exact(nb)).enumerate() {
+        for mi in 0..m {
+            let xr = &xs[mi * k..(mi + 1) * k];
+            let mut acc = [0f32; H];
+            for ((qb, xb), &scale) in qr
+                .chunks_exact(Q8_BLOCK)
+                .zip(xr.chunks_exact(Q8_BLOCK))
+                .zip(sr)
+            {
+                let mut part = [0f32; H];
+                for l in 0..H {
+                    part[l] = (qb[l] as f32).mul_add(xb[l], (qb[l + H] as f32) * xb[l + H]);
+                }
+                for l in 0..H {
+                    acc[l] = part[l].mul_add(scale, acc[l]);
+                }
+            }
+            out[o * m + mi] = acc.iter().sum();
         }
     }
 }

@@ -14,8 +14,15 @@ use super::transformer::SeqSpan;
 /// Keys and values of one sequence in one layer, `(tokens, kv_dim)` each.
 #[derive(Debug, Clone)]
 enum LayerKv {
-    Tensors { k: Tensor, v: Tensor },
-    Host { k: Vec<f32>, v: Vec<f32>, kv_dim: usize },
+    Tensors {
+        k: Tensor,
+        v: Tensor,
+    },
+    Host {
+        k: Vec<f32>,
+        v: Vec<f32>,
+        kv_dim: usize,
+    },
 }
 
 impl LayerKv {
@@ -111,57 +118,58 @@ fn host_attention(
         rest = tail;
     }
     let work: Vec<_> = seqs.iter().zip(caches.iter_mut()).zip(chunks).collect();
-    work.into_par_iter().try_for_each(|((s, cache), out_rows)| -> candle_core::Result<()> {
-        let new_k = &kv[s.start * kv_dim..(s.start + s.len) * kv_dim];
-        let new_v = &vv[s.start * kv_dim..(s.start + s.len) * kv_dim];
-        if cache.layers.len() <= index {
-            cache.layers.push(LayerKv::Host {
-                k: Vec::with_capacity(new_k.len() * 4),
-                v: Vec::with_capacity(new_v.len() * 4),
-                kv_dim,
-            });
-        }
-        let LayerKv::Host { k: ck, v: cv, .. } = &mut cache.layers[index] else {
-            candle_core::bail!("KV cache built on another device");
-        };
-        ck.extend_from_slice(new_k);
-        cv.extend_from_slice(new_v);
-        let total = ck.len() / kv_dim;
-        let (ck, cv) = (&*ck, &*cv);
-        let q_rows = &qv[s.start * qd..(s.start + s.len) * qd];
-        out_rows
-            .par_chunks_mut(qd)
-            .zip(q_rows.par_chunks(qd))
-            .enumerate()
-            .for_each(|(i, (o, qr))| {
-                let visible = total - s.len + i + 1;
-                let mut p = vec![0f32; visible];
-                for h in 0..heads {
-                    let g = h / group;
-                    let qh = &qr[h * hd..(h + 1) * hd];
-                    let mut max = f32::NEG_INFINITY;
-                    for (j, pj) in p.iter_mut().enumerate() {
-                        let kj = &ck[j * kv_dim + g * hd..j * kv_dim + (g + 1) * hd];
-                        *pj = qh.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale;
-                        max = max.max(*pj);
-                    }
-                    let mut sum = 0f32;
-                    for pj in p.iter_mut() {
-                        *pj = (*pj - max).exp();
-                        sum += *pj;
-                    }
-                    let oh = &mut o[h * hd..(h + 1) * hd];
-                    oh.iter_mut().for_each(|x| *x = 0.0);
-                    for (j, pj) in p.iter().enumerate() {
-                        let w = pj / sum;
-                        let vj = &cv[j * kv_dim + g * hd..j * kv_dim + (g + 1) * hd];
-                        for (x, y) in oh.iter_mut().zip(vj) {
-                            *x += w * y;
+    work.into_par_iter()
+        .try_for_each(|((s, cache), out_rows)| -> candle_core::Result<()> {
+            let new_k = &kv[s.start * kv_dim..(s.start + s.len) * kv_dim];
+            let new_v = &vv[s.start * kv_dim..(s.start + s.len) * kv_dim];
+            if cache.layers.len() <= index {
+                cache.layers.push(LayerKv::Host {
+                    k: Vec::with_capacity(new_k.len() * 4),
+                    v: Vec::with_capacity(new_v.len() * 4),
+                    kv_dim,
+                });
+            }
+            let LayerKv::Host { k: ck, v: cv, .. } = &mut cache.layers[index] else {
+                candle_core::bail!("KV cache built on another device");
+            };
+            ck.extend_from_slice(new_k);
+            cv.extend_from_slice(new_v);
+            let total = ck.len() / kv_dim;
+            let (ck, cv) = (&*ck, &*cv);
+            let q_rows = &qv[s.start * qd..(s.start + s.len) * qd];
+            out_rows
+                .par_chunks_mut(qd)
+                .zip(q_rows.par_chunks(qd))
+                .enumerate()
+                .for_each(|(i, (o, qr))| {
+                    let visible = total - s.len + i + 1;
+                    let mut p = vec![0f32; visible];
+                    for h in 0..heads {
+                        let g = h / group;
+                        let qh = &qr[h * hd..(h + 1) * hd];
+                        let mut max = f32::NEG_INFINITY;
+                        for (j, pj) in p.iter_mut().enumerate() {
+                            let kj = &ck[j * kv_dim + g * hd..j * kv_dim + (g + 1) * hd];
+                            *pj = qh.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale;
+                            max = max.max(*pj);
+                        }
+                        let mut sum = 0f32;
+                        for pj in p.iter_mut() {
+                            *pj = (*pj - max).exp();
+                            sum += *pj;
+                        }
+                        let oh = &mut o[h * hd..(h + 1) * hd];
+                        oh.iter_mut().for_each(|x| *x = 0.0);
+                        for (j, pj) in p.iter().enumerate() {
+                            let w = pj / sum;
+                            let vj = &cv[j * kv_dim + g * hd..j * kv_dim + (g + 1) * hd];
+                            for (x, y) in oh.iter_mut().zip(vj) {
+                                *x += w * y;
+                            }
                         }
                     }
-                }
-            });
-        Ok(())
-    })?;
+                });
+            Ok(())
+        })?;
     Tensor::from_vec(out, (rows, qd), &Device::Cpu)
 }

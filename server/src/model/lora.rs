@@ -366,8 +366,8 @@ pub fn lora_forward(
         match pair_of(seg) {
             Some((pair, scale)) => {
                 let xs = x.narrow(0, seg.start, seg.len)?;
-                let u = xs.matmul(&pair.a.t()?)?;
-                deltas.push((u.matmul(&pair.b.t()?)? * scale)?);
+                let u = super::weights::matmul_t(&xs, &pair.a)?;
+                deltas.push((super::weights::matmul_t(&u, &pair.b)? * scale)?);
                 cache.push(Some(u));
             }
             None => {

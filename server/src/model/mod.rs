@@ -21,9 +21,9 @@ use candle_core::Device;
 
 pub use chat_template::{ChatMessage, ChatTemplate};
 pub use config::{Arch, ModelConfig};
+pub use kv::KvCache;
 pub use lora::{Adapter, AdapterGrads, LoraSpec, Proj, Target};
 pub use tokenizer::TextTokenizer;
-pub use kv::KvCache;
 pub use transformer::{PackedBatch, Transformer};
 
 /// The name clients use for the default model.

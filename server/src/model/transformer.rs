@@ -8,8 +8,8 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::config::ModelConfig;
-use super::kv::{self, KvCache};
 use super::decode::{DecodeLayer, DecodeWeights};
+use super::kv::{self, KvCache};
 use super::lora::{
     lora_backward, lora_forward, Adapter, AdapterGrads, LoraCache, Proj, Segment, Target,
 };
@@ -338,7 +338,7 @@ impl Transformer {
         adapters: &[&Adapter],
         cos: &Tensor,
         sin: &Tensor,
-        mut caches: Option<&mut [&mut KvCache]>,
+        caches: Option<&mut [&mut KvCache]>,
         dec: Option<&DecodeLayer>,
     ) -> Result<(Tensor, LayerTape), ModelError> {
         let cfg = &self.config;
@@ -372,7 +372,7 @@ impl Transformer {
         let q = ops::rope(&q, cos, sin)?.reshape((n, hq * hd))?;
         let k = ops::rope(&k, cos, sin)?.reshape((n, hkv * hd))?;
         let mut saved = Vec::new();
-        let attn_out = match caches.as_deref_mut() {
+        let attn_out = match caches {
             Some(caches) => kv::cached_attention(index, &q, &k, &v, &batch.seqs, caches, hq, hkv)?,
             None => {
                 let mut outs = Vec::with_capacity(batch.seqs.len());

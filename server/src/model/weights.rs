@@ -9,7 +9,11 @@ use super::ModelError;
 
 /// `x W^T`, through the few-rows kernel when decoding on CPU in f32.
 pub fn matmul_t(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
-    if x.dims()[0] <= kernels::FEW_ROWS && x.device().is_cpu() && x.dtype() == DType::F32 && w.dtype() == DType::F32 {
+    if x.dims()[0] <= kernels::FEW_ROWS
+        && x.device().is_cpu()
+        && x.dtype() == DType::F32
+        && w.dtype() == DType::F32
+    {
         return kernels::matmul_t_few_rows(x, w);
     }
     x.matmul(&w.t()?)

@@ -148,14 +148,11 @@ pub fn sample(
             let tok = job.picker.pick(&st.logits, &mut st.rng);
             st.out.tokens.push(tok as u32);
             st.out.logprobs.push(token_logprob(&st.logits, tok) as f32);
-            if job.stop_tokens.contains(&(tok as u32))
+            let stopped = job.stop_tokens.contains(&(tok as u32))
                 || tokenizer.eos_ids().contains(&(tok as u32))
-            {
-                st.out.stop = Stop::Stop;
-                st.done = true;
-            } else if !job.stop_strings.is_empty()
-                && hits_stop_string(tokenizer, &st.out.tokens, &job.stop_strings)?
-            {
+                || (!job.stop_strings.is_empty()
+                    && hits_stop_string(tokenizer, &st.out.tokens, &job.stop_strings)?);
+            if stopped {
                 st.out.stop = Stop::Stop;
                 st.done = true;
             } else if st.out.tokens.len() >= job.max_tokens {

@@ -130,8 +130,7 @@ pub fn evaluate(loss: &Loss, lp: &[f64], inp: &TokenInputs) -> LossEval {
             inp.clip_high.as_ref().map_or(hi, |v| v[t] as f64),
         )
     };
-    for t in 0..n {
-        let x = lp[t];
+    for (t, &x) in lp.iter().enumerate() {
         let (l, d) = match *loss {
             Loss::CrossEntropy => {
                 let w = inp.weights[t] as f64;
@@ -242,16 +241,15 @@ mod tests {
             "{loss:?}: {} vs {want}",
             ev.total
         );
-        for t in 0..lp.len() {
+        for (t, &g) in ev.grad.iter().enumerate() {
             let h = 1e-6;
             let (mut up, mut down) = (lp64.clone(), lp64.clone());
             up[t] += h;
             down[t] -= h;
             let fd = (reference(&loss, &up, &inp) - reference(&loss, &down, &inp)) / (2.0 * h);
             assert!(
-                (ev.grad[t] as f64 - fd).abs() < 1e-5 * (1.0 + fd.abs()),
-                "{loss:?} token {t}: grad {} vs finite difference {fd}",
-                ev.grad[t]
+                (g as f64 - fd).abs() < 1e-5 * (1.0 + fd.abs()),
+                "{loss:?} token {t}: grad {g} vs finite difference {fd}"
             );
         }
     }
@@ -300,11 +298,11 @@ mod tests {
         };
         let (lp, inp) = inputs();
         let ev = evaluate(&loss, &to64(&lp), &inp);
-        for t in 0..lp.len() {
-            let r = ((lp[t] - inp.sampler_logprobs[t]) as f64).exp();
+        for (t, &x) in lp.iter().enumerate() {
+            let r = ((x - inp.sampler_logprobs[t]) as f64).exp();
             let c = r.clamp(0.8, 1.2);
             let a = inp.advantages[t] as f64;
-            assert!((ev.elementwise[t] as f64 - (-c * lp[t] as f64 * a)).abs() < 1e-5);
+            assert!((ev.elementwise[t] as f64 - (-c * x as f64 * a)).abs() < 1e-5);
             // Stop-gradient: the derivative is -c*A exactly, not including dc/dlp.
             assert!((ev.grad[t] as f64 - (-c * a)).abs() < 1e-6);
         }
