@@ -118,7 +118,9 @@ pub fn sample(
     let batch = PackedBatch::new(&seqs, dev)?;
     let first = {
         let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
-        model.forward_cached(&batch, adapters, &mut refs, quantized)?
+        // Prompts are prefilled with the f32 weights: the product is compute-bound, and
+        // the prompt's KV cache is then exact whatever the batch looks like.
+        model.forward_cached(&batch, adapters, &mut refs, false)?
     };
     let first: Vec<Vec<f32>> = first.to_dtype(DType::F32)?.to_vec2()?;
     let mut streams = Vec::new();
