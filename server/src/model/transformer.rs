@@ -14,13 +14,42 @@ use super::lora::{
     lora_backward, lora_forward, Adapter, AdapterGrads, LoraCache, Proj, Segment, Target,
 };
 use super::ops::{self, AttnSaved, RmsSaved, Rope};
-use super::weights::{BaseWeights, FrozenLinear, LayerWeights};
+use super::weights::{matmul_t, BaseWeights, FrozenLinear, LayerWeights};
 use super::ModelError;
 
 /// Rows of the output head computed at once, bounding the `(rows, vocab)` logits buffer
 /// (50 MB at 256 rows of SmolLM2). Larger chunks repack the `(vocab, hidden)` head
 /// weight for the matmul fewer times.
 const HEAD_CHUNK_ROWS: usize = 256;
+
+/// Stacks each block's q/k/v and gate/up weights and points the separate weights at row
+/// ranges of the stacks.
+fn stack_projections(
+    cfg: &ModelConfig,
+    w: &mut BaseWeights,
+) -> Result<Vec<FusedLayer>, ModelError> {
+    let mut out = Vec::with_capacity(w.layers.len());
+    for l in &mut w.layers {
+        let qkv = Tensor::cat(&[&l.q_proj.weight, &l.k_proj.weight, &l.v_proj.weight], 0)?;
+        let qkv_bias = match (&l.q_proj.bias, &l.k_proj.bias, &l.v_proj.bias) {
+            (Some(q), Some(k), Some(v)) => Some(Tensor::cat(&[q, k, v], 0)?),
+            _ => None,
+        };
+        let gate_up = Tensor::cat(&[&l.gate_proj.weight, &l.up_proj.weight], 0)?;
+        let (qd, kvd, f) = (cfg.q_dim(), cfg.kv_dim(), cfg.intermediate_size);
+        l.q_proj.weight = qkv.narrow(0, 0, qd)?;
+        l.k_proj.weight = qkv.narrow(0, qd, kvd)?;
+        l.v_proj.weight = qkv.narrow(0, qd + kvd, kvd)?;
+        l.gate_proj.weight = gate_up.narrow(0, 0, f)?;
+        l.up_proj.weight = gate_up.narrow(0, f, f)?;
+        out.push(FusedLayer {
+            qkv,
+            qkv_bias,
+            gate_up,
+        });
+    }
+    Ok(out)
+}
 
 /// One sequence of a packed batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -106,6 +135,20 @@ pub struct Transformer {
     rope: Rope,
     /// Q8_0 copies for decoding, built on first use.
     decode: std::sync::OnceLock<DecodeWeights>,
+    /// Per block, q/k/v and gate/up weights stacked so each group is one matmul.
+    fused: Vec<FusedLayer>,
+}
+
+/// The stacked projections of one block. The separate `q_proj`, ... weights of
+/// [`BaseWeights`] are row ranges (views) of these, so stacking costs no memory.
+#[derive(Debug, Clone)]
+struct FusedLayer {
+    /// `(q_dim + 2 kv_dim, hidden)`.
+    qkv: Tensor,
+    /// Stacked q/k/v biases (Qwen2).
+    qkv_bias: Option<Tensor>,
+    /// `(2 intermediate, hidden)`.
+    gate_up: Tensor,
 }
 
 struct LayerTape {
@@ -155,9 +198,10 @@ pub struct Tape {
 
 impl Transformer {
     /// Wraps checked weights, precomputing the RoPE tables.
-    pub fn new(config: ModelConfig, weights: BaseWeights) -> Result<Self, ModelError> {
+    pub fn new(config: ModelConfig, mut weights: BaseWeights) -> Result<Self, ModelError> {
         config.validate()?;
         weights.check_shapes(&config)?;
+        let fused = stack_projections(&config, &mut weights)?;
         let rope = Rope::new(
             config.head_dim,
             config.rope_theta,
@@ -170,6 +214,7 @@ impl Transformer {
             weights,
             rope,
             decode: std::sync::OnceLock::new(),
+            fused,
         })
     }
 
@@ -358,9 +403,35 @@ impl Transformer {
             cfg.head_dim,
         );
         let (x1, norm1) = ops::rms_norm(h, &w.input_layernorm, cfg.rms_norm_eps)?;
-        let (q, lq) = lin(&x1, &w.q_proj, Proj::Q)?;
-        let (k, lk) = lin(&x1, &w.k_proj, Proj::K)?;
-        let (v, lv) = lin(&x1, &w.v_proj, Proj::V)?;
+        let ((q, lq), (k, lk), (v, lv)) = match dec {
+            Some(_) => (
+                lin(&x1, &w.q_proj, Proj::Q)?,
+                lin(&x1, &w.k_proj, Proj::K)?,
+                lin(&x1, &w.v_proj, Proj::V)?,
+            ),
+            None => {
+                let f = &self.fused[index];
+                let mut qkv = matmul_t(&x1, &f.qkv)?;
+                if let Some(b) = &f.qkv_bias {
+                    qkv = qkv.broadcast_add(b)?;
+                }
+                let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
+                let part = |start: usize, len: usize, p: Proj| {
+                    lora_forward(
+                        &x1,
+                        qkv.narrow(1, start, len)?,
+                        Target::Layer(index, p),
+                        segs,
+                        adapters,
+                    )
+                };
+                (
+                    part(0, qd, Proj::Q)?,
+                    part(qd, kvd, Proj::K)?,
+                    part(qd + kvd, kvd, Proj::V)?,
+                )
+            }
+        };
         let mut q = q.reshape((n, hq, hd))?;
         let mut k = k.reshape((n, hkv, hd))?;
         let (mut q_norm, mut k_norm) = (None, None);
@@ -397,8 +468,26 @@ impl Transformer {
         let (o, lo) = lin(&attn_out, &w.o_proj, Proj::O)?;
         let h2 = (h + o)?;
         let (x2, norm2) = ops::rms_norm(&h2, &w.post_attention_layernorm, cfg.rms_norm_eps)?;
-        let (gate, lgate) = lin(&x2, &w.gate_proj, Proj::Gate)?;
-        let (up, lup) = lin(&x2, &w.up_proj, Proj::Up)?;
+        let ((gate, lgate), (up, lup)) = match dec {
+            Some(_) => (
+                lin(&x2, &w.gate_proj, Proj::Gate)?,
+                lin(&x2, &w.up_proj, Proj::Up)?,
+            ),
+            None => {
+                let gu = matmul_t(&x2, &self.fused[index].gate_up)?;
+                let f = cfg.intermediate_size;
+                let part = |start: usize, p: Proj| {
+                    lora_forward(
+                        &x2,
+                        gu.narrow(1, start, f)?,
+                        Target::Layer(index, p),
+                        segs,
+                        adapters,
+                    )
+                };
+                (part(0, Proj::Gate)?, part(f, Proj::Up)?)
+            }
+        };
         let act = ops::swiglu(&gate, &up)?;
         let (down, ldown) = lin(&act, &w.down_proj, Proj::Down)?;
         let h3 = (h2 + down)?;
@@ -555,11 +644,12 @@ impl Transformer {
     ) -> Result<Tensor, ModelError> {
         let cfg = &self.config;
         let w = &self.weights.layers[index];
-        let mut lin_back = |x: &Tensor,
-                            dy: &Tensor,
-                            l: &FrozenLinear,
-                            p: Proj,
-                            cache: &LoraCache|
+        let lin_back = |x: &Tensor,
+                        dy: &Tensor,
+                        l: &FrozenLinear,
+                        p: Proj,
+                        cache: &LoraCache,
+                        grads: &mut [AdapterGrads]|
          -> candle_core::Result<Tensor> {
             let dx = l.backward_input(dy)?;
             match lora_backward(x, dy, Target::Layer(index, p), segs, adapters, cache, grads)? {
@@ -574,13 +664,26 @@ impl Transformer {
             cfg.head_dim,
         );
         // MLP
-        let dact = lin_back(&t.act, &dh, &w.down_proj, Proj::Down, &t.ldown)?;
+        let dact = lin_back(&t.act, &dh, &w.down_proj, Proj::Down, &t.ldown, grads)?;
         let (dgate, dup) = ops::swiglu_backward(&dact, &t.gate, &t.up)?;
-        let dx2 = (lin_back(&t.x2, &dgate, &w.gate_proj, Proj::Gate, &t.lgate)?
-            + lin_back(&t.x2, &dup, &w.up_proj, Proj::Up, &t.lup)?)?;
+        let dgu = Tensor::cat(&[&dgate, &dup], 1)?;
+        let mut dx2 = dgu.matmul(&self.fused[index].gate_up)?;
+        for (dy, p, cache) in [(&dgate, Proj::Gate, &t.lgate), (&dup, Proj::Up, &t.lup)] {
+            if let Some(extra) = lora_backward(
+                &t.x2,
+                dy,
+                Target::Layer(index, p),
+                segs,
+                adapters,
+                cache,
+                grads,
+            )? {
+                dx2 = (dx2 + extra)?;
+            }
+        }
         let dh2 = (&dh + ops::rms_norm_backward(&dx2, &w.post_attention_layernorm, &t.norm2)?)?;
         // attention
-        let dattn = lin_back(&t.attn_out, &dh2, &w.o_proj, Proj::O, &t.lo)?;
+        let dattn = lin_back(&t.attn_out, &dh2, &w.o_proj, Proj::O, &t.lo, grads)?;
         let (mut dqs, mut dks, mut dvs) = (Vec::new(), Vec::new(), Vec::new());
         for (s, saved) in seqs.iter().zip(&t.attn) {
             let (dq, dk, dv) = ops::attention_backward(&dattn.narrow(0, s.start, s.len)?, saved)?;
@@ -601,9 +704,25 @@ impl Transformer {
         }
         let dq = dq.reshape((n, hq * hd))?;
         let dk = dk.reshape((n, hkv * hd))?;
-        let dx1 = ((lin_back(&t.x1, &dq, &w.q_proj, Proj::Q, &t.lq)?
-            + lin_back(&t.x1, &dk, &w.k_proj, Proj::K, &t.lk)?)?
-            + lin_back(&t.x1, &dv, &w.v_proj, Proj::V, &t.lv)?)?;
+        let dqkv = Tensor::cat(&[&dq, &dk, &dv], 1)?;
+        let mut dx1 = dqkv.matmul(&self.fused[index].qkv)?;
+        for (dy, p, cache) in [
+            (&dq, Proj::Q, &t.lq),
+            (&dk, Proj::K, &t.lk),
+            (&dv, Proj::V, &t.lv),
+        ] {
+            if let Some(extra) = lora_backward(
+                &t.x1,
+                dy,
+                Target::Layer(index, p),
+                segs,
+                adapters,
+                cache,
+                grads,
+            )? {
+                dx1 = (dx1 + extra)?;
+            }
+        }
         Ok((dh2 + ops::rms_norm_backward(&dx1, &w.input_layernorm, &t.norm1)?)?)
     }
 }
