@@ -362,10 +362,39 @@ fn dot_block(xs: &[f32], m: usize, k: usize, wrows: &[f32], out: &mut [f32]) {
     dot_block_generic(xs, m, k, wrows, out)
 }
 
+/// AVX-512 version: each 16-float piece of a weight row is loaded once and multiplied
+/// into up to four activation rows.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx2,fma")]
+#[target_feature(enable = "avx512f")]
 unsafe fn dot_block_avx512(xs: &[f32], m: usize, k: usize, wrows: &[f32], out: &mut [f32]) {
-    dot_block_generic(xs, m, k, wrows, out)
+    use std::arch::x86_64::*;
+    let full = k / 16 * 16;
+    for (o, wr) in wrows.chunks_exact(k).enumerate() {
+        let mut mi = 0;
+        while mi < m {
+            let r = (m - mi).min(4);
+            let mut acc = [_mm512_setzero_ps(); 4];
+            let mut c = 0;
+            while c < full {
+                // SAFETY: c + 16 <= full <= k, the length of `wr` and of each x row.
+                let wv = _mm512_loadu_ps(wr.as_ptr().add(c));
+                for (j, a) in acc.iter_mut().enumerate().take(r) {
+                    let xv = _mm512_loadu_ps(xs.as_ptr().add((mi + j) * k + c));
+                    *a = _mm512_fmadd_ps(wv, xv, *a);
+                }
+                c += 16;
+            }
+            for (j, a) in acc.iter().enumerate().take(r) {
+                let row = &xs[(mi + j) * k..(mi + j + 1) * k];
+                let mut total = _mm512_reduce_add_ps(*a);
+                for i in full..k {
+                    total += wr[i] * row[i];
+                }
+                out[o * m + mi + j] = total;
+            }
+            mi += r;
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -378,24 +407,35 @@ unsafe fn dot_block_avx2(xs: &[f32], m: usize, k: usize, wrows: &[f32], out: &mu
 /// compiler vectorises it for whatever features the caller enabled.
 #[inline(always)]
 fn dot_block_generic(xs: &[f32], m: usize, k: usize, wrows: &[f32], out: &mut [f32]) {
-    const L: usize = 16;
     for (o, wr) in wrows.chunks_exact(k).enumerate() {
         for mi in 0..m {
-            let xr = &xs[mi * k..(mi + 1) * k];
-            let mut acc = [0f32; L];
-            let mut wc = wr.chunks_exact(L);
-            let mut xc = xr.chunks_exact(L);
-            for (a, b) in (&mut wc).zip(&mut xc) {
-                for l in 0..L {
-                    acc[l] = a[l].mul_add(b[l], acc[l]);
-                }
-            }
-            let mut total: f32 = acc.iter().sum();
-            for (a, b) in wc.remainder().iter().zip(xc.remainder()) {
-                total += a * b;
-            }
-            out[o * m + mi] = total;
+            dot_rows::<1>(xs, k, mi, wr, &mut out[o * m + mi..o * m + mi + 1]);
         }
+    }
+}
+
+#[inline(always)]
+fn dot_rows<const R: usize>(xs: &[f32], k: usize, first: usize, w: &[f32], dst: &mut [f32]) {
+    const L: usize = 16;
+    let rows: [&[f32]; R] = std::array::from_fn(|r| &xs[(first + r) * k..(first + r + 1) * k]);
+    let mut acc = [[0f32; L]; R];
+    let full = k / L * L;
+    for (c, wc) in w[..full].chunks_exact(L).enumerate() {
+        let wc: &[f32; L] = wc.try_into().expect("16 lanes");
+        let start = c * L;
+        for (a, row) in acc.iter_mut().zip(&rows) {
+            let xc: &[f32; L] = row[start..start + L].try_into().expect("16 lanes");
+            for l in 0..L {
+                a[l] = wc[l].mul_add(xc[l], a[l]);
+            }
+        }
+    }
+    for r in 0..R {
+        let mut total: f32 = acc[r].iter().sum();
+        for i in full..k {
+            total += w[i] * rows[r][i];
+        }
+        dst[r] = total;
     }
 }
 
@@ -487,10 +527,44 @@ fn q8_block(xs: &[f32], m: usize, k: usize, q: &[i8], s: &[f32], out: &mut [f32]
     q8_block_generic(xs, m, k, q, s, out)
 }
 
+/// AVX-512 version: each block of 32 weights is widened to f32 once and multiplied into
+/// up to four activation rows.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+#[target_feature(enable = "avx512f")]
 unsafe fn q8_block_avx512(xs: &[f32], m: usize, k: usize, q: &[i8], s: &[f32], out: &mut [f32]) {
-    q8_block_generic(xs, m, k, q, s, out)
+    use std::arch::x86_64::*;
+    let nb = k / Q8_BLOCK;
+    for (o, (qr, sr)) in q.chunks_exact(k).zip(s.chunks_exact(nb)).enumerate() {
+        let mut mi = 0;
+        while mi < m {
+            let r = (m - mi).min(4);
+            let mut acc = [_mm512_setzero_ps(); 4];
+            for (b, &scale) in sr.iter().enumerate() {
+                let c = b * Q8_BLOCK;
+                // SAFETY: c + 32 <= k, the length of `qr` and of each x row.
+                let lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                    qr.as_ptr().add(c) as *const __m128i,
+                )));
+                let hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                    qr.as_ptr().add(c + 16) as *const __m128i,
+                )));
+                let sv = _mm512_set1_ps(scale);
+                for (j, a) in acc.iter_mut().enumerate().take(r) {
+                    let x = xs.as_ptr().add((mi + j) * k + c);
+                    let part = _mm512_fmadd_ps(
+                        hi,
+                        _mm512_loadu_ps(x.add(16)),
+                        _mm512_mul_ps(lo, _mm512_loadu_ps(x)),
+                    );
+                    *a = _mm512_fmadd_ps(part, sv, *a);
+                }
+            }
+            for (j, a) in acc.iter().enumerate().take(r) {
+                out[o * m + mi + j] = _mm512_reduce_add_ps(*a);
+            }
+            mi += r;
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -501,26 +575,46 @@ unsafe fn q8_block_avx2(xs: &[f32], m: usize, k: usize, q: &[i8], s: &[f32], out
 
 #[inline(always)]
 fn q8_block_generic(xs: &[f32], m: usize, k: usize, q: &[i8], s: &[f32], out: &mut [f32]) {
-    const H: usize = Q8_BLOCK / 2;
     let nb = k / Q8_BLOCK;
     for (o, (qr, sr)) in q.chunks_exact(k).zip(s.chunks_exact(nb)).enumerate() {
         for mi in 0..m {
-            let xr = &xs[mi * k..(mi + 1) * k];
-            let mut acc = [0f32; H];
-            for ((qb, xb), &scale) in qr
-                .chunks_exact(Q8_BLOCK)
-                .zip(xr.chunks_exact(Q8_BLOCK))
-                .zip(sr)
-            {
-                let mut part = [0f32; H];
-                for l in 0..H {
-                    part[l] = (qb[l] as f32).mul_add(xb[l], (qb[l + H] as f32) * xb[l + H]);
-                }
-                for l in 0..H {
-                    acc[l] = part[l].mul_add(scale, acc[l]);
-                }
-            }
-            out[o * m + mi] = acc.iter().sum();
+            q8_rows::<1>(xs, k, mi, qr, sr, &mut out[o * m + mi..o * m + mi + 1]);
         }
+    }
+}
+
+/// One 8-bit weight row against up to four activation rows: each block is widened to
+/// f32 once and used for every row of the group.
+#[inline(always)]
+fn q8_rows<const R: usize>(
+    xs: &[f32],
+    k: usize,
+    first: usize,
+    q: &[i8],
+    s: &[f32],
+    dst: &mut [f32],
+) {
+    const H: usize = Q8_BLOCK / 2;
+    let rows: [&[f32]; R] = std::array::from_fn(|r| &xs[(first + r) * k..(first + r + 1) * k]);
+    let mut acc = [[0f32; H]; R];
+    for (b, (qb, &scale)) in q.chunks_exact(Q8_BLOCK).zip(s).enumerate() {
+        let mut wf = [0f32; Q8_BLOCK];
+        for (f, &v) in wf.iter_mut().zip(qb) {
+            *f = v as f32;
+        }
+        let start = b * Q8_BLOCK;
+        for (a, row) in acc.iter_mut().zip(&rows) {
+            let xb: &[f32; Q8_BLOCK] = row[start..start + Q8_BLOCK].try_into().expect("one block");
+            let mut part = [0f32; H];
+            for l in 0..H {
+                part[l] = wf[l].mul_add(xb[l], wf[l + H] * xb[l + H]);
+            }
+            for l in 0..H {
+                a[l] = part[l].mul_add(scale, a[l]);
+            }
+        }
+    }
+    for r in 0..R {
+        dst[r] = acc[r].iter().sum();
     }
 }
