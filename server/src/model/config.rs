@@ -77,13 +77,16 @@ impl ModelConfig {
         if self.num_attention_heads == 0 || self.num_key_value_heads == 0 {
             return bad("head counts must be positive".into());
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self
+            .num_attention_heads
+            .is_multiple_of(self.num_key_value_heads)
+        {
             return bad(format!(
                 "{} query heads are not a multiple of {} key/value heads",
                 self.num_attention_heads, self.num_key_value_heads
             ));
         }
-        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             return bad(format!(
                 "head_dim {} must be even and positive",
                 self.head_dim

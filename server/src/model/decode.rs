@@ -27,7 +27,7 @@ impl DecodeLinear {
     fn new(l: &FrozenLinear) -> Result<Self, ModelError> {
         let w = &l.weight;
         let eligible =
-            w.dims()[1] % Q8_BLOCK == 0 && w.device().is_cpu() && w.dtype() == DType::F32;
+            w.dims()[1].is_multiple_of(Q8_BLOCK) && w.device().is_cpu() && w.dtype() == DType::F32;
         Ok(Self {
             q8: if eligible {
                 Some(Q8Matrix::new(w)?)

@@ -456,7 +456,7 @@ impl Q8Matrix {
     /// Quantizes an f32 `(rows, cols)` matrix; `cols` must be a multiple of 32.
     pub fn new(w: &Tensor) -> Result<Self> {
         let (rows, cols) = w.dims2()?;
-        if cols % Q8_BLOCK != 0 {
+        if !cols.is_multiple_of(Q8_BLOCK) {
             candle_core::bail!("Q8 needs a multiple of {Q8_BLOCK} columns, got {cols}");
         }
         let data: Vec<f32> = w.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
@@ -616,5 +616,70 @@ fn q8_rows<const R: usize>(
     }
     for r in 0..R {
         dst[r] = acc[r].iter().sum();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn randn(rows: usize, cols: usize, seed: u64) -> Tensor {
+        use rand::{rngs::StdRng, Rng, SeedableRng};
+        let mut rng = StdRng::seed_from_u64(seed);
+        let v: Vec<f32> = (0..rows * cols)
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
+        Tensor::from_vec(v, (rows, cols), &Device::Cpu).unwrap()
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar()
+            .unwrap()
+    }
+
+    #[test]
+    fn few_rows_matmul_matches_gemm_for_every_row_count_and_odd_widths() {
+        for k in [64, 70, 8] {
+            let w = randn(150, k, 1);
+            for m in 1..=FEW_ROWS {
+                let x = randn(m, k, m as u64);
+                let want = x.matmul(&w.t().unwrap()).unwrap();
+                let got = matmul_t_few_rows(&x, &w).unwrap();
+                assert_eq!(got.dims(), want.dims());
+                assert!(max_diff(&got, &want) < 1e-4, "m={m} k={k}");
+            }
+        }
+    }
+
+    #[test]
+    fn q8_matmul_is_close_to_f32_and_quantizes_exactly_representable_weights() {
+        let w = randn(100, 64, 3);
+        let q = Q8Matrix::new(&w).unwrap();
+        for m in [1, 3, 4, 7] {
+            let x = randn(m, 64, 10 + m as u64);
+            let want = x.matmul(&w.t().unwrap()).unwrap();
+            let got = q.matmul_t(&x).unwrap();
+            // 8-bit weights: error about |x| * |w| / 127 per term, summed over 64.
+            assert!(max_diff(&got, &want) < 0.1, "m={m}");
+        }
+        // Integer multiples of scale = amax/127 (each block's amax is 127 units) quantize
+        // without loss.
+        let exact: Vec<f32> = (0..64)
+            .map(|i| (127 - 8 * (i % 32)) as f32 * 0.5 / 127.0)
+            .collect();
+        let w = Tensor::from_vec(exact, (1, 64), &Device::Cpu).unwrap();
+        let x = randn(1, 64, 5);
+        let got = Q8Matrix::new(&w).unwrap().matmul_t(&x).unwrap();
+        let want = x.matmul(&w.t().unwrap()).unwrap();
+        assert!(max_diff(&got, &want) < 1e-5);
+        assert!(Q8Matrix::new(&randn(2, 30, 1)).is_err());
     }
 }
