@@ -296,28 +296,7 @@ impl Transformer {
         } else {
             None
         };
-        self.check_batch(batch, adapters)?;
-        if caches.len() != batch.seqs.len() {
-            return Err(ModelError::Input(
-                "one KV cache per sequence is required".into(),
-            ));
-        }
-        let (cos, sin) = self.rope.gather(&batch.positions)?;
-        let mut h = self.weights.embed_tokens.index_select(&batch.tokens, 0)?;
-        for (i, layer) in self.weights.layers.iter().enumerate() {
-            let (next, _) = self.layer_forward(
-                i,
-                layer,
-                &h,
-                batch,
-                adapters,
-                &cos,
-                &sin,
-                Some(&mut *caches),
-                dec.map(|d| &d.layers[i]),
-            )?;
-            h = next;
-        }
+        let h = self.cached_hidden(batch, adapters, caches, dec)?;
         let last: Vec<u32> = batch
             .seqs
             .iter()
@@ -345,6 +324,56 @@ impl Transformer {
         }
         let (logits, _) = lora_forward(&xf, base, Target::LmHead, &segs, adapters)?;
         Ok(logits)
+    }
+
+    /// Like [`Transformer::forward_cached`] with the f32 weights, but returns the
+    /// log-probabilities of `targets` (`(rows, 1)` u32) at every row: scoring tokens that
+    /// continue cached prompts without recomputing the prompts.
+    pub fn forward_cached_logprobs(
+        &self,
+        batch: &PackedBatch,
+        adapters: &[&Adapter],
+        caches: &mut [&mut KvCache],
+        targets: &Tensor,
+    ) -> Result<Tensor, ModelError> {
+        let h = self.cached_hidden(batch, adapters, caches, None)?;
+        let (xf, _) = ops::rms_norm(&h, &self.weights.norm, self.config.rms_norm_eps)?;
+        let (lp, _) = self.head_logprobs(&xf, batch, adapters, targets, false)?;
+        Ok(lp)
+    }
+
+    /// The residual stream after the last block for every row of `batch`, appending to
+    /// the sequences' KV caches.
+    fn cached_hidden(
+        &self,
+        batch: &PackedBatch,
+        adapters: &[&Adapter],
+        caches: &mut [&mut KvCache],
+        dec: Option<&DecodeWeights>,
+    ) -> Result<Tensor, ModelError> {
+        self.check_batch(batch, adapters)?;
+        if caches.len() != batch.seqs.len() {
+            return Err(ModelError::Input(
+                "one KV cache per sequence is required".into(),
+            ));
+        }
+        let (cos, sin) = self.rope.gather(&batch.positions)?;
+        let mut h = self.weights.embed_tokens.index_select(&batch.tokens, 0)?;
+        for (i, layer) in self.weights.layers.iter().enumerate() {
+            let (next, _) = self.layer_forward(
+                i,
+                layer,
+                &h,
+                batch,
+                adapters,
+                &cos,
+                &sin,
+                Some(&mut *caches),
+                dec.map(|d| &d.layers[i]),
+            )?;
+            h = next;
+        }
+        Ok(h)
     }
 
     fn check_batch(&self, batch: &PackedBatch, adapters: &[&Adapter]) -> Result<(), ModelError> {

@@ -198,7 +198,7 @@ pub fn sample(
         }
     }
     if quantized {
-        rescore(model, adapters, jobs, &mut streams)?;
+        rescore(model, adapters, jobs, &caches, &mut streams)?;
     }
     let mut outputs: Vec<SampleOutput> = Vec::with_capacity(jobs.len());
     for job in jobs {
@@ -218,48 +218,50 @@ pub fn sample(
     Ok(outputs)
 }
 
-/// Replaces each stream's log-probabilities with the f32 trainer's, in one batched
-/// forward pass over every `prompt + tokens[..-1]`.
+/// Replaces each stream's log-probabilities with the f32 trainer's. The first token was
+/// drawn from the f32 prefill's logits, so its log-probability is already exact; the
+/// others are scored in one batched pass over the generated tokens, continuing copies of
+/// the prompts' f32 KV caches.
 fn rescore(
     model: &Transformer,
     adapters: &[&Adapter],
     jobs: &[SampleJob],
+    prompt_caches: &[KvCache],
     streams: &mut [Stream],
 ) -> Result<(), ModelError> {
     let mut order: Vec<usize> = (0..streams.len())
-        .filter(|&i| !streams[i].out.tokens.is_empty())
+        .filter(|&i| streams[i].out.tokens.len() >= 2)
         .collect();
     if order.is_empty() {
         return Ok(());
     }
     order.sort_by_key(|&i| jobs[streams[i].job].adapter);
-    let full: Vec<Vec<u32>> = order
-        .iter()
-        .map(|&i| {
-            jobs[streams[i].job]
-                .prompt
-                .iter()
-                .chain(&streams[i].out.tokens)
-                .copied()
-                .collect()
-        })
-        .collect();
     let seqs: Vec<(&[u32], Option<usize>, usize)> = order
         .iter()
-        .zip(&full)
-        .map(|(&i, f)| (&f[..f.len() - 1], jobs[streams[i].job].adapter, 0))
+        .map(|&i| {
+            let toks = &streams[i].out.tokens;
+            let job = &jobs[streams[i].job];
+            (&toks[..toks.len() - 1], job.adapter, job.prompt.len())
+        })
         .collect();
     let batch = PackedBatch::new(&seqs, model.device())?;
-    let targets: Vec<u32> = full.iter().flat_map(|f| f[1..].iter().copied()).collect();
+    let targets: Vec<u32> = order
+        .iter()
+        .flat_map(|&i| streams[i].out.tokens[1..].iter().copied())
+        .collect();
     let rows = targets.len();
     let targets = Tensor::from_vec(targets, (rows, 1), model.device())?;
-    let (lp, _) = model.forward_logprobs(&batch, adapters, &targets, false)?;
+    let mut caches: Vec<KvCache> = order
+        .iter()
+        .map(|&i| prompt_caches[streams[i].job].clone())
+        .collect();
+    let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
+    let lp = model.forward_cached_logprobs(&batch, adapters, &mut refs, &targets)?;
     let lp: Vec<f32> = lp.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
     let mut offset = 0;
-    for (&i, f) in order.iter().zip(&full) {
-        let n = f.len() - 1;
-        let new = streams[i].out.tokens.len();
-        streams[i].out.logprobs = lp[offset + n - new..offset + n].to_vec();
+    for &i in &order {
+        let n = streams[i].out.tokens.len() - 1;
+        streams[i].out.logprobs[1..].copy_from_slice(&lp[offset..offset + n]);
         offset += n;
     }
     Ok(())
