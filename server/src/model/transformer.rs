@@ -51,6 +51,62 @@ fn stack_projections(
     Ok(out)
 }
 
+/// `x` through stacked projections (`parts` in row order, with their widths) in one
+/// matmul; each part then gets its adapters' deltas.
+fn stacked_forward<const N: usize>(
+    x: &Tensor,
+    stacked: &Tensor,
+    bias: Option<&Tensor>,
+    parts: [(Proj, usize); N],
+    layer: usize,
+    segs: &[Segment],
+    adapters: &[&Adapter],
+) -> candle_core::Result<[(Tensor, LoraCache); N]> {
+    let mut y = matmul_t(x, stacked)?;
+    if let Some(b) = bias {
+        y = y.broadcast_add(b)?;
+    }
+    let mut start = 0;
+    let mut out = Vec::with_capacity(N);
+    for (p, width) in parts {
+        let base = y.narrow(1, start, width)?;
+        out.push(lora_forward(
+            x,
+            base,
+            Target::Layer(layer, p),
+            segs,
+            adapters,
+        )?);
+        start += width;
+    }
+    Ok(out
+        .try_into()
+        .unwrap_or_else(|_| unreachable!("one output per part")))
+}
+
+/// Backward of [`stacked_forward`]: one matmul for the frozen part of the input gradient,
+/// plus each part's LoRA gradient.
+fn stacked_backward<const N: usize>(
+    x: &Tensor,
+    stacked: &Tensor,
+    parts: [(&Tensor, Proj, &LoraCache); N],
+    layer: usize,
+    segs: &[Segment],
+    adapters: &[&Adapter],
+    grads: &mut [AdapterGrads],
+) -> candle_core::Result<Tensor> {
+    let dys: Vec<&Tensor> = parts.iter().map(|(dy, _, _)| *dy).collect();
+    let mut dx = Tensor::cat(&dys, 1)?.matmul(stacked)?;
+    for (dy, p, cache) in parts {
+        if let Some(extra) =
+            lora_backward(x, dy, Target::Layer(layer, p), segs, adapters, cache, grads)?
+        {
+            dx = (dx + extra)?;
+        }
+    }
+    Ok(dx)
+}
+
 /// One sequence of a packed batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SeqSpan {
@@ -440,25 +496,17 @@ impl Transformer {
             ),
             None => {
                 let f = &self.fused[index];
-                let mut qkv = matmul_t(&x1, &f.qkv)?;
-                if let Some(b) = &f.qkv_bias {
-                    qkv = qkv.broadcast_add(b)?;
-                }
                 let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
-                let part = |start: usize, len: usize, p: Proj| {
-                    lora_forward(
-                        &x1,
-                        qkv.narrow(1, start, len)?,
-                        Target::Layer(index, p),
-                        segs,
-                        adapters,
-                    )
-                };
-                (
-                    part(0, qd, Proj::Q)?,
-                    part(qd, kvd, Proj::K)?,
-                    part(qd + kvd, kvd, Proj::V)?,
-                )
+                let [q, k, v] = stacked_forward(
+                    &x1,
+                    &f.qkv,
+                    f.qkv_bias.as_ref(),
+                    [(Proj::Q, qd), (Proj::K, kvd), (Proj::V, kvd)],
+                    index,
+                    segs,
+                    adapters,
+                )?;
+                (q, k, v)
             }
         };
         let mut q = q.reshape((n, hq, hd))?;
@@ -503,18 +551,17 @@ impl Transformer {
                 lin(&x2, &w.up_proj, Proj::Up)?,
             ),
             None => {
-                let gu = matmul_t(&x2, &self.fused[index].gate_up)?;
                 let f = cfg.intermediate_size;
-                let part = |start: usize, p: Proj| {
-                    lora_forward(
-                        &x2,
-                        gu.narrow(1, start, f)?,
-                        Target::Layer(index, p),
-                        segs,
-                        adapters,
-                    )
-                };
-                (part(0, Proj::Gate)?, part(f, Proj::Up)?)
+                let [gate, up] = stacked_forward(
+                    &x2,
+                    &self.fused[index].gate_up,
+                    None,
+                    [(Proj::Gate, f), (Proj::Up, f)],
+                    index,
+                    segs,
+                    adapters,
+                )?;
+                (gate, up)
             }
         };
         let act = ops::swiglu(&gate, &up)?;
@@ -695,21 +742,15 @@ impl Transformer {
         // MLP
         let dact = lin_back(&t.act, &dh, &w.down_proj, Proj::Down, &t.ldown, grads)?;
         let (dgate, dup) = ops::swiglu_backward(&dact, &t.gate, &t.up)?;
-        let dgu = Tensor::cat(&[&dgate, &dup], 1)?;
-        let mut dx2 = dgu.matmul(&self.fused[index].gate_up)?;
-        for (dy, p, cache) in [(&dgate, Proj::Gate, &t.lgate), (&dup, Proj::Up, &t.lup)] {
-            if let Some(extra) = lora_backward(
-                &t.x2,
-                dy,
-                Target::Layer(index, p),
-                segs,
-                adapters,
-                cache,
-                grads,
-            )? {
-                dx2 = (dx2 + extra)?;
-            }
-        }
+        let dx2 = stacked_backward(
+            &t.x2,
+            &self.fused[index].gate_up,
+            [(&dgate, Proj::Gate, &t.lgate), (&dup, Proj::Up, &t.lup)],
+            index,
+            segs,
+            adapters,
+            grads,
+        )?;
         let dh2 = (&dh + ops::rms_norm_backward(&dx2, &w.post_attention_layernorm, &t.norm2)?)?;
         // attention
         let dattn = lin_back(&t.attn_out, &dh2, &w.o_proj, Proj::O, &t.lo, grads)?;
@@ -733,25 +774,19 @@ impl Transformer {
         }
         let dq = dq.reshape((n, hq * hd))?;
         let dk = dk.reshape((n, hkv * hd))?;
-        let dqkv = Tensor::cat(&[&dq, &dk, &dv], 1)?;
-        let mut dx1 = dqkv.matmul(&self.fused[index].qkv)?;
-        for (dy, p, cache) in [
-            (&dq, Proj::Q, &t.lq),
-            (&dk, Proj::K, &t.lk),
-            (&dv, Proj::V, &t.lv),
-        ] {
-            if let Some(extra) = lora_backward(
-                &t.x1,
-                dy,
-                Target::Layer(index, p),
-                segs,
-                adapters,
-                cache,
-                grads,
-            )? {
-                dx1 = (dx1 + extra)?;
-            }
-        }
+        let dx1 = stacked_backward(
+            &t.x1,
+            &self.fused[index].qkv,
+            [
+                (&dq, Proj::Q, &t.lq),
+                (&dk, Proj::K, &t.lk),
+                (&dv, Proj::V, &t.lv),
+            ],
+            index,
+            segs,
+            adapters,
+            grads,
+        )?;
         Ok((dh2 + ops::rms_norm_backward(&dx1, &w.input_layernorm, &t.norm1)?)?)
     }
 }
