@@ -213,6 +213,37 @@ fn prompt_logprobs_start_with_none_and_match_the_trainer() {
     let plp = out[0].prompt_logprobs.as_ref().unwrap();
     assert_eq!(plp.len(), prompt.len());
     assert!(plp[0].is_none() && plp[1..].iter().all(|x| x.is_some_and(|v| v < 0.0)));
+
+    // Batched with another request and an adapter, the prompt scores still equal the
+    // training forward's.
+    let a = random_adapter(&model, full_spec(2), 4);
+    let other = job(tokens(11, 4, 256), None, 1, 0);
+    let scored = SampleJob {
+        prompt_logprobs: true,
+        max_tokens: 1,
+        ..job(prompt.clone(), Some(0), 1, 0)
+    };
+    let out = sample(
+        &model.transformer,
+        &model.tokenizer,
+        &[&a],
+        &[other, scored],
+        DecodeMode::Fast,
+    )
+    .unwrap();
+    assert!(out[0].prompt_logprobs.is_none());
+    let plp = out[1].prompt_logprobs.as_ref().unwrap();
+    let inputs = &prompt[..prompt.len() - 1];
+    let batch = PackedBatch::new(&[(inputs, Some(0), 0)], &Device::Cpu).unwrap();
+    let targets = Tensor::from_vec(prompt[1..].to_vec(), (inputs.len(), 1), &Device::Cpu).unwrap();
+    let (lp, _) = model
+        .transformer
+        .forward_logprobs(&batch, &[&a], &targets, false)
+        .unwrap();
+    let lp: Vec<f32> = lp.flatten_all().unwrap().to_vec1().unwrap();
+    for (got, want) in plp[1..].iter().zip(&lp) {
+        assert!((got.unwrap() - want).abs() < 1e-4, "{got:?} vs {want}");
+    }
 }
 
 #[test]

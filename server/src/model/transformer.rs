@@ -353,6 +353,37 @@ impl Transformer {
             None
         };
         let h = self.cached_hidden(batch, adapters, caches, dec)?;
+        self.last_row_logits(&h, batch, adapters, dec)
+    }
+
+    /// Like [`Transformer::forward_cached`] with the f32 weights, and also the
+    /// log-probabilities of `targets` (`(rows, 1)` u32) at every row: one pass both
+    /// prefills prompts and scores them, or scores tokens that continue cached prompts.
+    /// Returns `(last-row logits, logprobs)`.
+    pub fn forward_cached_logprobs(
+        &self,
+        batch: &PackedBatch,
+        adapters: &[&Adapter],
+        caches: &mut [&mut KvCache],
+        targets: &Tensor,
+    ) -> Result<(Tensor, Tensor), ModelError> {
+        let h = self.cached_hidden(batch, adapters, caches, None)?;
+        let logits = self.last_row_logits(&h, batch, adapters, None)?;
+        let (xf, _) = ops::rms_norm(&h, &self.weights.norm, self.config.rms_norm_eps)?;
+        let (lp, _) = self.head_logprobs(&xf, batch, adapters, targets, false)?;
+        Ok((logits, lp))
+    }
+
+    /// Next-token logits of each sequence's last row, `(seqs, vocab)`: one head matmul
+    /// for all rows, then each row's adapter (rows follow the sequences, which are
+    /// grouped by adapter).
+    fn last_row_logits(
+        &self,
+        h: &Tensor,
+        batch: &PackedBatch,
+        adapters: &[&Adapter],
+        dec: Option<&DecodeWeights>,
+    ) -> Result<Tensor, ModelError> {
         let last: Vec<u32> = batch
             .seqs
             .iter()
@@ -361,11 +392,9 @@ impl Transformer {
         let idx = Tensor::new(last.as_slice(), h.device())?;
         let h_last = h.index_select(&idx, 0)?;
         let (xf, _) = ops::rms_norm(&h_last, &self.weights.norm, self.config.rms_norm_eps)?;
-        // One head matmul for all rows, then each row's adapter (rows follow the
-        // sequences, which are grouped by adapter).
         let base = match dec {
             Some(d) => d.lm_head.forward(&xf)?,
-            None => super::weights::matmul_t(&xf, self.weights.lm_head())?,
+            None => matmul_t(&xf, self.weights.lm_head())?,
         };
         let mut segs: Vec<Segment> = Vec::new();
         for (i, s) in batch.seqs.iter().enumerate() {
@@ -380,22 +409,6 @@ impl Transformer {
         }
         let (logits, _) = lora_forward(&xf, base, Target::LmHead, &segs, adapters)?;
         Ok(logits)
-    }
-
-    /// Like [`Transformer::forward_cached`] with the f32 weights, but returns the
-    /// log-probabilities of `targets` (`(rows, 1)` u32) at every row: scoring tokens that
-    /// continue cached prompts without recomputing the prompts.
-    pub fn forward_cached_logprobs(
-        &self,
-        batch: &PackedBatch,
-        adapters: &[&Adapter],
-        caches: &mut [&mut KvCache],
-        targets: &Tensor,
-    ) -> Result<Tensor, ModelError> {
-        let h = self.cached_hidden(batch, adapters, caches, None)?;
-        let (xf, _) = ops::rms_norm(&h, &self.weights.norm, self.config.rms_norm_eps)?;
-        let (lp, _) = self.head_logprobs(&xf, batch, adapters, targets, false)?;
-        Ok(lp)
     }
 
     /// The residual stream after the last block for every row of `batch`, appending to

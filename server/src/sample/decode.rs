@@ -116,12 +116,28 @@ pub fn sample(
         .map(|j| (j.prompt.as_slice(), j.adapter, 0))
         .collect();
     let batch = PackedBatch::new(&seqs, dev)?;
-    let first = {
-        let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
-        // Prompts are prefilled with the f32 weights: the product is compute-bound, and
-        // the prompt's KV cache is then exact whatever the batch looks like.
-        model.forward_cached(&batch, adapters, &mut refs, false)?
+    // Prompts are prefilled with the f32 weights: the product is compute-bound, and each
+    // prompt's KV cache is then exact whatever the batch looks like. When prompt
+    // log-probabilities are asked for, the same pass scores the prompts.
+    let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
+    let (first, prompt_lp) = if jobs.iter().any(|j| j.prompt_logprobs) {
+        // Row i of a prompt predicts token i+1; the last row's target is a placeholder.
+        let targets: Vec<u32> = jobs
+            .iter()
+            .flat_map(|j| j.prompt[1..].iter().copied().chain([0]))
+            .collect();
+        let rows = targets.len();
+        let targets = Tensor::from_vec(targets, (rows, 1), dev)?;
+        let (logits, lp) = model.forward_cached_logprobs(&batch, adapters, &mut refs, &targets)?;
+        let lp: Vec<f32> = lp.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+        (logits, Some(lp))
+    } else {
+        (
+            model.forward_cached(&batch, adapters, &mut refs, false)?,
+            None,
+        )
     };
+    drop(refs);
     let first: Vec<Vec<f32>> = first.to_dtype(DType::F32)?.to_vec2()?;
     let mut streams = Vec::new();
     for (ji, job) in jobs.iter().enumerate() {
@@ -144,6 +160,9 @@ pub fn sample(
             });
         }
     }
+    // Grouped by adapter once, so every decode step's batch has one segment per adapter.
+    // The sort is stable: the samples of a request keep their order.
+    streams.sort_by_key(|st| jobs[st.job].adapter);
     loop {
         for st in streams.iter_mut().filter(|s| !s.done) {
             let job = &jobs[st.job];
@@ -161,52 +180,43 @@ pub fn sample(
                 st.done = true;
             }
         }
-        let mut live: Vec<usize> = (0..streams.len()).filter(|&i| !streams[i].done).collect();
+        let mut live: Vec<&mut Stream> = streams.iter_mut().filter(|s| !s.done).collect();
         if live.is_empty() {
             break;
         }
-        // One step for every live stream, grouped by adapter.
-        live.sort_by_key(|&i| jobs[streams[i].job].adapter);
         let last: Vec<[u32; 1]> = live
             .iter()
-            .map(|&i| [*streams[i].out.tokens.last().expect("a token")])
+            .map(|st| [*st.out.tokens.last().expect("a token")])
             .collect();
         let seqs: Vec<(&[u32], Option<usize>, usize)> = live
             .iter()
             .zip(&last)
-            .map(|(&i, t)| {
-                (
-                    t.as_slice(),
-                    jobs[streams[i].job].adapter,
-                    streams[i].cache.len(),
-                )
-            })
+            .map(|(st, t)| (t.as_slice(), jobs[st.job].adapter, st.cache.len()))
             .collect();
         let batch = PackedBatch::new(&seqs, dev)?;
-        let logits = {
-            let mut refs: Vec<&mut KvCache> = Vec::with_capacity(live.len());
-            // Borrow each live stream's cache mutably, in `live` order.
-            let mut by_index: Vec<Option<&mut Stream>> = streams.iter_mut().map(Some).collect();
-            for &i in &live {
-                refs.push(&mut by_index[i].take().expect("each stream once").cache);
-            }
-            model.forward_cached(&batch, adapters, &mut refs, quantized)?
-        };
+        let mut refs: Vec<&mut KvCache> = live.iter_mut().map(|st| &mut st.cache).collect();
+        let logits = model.forward_cached(&batch, adapters, &mut refs, quantized)?;
         let rows: Vec<Vec<f32>> = logits.to_dtype(DType::F32)?.to_vec2()?;
-        for (&i, row) in live.iter().zip(rows) {
-            streams[i].logits = row;
+        for (st, row) in live.iter_mut().zip(rows) {
+            st.logits = row;
         }
     }
     if quantized {
         rescore(model, adapters, jobs, &caches, &mut streams)?;
     }
     let mut outputs: Vec<SampleOutput> = Vec::with_capacity(jobs.len());
+    let mut offset = 0;
     for job in jobs {
-        let prompt_logprobs = if job.prompt_logprobs {
-            Some(prompt_logprobs(model, adapters, job)?)
-        } else {
-            None
+        let n = job.prompt.len();
+        let prompt_logprobs = match (&prompt_lp, job.prompt_logprobs) {
+            (Some(lp), true) => Some(
+                std::iter::once(None)
+                    .chain(lp[offset..offset + n - 1].iter().map(|&x| Some(x)))
+                    .collect(),
+            ),
+            _ => None,
         };
+        offset += n;
         outputs.push(SampleOutput {
             sequences: Vec::with_capacity(job.num_samples),
             prompt_logprobs,
@@ -229,13 +239,13 @@ fn rescore(
     prompt_caches: &[KvCache],
     streams: &mut [Stream],
 ) -> Result<(), ModelError> {
-    let mut order: Vec<usize> = (0..streams.len())
+    // `streams` is grouped by adapter, so this order is too.
+    let order: Vec<usize> = (0..streams.len())
         .filter(|&i| streams[i].out.tokens.len() >= 2)
         .collect();
     if order.is_empty() {
         return Ok(());
     }
-    order.sort_by_key(|&i| jobs[streams[i].job].adapter);
     let seqs: Vec<(&[u32], Option<usize>, usize)> = order
         .iter()
         .map(|&i| {
@@ -256,7 +266,7 @@ fn rescore(
         .map(|&i| prompt_caches[streams[i].job].clone())
         .collect();
     let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
-    let lp = model.forward_cached_logprobs(&batch, adapters, &mut refs, &targets)?;
+    let (_, lp) = model.forward_cached_logprobs(&batch, adapters, &mut refs, &targets)?;
     let lp: Vec<f32> = lp.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
     let mut offset = 0;
     for &i in &order {
@@ -276,23 +286,4 @@ fn hits_stop_string(
     Ok(stops
         .iter()
         .any(|s| !s.is_empty() && text.contains(s.as_str())))
-}
-
-/// `[None, lp(prompt[1] | prompt[..1]), ...]` through the training forward pass.
-fn prompt_logprobs(
-    model: &Transformer,
-    adapters: &[&Adapter],
-    job: &SampleJob,
-) -> Result<Vec<Option<f32>>, ModelError> {
-    let mut out = vec![None];
-    if job.prompt.len() < 2 {
-        return Ok(out);
-    }
-    let inputs = &job.prompt[..job.prompt.len() - 1];
-    let batch = PackedBatch::new(&[(inputs, job.adapter, 0)], model.device())?;
-    let targets = Tensor::from_vec(job.prompt[1..].to_vec(), (inputs.len(), 1), model.device())?;
-    let (lp, _) = model.forward_logprobs(&batch, adapters, &targets, false)?;
-    let lp: Vec<f32> = lp.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
-    out.extend(lp.into_iter().map(Some));
-    Ok(out)
 }
