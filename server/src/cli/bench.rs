@@ -188,6 +188,16 @@ fn round(x: f64) -> f64 {
     (x * 100.0).round() / 100.0
 }
 
+/// The benchmarks' adapter: rank `rank` on the seven projections of every block.
+fn seven_projections(rank: usize) -> LoraSpec {
+    LoraSpec {
+        rank,
+        train_attn: true,
+        train_mlp: true,
+        train_unembed: false,
+    }
+}
+
 fn random_tokens(rng: &mut StdRng, n: usize, vocab: usize) -> Vec<u32> {
     // Skip the first ids (special tokens) so the text looks like ordinary tokens.
     (0..n)
@@ -198,12 +208,7 @@ fn random_tokens(rng: &mut StdRng, n: usize, vocab: usize) -> Vec<u32> {
 fn bench_train(a: TrainArgs) -> anyhow::Result<serde_json::Value> {
     let model = super::load_model(&a.model)?;
     let t = &model.transformer;
-    let spec = LoraSpec {
-        rank: a.rank,
-        train_attn: true,
-        train_mlp: true,
-        train_unembed: false,
-    };
+    let spec = seven_projections(a.rank);
     let mut adapter = Adapter::new(&t.config, spec, 0, DType::F32, &Device::Cpu)?;
     let mut state = AdamState::default();
     let mut rng = StdRng::seed_from_u64(0);
@@ -268,12 +273,7 @@ fn bench_train(a: TrainArgs) -> anyhow::Result<serde_json::Value> {
 fn bench_sample(a: SampleArgs) -> anyhow::Result<serde_json::Value> {
     let model = super::load_model(&a.model)?;
     let t = &model.transformer;
-    let spec = LoraSpec {
-        rank: a.rank,
-        train_attn: true,
-        train_mlp: true,
-        train_unembed: false,
-    };
+    let spec = seven_projections(a.rank);
     let adapters = (0..a.adapters.max(1))
         .map(|i| random_b_adapter(&model, spec, i as u64))
         .collect::<anyhow::Result<Vec<_>>>()?;

@@ -339,6 +339,12 @@ pub fn matmul_t_few_rows(x: &Tensor, w: &Tensor) -> Result<Tensor> {
             Ok(yt)
         })
     })?;
+    from_transposed(yt, n, m)
+}
+
+/// The few-rows kernels write `(n, m)` (one weight row's outputs together); callers want
+/// `(m, n)`.
+fn from_transposed(yt: Vec<f32>, n: usize, m: usize) -> Result<Tensor> {
     let yt = out(yt, &[n, m])?;
     if m == 1 {
         yt.reshape((1, n))
@@ -408,35 +414,29 @@ unsafe fn dot_block_avx2(xs: &[f32], m: usize, k: usize, wrows: &[f32], out: &mu
 #[inline(always)]
 fn dot_block_generic(xs: &[f32], m: usize, k: usize, wrows: &[f32], out: &mut [f32]) {
     for (o, wr) in wrows.chunks_exact(k).enumerate() {
-        for mi in 0..m {
-            dot_rows::<1>(xs, k, mi, wr, &mut out[o * m + mi..o * m + mi + 1]);
+        for (mi, x) in xs.chunks_exact(k).take(m).enumerate() {
+            out[o * m + mi] = dot(wr, x);
         }
     }
 }
 
 #[inline(always)]
-fn dot_rows<const R: usize>(xs: &[f32], k: usize, first: usize, w: &[f32], dst: &mut [f32]) {
+fn dot(w: &[f32], x: &[f32]) -> f32 {
     const L: usize = 16;
-    let rows: [&[f32]; R] = std::array::from_fn(|r| &xs[(first + r) * k..(first + r + 1) * k]);
-    let mut acc = [[0f32; L]; R];
-    let full = k / L * L;
-    for (c, wc) in w[..full].chunks_exact(L).enumerate() {
-        let wc: &[f32; L] = wc.try_into().expect("16 lanes");
-        let start = c * L;
-        for (a, row) in acc.iter_mut().zip(&rows) {
-            let xc: &[f32; L] = row[start..start + L].try_into().expect("16 lanes");
-            for l in 0..L {
-                a[l] = wc[l].mul_add(xc[l], a[l]);
-            }
+    let mut acc = [0f32; L];
+    let (wc, xc) = (w.chunks_exact(L), x.chunks_exact(L));
+    let tail: f32 = wc
+        .remainder()
+        .iter()
+        .zip(xc.remainder())
+        .map(|(a, b)| a * b)
+        .sum();
+    for (a, b) in wc.zip(xc) {
+        for l in 0..L {
+            acc[l] = a[l].mul_add(b[l], acc[l]);
         }
     }
-    for r in 0..R {
-        let mut total: f32 = acc[r].iter().sum();
-        for i in full..k {
-            total += w[i] * rows[r][i];
-        }
-        dst[r] = total;
-    }
+    acc.iter().sum::<f32>() + tail
 }
 
 /// Weights quantized to 8 bits in blocks of 32 along the input dim, one f32 scale per
@@ -503,12 +503,7 @@ impl Q8Matrix {
                 .for_each(|(out, (q, s))| q8_block(xs, m, k, q, s, out));
             Ok(yt)
         })?;
-        let yt = out(yt, &[n, m])?;
-        if m == 1 {
-            yt.reshape((1, n))
-        } else {
-            yt.t()?.contiguous()
-        }
+        from_transposed(yt, n, m)
     }
 }
 
@@ -577,72 +572,65 @@ unsafe fn q8_block_avx2(xs: &[f32], m: usize, k: usize, q: &[i8], s: &[f32], out
 fn q8_block_generic(xs: &[f32], m: usize, k: usize, q: &[i8], s: &[f32], out: &mut [f32]) {
     let nb = k / Q8_BLOCK;
     for (o, (qr, sr)) in q.chunks_exact(k).zip(s.chunks_exact(nb)).enumerate() {
-        for mi in 0..m {
-            q8_rows::<1>(xs, k, mi, qr, sr, &mut out[o * m + mi..o * m + mi + 1]);
+        for (mi, x) in xs.chunks_exact(k).take(m).enumerate() {
+            out[o * m + mi] = q8_dot(qr, sr, x);
         }
     }
 }
 
-/// One 8-bit weight row against up to four activation rows: each block is widened to
-/// f32 once and used for every row of the group.
+/// One 8-bit weight row against one f32 activation row, block by block.
 #[inline(always)]
-fn q8_rows<const R: usize>(
-    xs: &[f32],
-    k: usize,
-    first: usize,
-    q: &[i8],
-    s: &[f32],
-    dst: &mut [f32],
-) {
+fn q8_dot(q: &[i8], s: &[f32], x: &[f32]) -> f32 {
     const H: usize = Q8_BLOCK / 2;
-    let rows: [&[f32]; R] = std::array::from_fn(|r| &xs[(first + r) * k..(first + r + 1) * k]);
-    let mut acc = [[0f32; H]; R];
-    for (b, (qb, &scale)) in q.chunks_exact(Q8_BLOCK).zip(s).enumerate() {
-        let mut wf = [0f32; Q8_BLOCK];
-        for (f, &v) in wf.iter_mut().zip(qb) {
-            *f = v as f32;
-        }
-        let start = b * Q8_BLOCK;
-        for (a, row) in acc.iter_mut().zip(&rows) {
-            let xb: &[f32; Q8_BLOCK] = row[start..start + Q8_BLOCK].try_into().expect("one block");
-            let mut part = [0f32; H];
-            for l in 0..H {
-                part[l] = wf[l].mul_add(xb[l], wf[l + H] * xb[l + H]);
-            }
-            for l in 0..H {
-                a[l] = part[l].mul_add(scale, a[l]);
-            }
+    let mut acc = [0f32; H];
+    for ((qb, &scale), xb) in q
+        .chunks_exact(Q8_BLOCK)
+        .zip(s)
+        .zip(x.chunks_exact(Q8_BLOCK))
+    {
+        for l in 0..H {
+            let part = (qb[l] as f32).mul_add(xb[l], qb[l + H] as f32 * xb[l + H]);
+            acc[l] = part.mul_add(scale, acc[l]);
         }
     }
-    for r in 0..R {
-        dst[r] = acc[r].iter().sum();
-    }
+    acc.iter().sum()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    use crate::model::test_util::{max_abs_diff, uniform};
+
     fn randn(rows: usize, cols: usize, seed: u64) -> Tensor {
-        use rand::{rngs::StdRng, Rng, SeedableRng};
-        let mut rng = StdRng::seed_from_u64(seed);
-        let v: Vec<f32> = (0..rows * cols)
-            .map(|_| rng.random_range(-1.0..1.0))
-            .collect();
-        Tensor::from_vec(v, (rows, cols), &Device::Cpu).unwrap()
+        uniform(&[rows, cols], 1.0, seed)
+            .to_dtype(DType::F32)
+            .unwrap()
     }
 
-    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar()
-            .unwrap()
+    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+        max_abs_diff(a, b)
+    }
+
+    #[test]
+    fn portable_kernels_match_gemm() {
+        // The paths used on CPUs without AVX-512 (this machine always takes AVX-512).
+        let (m, k, n) = (3, 70, 5);
+        let (x, w) = (randn(m, k, 7), randn(n, k, 8));
+        let want = x.matmul(&w.t().unwrap()).unwrap();
+        let xs: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
+        let ws: Vec<f32> = w.flatten_all().unwrap().to_vec1().unwrap();
+        let mut yt = vec![0f32; n * m];
+        dot_block_generic(&xs, m, k, &ws, &mut yt);
+        assert!(max_diff(&from_transposed(yt, n, m).unwrap(), &want) < 1e-4);
+        let w = randn(n, 64, 9);
+        let x = randn(m, 64, 10);
+        let q = Q8Matrix::new(&w).unwrap();
+        let xs: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
+        let mut yt = vec![0f32; n * m];
+        q8_block_generic(&xs, m, 64, &q.quants, &q.scales, &mut yt);
+        let generic = from_transposed(yt, n, m).unwrap();
+        assert!(max_diff(&generic, &q.matmul_t(&x).unwrap()) < 1e-4);
     }
 
     #[test]

@@ -15,6 +15,9 @@ pub mod tokenizer;
 pub mod transformer;
 pub mod weights;
 
+#[cfg(test)]
+mod test_util;
+
 use std::path::{Path, PathBuf};
 
 use candle_core::Device;

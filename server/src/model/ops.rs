@@ -358,25 +358,10 @@ mod tests {
     //! The fused CPU kernels against the composite candle versions they replace.
     use super::*;
 
-    fn rand(shape: &[usize], seed: u64) -> Tensor {
-        use rand::{rngs::StdRng, Rng, SeedableRng};
-        let mut rng = StdRng::seed_from_u64(seed);
-        let n = shape.iter().product();
-        let v: Vec<f64> = (0..n).map(|_| rng.random_range(-2.0..2.0)).collect();
-        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-    }
+    use crate::model::test_util::{max_abs_diff as diff, uniform};
 
-    fn diff(a: &Tensor, b: &Tensor) -> f64 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f64>()
-            .unwrap()
+    fn rand(shape: &[usize], seed: u64) -> Tensor {
+        uniform(shape, 2.0, seed)
     }
 
     #[test]

@@ -1,0 +1,23 @@
+//! Helpers shared by the model's unit tests.
+
+use candle_core::{DType, Device, Tensor};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+/// An f64 tensor of values uniform in `(-bound, bound)`, deterministic in `seed`.
+pub fn uniform(shape: &[usize], bound: f64, seed: u64) -> Tensor {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let n = shape.iter().product();
+    let v: Vec<f64> = (0..n).map(|_| rng.random_range(-bound..bound)).collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).expect("shape matches")
+}
+
+/// `max |a - b|`, in f64.
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
+    (a - b)
+        .and_then(|d| d.abs())
+        .and_then(|d| d.flatten_all())
+        .and_then(|d| d.max(0))
+        .and_then(|d| d.to_dtype(DType::F64))
+        .and_then(|d| d.to_scalar::<f64>())
+        .expect("same shapes")
+}
