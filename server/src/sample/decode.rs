@@ -277,12 +277,17 @@ fn rescore(
     Ok(())
 }
 
+/// Whether the text ends in a stop string. Checked after every token, so only a window
+/// that can hold the newest occurrence is decoded: a stop string of `L` bytes spans at
+/// most `L` tokens (every token is at least one byte), plus one for a split character.
 fn hits_stop_string(
     tokenizer: &TextTokenizer,
     tokens: &[u32],
     stops: &[String],
 ) -> Result<bool, ModelError> {
-    let text = tokenizer.decode(tokens)?;
+    let longest = stops.iter().map(String::len).max().unwrap_or(0);
+    let window = &tokens[tokens.len().saturating_sub(longest + 1)..];
+    let text = tokenizer.decode(window)?;
     Ok(stops
         .iter()
         .any(|s| !s.is_empty() && text.contains(s.as_str())))
