@@ -9,6 +9,7 @@ use std::path::Path;
 use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 
+use super::StoreError;
 use crate::model::{Adapter, LoraSpec, ModelConfig, Target};
 use crate::train::adamw::{AdamState, Moments};
 
@@ -18,25 +19,6 @@ pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
 pub const ADAPTER_CONFIG: &str = "adapter_config.json";
 /// Optimizer state file name (Lathe).
 pub const OPTIMIZER_STATE: &str = "optimizer.safetensors";
-
-/// Errors reading or writing checkpoint files.
-#[derive(Debug, thiserror::Error)]
-pub enum StoreError {
-    /// Filesystem failure.
-    #[error("{path}: {source}")]
-    Io {
-        /// The file.
-        path: String,
-        /// The cause.
-        source: std::io::Error,
-    },
-    /// The files exist but do not describe a usable adapter for this model.
-    #[error("invalid checkpoint: {0}")]
-    Invalid(String),
-    /// A tensor operation failed.
-    #[error("tensor error: {0}")]
-    Candle(#[from] candle_core::Error),
-}
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
     move |source| StoreError::Io {

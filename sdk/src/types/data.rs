@@ -1,4 +1,4 @@
-//! Wire types of the Tinker HTTP protocol (serde only).
+//! Data carried inside requests: tensors, model inputs, datums, hyper-parameters.
 //!
 //! Field names and defaults follow the official Python SDK (`tinker` 0.22), which
 //! serialises with `exclude_none`: an absent field and `null` mean the same thing, so every

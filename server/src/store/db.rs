@@ -1,0 +1,487 @@
+//! SQLite index of training runs and checkpoints (rusqlite, bundled SQLite, WAL).
+//!
+//! The checkpoint directories are the source of truth for what exists: every directory
+//! carries its own metadata, and [`Db::reconcile`] re-inserts rows for checkpoints whose
+//! index entry a crash lost and drops rows whose files are gone. So the index cannot
+//! list a checkpoint that is not on disk, nor forget one that is.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use rusqlite::{params, Connection, OptionalExtension};
+
+use super::checkpoints::CheckpointMeta;
+use super::StoreError;
+
+/// A training run's row.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunRow {
+    /// `<session>:train:<n>`.
+    pub id: String,
+    /// Owner id.
+    pub owner: String,
+    /// Creating session.
+    pub session_id: String,
+    /// Base model name.
+    pub base_model: String,
+    /// LoRA rank.
+    pub rank: usize,
+    /// Attention adapted.
+    pub train_attn: bool,
+    /// MLP adapted.
+    pub train_mlp: bool,
+    /// lm_head adapted.
+    pub train_unembed: bool,
+    /// Unix seconds.
+    pub created_at: i64,
+    /// Unix seconds.
+    pub last_request_at: i64,
+    /// Metadata given at creation.
+    pub user_metadata: BTreeMap<String, String>,
+}
+
+/// A checkpoint's row.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CheckpointRow {
+    /// What the checkpoint directory records.
+    pub meta: CheckpointMeta,
+    /// Bytes on disk.
+    pub size_bytes: u64,
+    /// Readable by every key.
+    pub public: bool,
+}
+
+/// The open database.
+pub struct Db {
+    conn: Connection,
+}
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS runs (
+    id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    session_id TEXT NOT NULL,
+    base_model TEXT NOT NULL,
+    rank INTEGER NOT NULL,
+    train_attn INTEGER NOT NULL,
+    train_mlp INTEGER NOT NULL,
+    train_unembed INTEGER NOT NULL,
+    created_at INTEGER NOT NULL,
+    last_request_at INTEGER NOT NULL,
+    user_metadata TEXT NOT NULL DEFAULT '{}'
+);
+CREATE INDEX IF NOT EXISTS runs_owner ON runs(owner, created_at);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    run_id TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    name TEXT NOT NULL,
+    owner TEXT NOT NULL,
+    base_model TEXT NOT NULL,
+    created_at INTEGER NOT NULL,
+    expires_at INTEGER,
+    size_bytes INTEGER NOT NULL,
+    public INTEGER NOT NULL DEFAULT 0,
+    rank INTEGER NOT NULL,
+    train_attn INTEGER NOT NULL,
+    train_mlp INTEGER NOT NULL,
+    train_unembed INTEGER NOT NULL,
+    PRIMARY KEY (run_id, kind, name)
+);
+CREATE INDEX IF NOT EXISTS checkpoints_owner ON checkpoints(owner, created_at);
+";
+
+const CKPT_COLUMNS: &str = "run_id, kind, name, owner, base_model, created_at, expires_at, \
+     size_bytes, public, rank, train_attn, train_mlp, train_unembed";
+
+fn ckpt_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<CheckpointRow> {
+    Ok(CheckpointRow {
+        meta: CheckpointMeta {
+            run_id: r.get(0)?,
+            kind: r.get(1)?,
+            name: r.get(2)?,
+            owner: r.get(3)?,
+            base_model: r.get(4)?,
+            created_at: r.get(5)?,
+            expires_at: r.get(6)?,
+            rank: r.get::<_, i64>(9)? as usize,
+            train_attn: r.get(10)?,
+            train_mlp: r.get(11)?,
+            train_unembed: r.get(12)?,
+        },
+        size_bytes: r.get::<_, i64>(7)? as u64,
+        public: r.get(8)?,
+    })
+}
+
+fn run_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<RunRow> {
+    let meta: String = r.get(10)?;
+    Ok(RunRow {
+        id: r.get(0)?,
+        owner: r.get(1)?,
+        session_id: r.get(2)?,
+        base_model: r.get(3)?,
+        rank: r.get::<_, i64>(4)? as usize,
+        train_attn: r.get(5)?,
+        train_mlp: r.get(6)?,
+        train_unembed: r.get(7)?,
+        created_at: r.get(8)?,
+        last_request_at: r.get(9)?,
+        user_metadata: serde_json::from_str(&meta).unwrap_or_default(),
+    })
+}
+
+const RUN_COLUMNS: &str = "id, owner, session_id, base_model, rank, train_attn, train_mlp, \
+     train_unembed, created_at, last_request_at, user_metadata";
+
+impl Db {
+    /// Opens (creating) the database file.
+    pub fn open(path: &Path) -> Result<Self, StoreError> {
+        let conn = Connection::open(path)?;
+        conn.pragma_update(None, "journal_mode", "WAL")?;
+        conn.pragma_update(None, "synchronous", "NORMAL")?;
+        conn.execute_batch(SCHEMA)?;
+        Ok(Self { conn })
+    }
+
+    /// An in-memory database (tests).
+    pub fn in_memory() -> Result<Self, StoreError> {
+        let conn = Connection::open_in_memory()?;
+        conn.execute_batch(SCHEMA)?;
+        Ok(Self { conn })
+    }
+
+    /// Records a new run.
+    pub fn insert_run(&self, run: &RunRow) -> Result<(), StoreError> {
+        self.conn.execute(
+            &format!("INSERT OR REPLACE INTO runs ({RUN_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)"),
+            params![
+                run.id,
+                run.owner,
+                run.session_id,
+                run.base_model,
+                run.rank as i64,
+                run.train_attn,
+                run.train_mlp,
+                run.train_unembed,
+                run.created_at,
+                run.last_request_at,
+                serde_json::to_string(&run.user_metadata).expect("map serialises"),
+            ],
+        )?;
+        Ok(())
+    }
+
+    /// Updates a run's last activity time.
+    pub fn touch_run(&self, id: &str, now: i64) -> Result<(), StoreError> {
+        self.conn.execute(
+            "UPDATE runs SET last_request_at = ?2 WHERE id = ?1",
+            params![id, now],
+        )?;
+        Ok(())
+    }
+
+    /// One run.
+    pub fn run(&self, id: &str) -> Result<Option<RunRow>, StoreError> {
+        Ok(self
+            .conn
+            .query_row(
+                &format!("SELECT {RUN_COLUMNS} FROM runs WHERE id = ?1"),
+                params![id],
+                run_from_row,
+            )
+            .optional()?)
+    }
+
+    /// A page of an owner's runs, newest first, and the total count.
+    pub fn runs_of(
+        &self,
+        owner: &str,
+        offset: usize,
+        limit: usize,
+    ) -> Result<(Vec<RunRow>, usize), StoreError> {
+        let total: i64 = self.conn.query_row(
+            "SELECT COUNT(*) FROM runs WHERE owner = ?1",
+            params![owner],
+            |r| r.get(0),
+        )?;
+        let mut stmt = self.conn.prepare(&format!(
+            "SELECT {RUN_COLUMNS} FROM runs WHERE owner = ?1 ORDER BY created_at DESC, id LIMIT ?2 OFFSET ?3"
+        ))?;
+        let rows = stmt
+            .query_map(params![owner, limit as i64, offset as i64], run_from_row)?
+            .collect::<rusqlite::Result<Vec<_>>>()?;
+        Ok((rows, total as usize))
+    }
+
+    /// Records (or replaces) a checkpoint.
+    pub fn insert_checkpoint(&self, meta: &CheckpointMeta, size: u64) -> Result<(), StoreError> {
+        self.conn.execute(
+            &format!("INSERT OR REPLACE INTO checkpoints ({CKPT_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, 0, ?9, ?10, ?11, ?12)"),
+            params![
+                meta.run_id,
+                meta.kind,
+                meta.name,
+                meta.owner,
+                meta.base_model,
+                meta.created_at,
+                meta.expires_at,
+                size as i64,
+                meta.rank as i64,
+                meta.train_attn,
+                meta.train_mlp,
+                meta.train_unembed,
+            ],
+        )?;
+        Ok(())
+    }
+
+    /// One checkpoint.
+    pub fn checkpoint(
+        &self,
+        run_id: &str,
+        kind: &str,
+        name: &str,
+    ) -> Result<Option<CheckpointRow>, StoreError> {
+        Ok(self
+            .conn
+            .query_row(
+                &format!("SELECT {CKPT_COLUMNS} FROM checkpoints WHERE run_id = ?1 AND kind = ?2 AND name = ?3"),
+                params![run_id, kind, name],
+                ckpt_from_row,
+            )
+            .optional()?)
+    }
+
+    /// A run's checkpoints, oldest first.
+    pub fn checkpoints_of_run(&self, run_id: &str) -> Result<Vec<CheckpointRow>, StoreError> {
+        let mut stmt = self.conn.prepare(&format!(
+            "SELECT {CKPT_COLUMNS} FROM checkpoints WHERE run_id = ?1 ORDER BY created_at, name"
+        ))?;
+        let rows = stmt
+            .query_map(params![run_id], ckpt_from_row)?
+            .collect::<rusqlite::Result<Vec<_>>>()?;
+        Ok(rows)
+    }
+
+    /// A page of an owner's checkpoints, newest first, and the total count.
+    pub fn checkpoints_of_owner(
+        &self,
+        owner: &str,
+        offset: usize,
+        limit: usize,
+    ) -> Result<(Vec<CheckpointRow>, usize), StoreError> {
+        let total: i64 = self.conn.query_row(
+            "SELECT COUNT(*) FROM checkpoints WHERE owner = ?1",
+            params![owner],
+            |r| r.get(0),
+        )?;
+        let mut stmt = self.conn.prepare(&format!(
+            "SELECT {CKPT_COLUMNS} FROM checkpoints WHERE owner = ?1 ORDER BY created_at DESC, run_id, name LIMIT ?2 OFFSET ?3"
+        ))?;
+        let rows = stmt
+            .query_map(params![owner, limit as i64, offset as i64], ckpt_from_row)?
+            .collect::<rusqlite::Result<Vec<_>>>()?;
+        Ok((rows, total as usize))
+    }
+
+    /// Removes a checkpoint's row.
+    pub fn delete_checkpoint(
+        &self,
+        run_id: &str,
+        kind: &str,
+        name: &str,
+    ) -> Result<(), StoreError> {
+        self.conn.execute(
+            "DELETE FROM checkpoints WHERE run_id = ?1 AND kind = ?2 AND name = ?3",
+            params![run_id, kind, name],
+        )?;
+        Ok(())
+    }
+
+    /// Sets whether a checkpoint is readable by every key.
+    pub fn set_public(
+        &self,
+        run_id: &str,
+        kind: &str,
+        name: &str,
+        public: bool,
+    ) -> Result<(), StoreError> {
+        self.conn.execute(
+            "UPDATE checkpoints SET public = ?4 WHERE run_id = ?1 AND kind = ?2 AND name = ?3",
+            params![run_id, kind, name, public],
+        )?;
+        Ok(())
+    }
+
+    /// Sets or clears a checkpoint's expiry.
+    pub fn set_expiry(
+        &self,
+        run_id: &str,
+        kind: &str,
+        name: &str,
+        expires_at: Option<i64>,
+    ) -> Result<(), StoreError> {
+        self.conn.execute(
+            "UPDATE checkpoints SET expires_at = ?4 WHERE run_id = ?1 AND kind = ?2 AND name = ?3",
+            params![run_id, kind, name, expires_at],
+        )?;
+        Ok(())
+    }
+
+    /// Checkpoints whose expiry has passed.
+    pub fn expired(&self, now: i64) -> Result<Vec<CheckpointRow>, StoreError> {
+        let mut stmt = self.conn.prepare(&format!(
+            "SELECT {CKPT_COLUMNS} FROM checkpoints WHERE expires_at IS NOT NULL AND expires_at <= ?1"
+        ))?;
+        let rows = stmt
+            .query_map(params![now], ckpt_from_row)?
+            .collect::<rusqlite::Result<Vec<_>>>()?;
+        Ok(rows)
+    }
+
+    /// Makes the index agree with the checkpoint directories found on disk: rows are
+    /// added for directories the index lacks (keeping `public` of rows it has) and
+    /// dropped for directories that are gone. Runs referenced only by checkpoints get a
+    /// row too, so they are listed and resumable. Returns (added, removed).
+    pub fn reconcile(
+        &mut self,
+        on_disk: &[(CheckpointMeta, u64)],
+    ) -> Result<(usize, usize), StoreError> {
+        let tx = self.conn.transaction()?;
+        let mut known = std::collections::HashSet::new();
+        let mut added = 0;
+        for (meta, size) in on_disk {
+            known.insert((meta.run_id.clone(), meta.kind.clone(), meta.name.clone()));
+            let exists: bool = tx
+                .query_row(
+                    "SELECT 1 FROM checkpoints WHERE run_id = ?1 AND kind = ?2 AND name = ?3",
+                    params![meta.run_id, meta.kind, meta.name],
+                    |_| Ok(()),
+                )
+                .optional()?
+                .is_some();
+            if !exists {
+                tx.execute(
+                    &format!("INSERT INTO checkpoints ({CKPT_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, 0, ?9, ?10, ?11, ?12)"),
+                    params![
+                        meta.run_id, meta.kind, meta.name, meta.owner, meta.base_model,
+                        meta.created_at, meta.expires_at, *size as i64, meta.rank as i64,
+                        meta.train_attn, meta.train_mlp, meta.train_unembed,
+                    ],
+                )?;
+                tx.execute(
+                    &format!("INSERT OR IGNORE INTO runs ({RUN_COLUMNS}) VALUES (?1, ?2, '', ?3, ?4, ?5, ?6, ?7, ?8, ?8, '{{}}')"),
+                    params![
+                        meta.run_id, meta.owner, meta.base_model, meta.rank as i64,
+                        meta.train_attn, meta.train_mlp, meta.train_unembed, meta.created_at,
+                    ],
+                )?;
+                added += 1;
+            }
+        }
+        let rows: Vec<(String, String, String)> = {
+            let mut stmt = tx.prepare("SELECT run_id, kind, name FROM checkpoints")?;
+            let rows = stmt
+                .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
+                .collect::<rusqlite::Result<Vec<_>>>()?;
+            rows
+        };
+        let mut removed = 0;
+        for key in rows {
+            if !known.contains(&key) {
+                tx.execute(
+                    "DELETE FROM checkpoints WHERE run_id = ?1 AND kind = ?2 AND name = ?3",
+                    params![key.0, key.1, key.2],
+                )?;
+                removed += 1;
+            }
+        }
+        tx.commit()?;
+        Ok((added, removed))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn meta(run: &str, name: &str, created_at: i64) -> CheckpointMeta {
+        CheckpointMeta {
+            run_id: run.into(),
+            kind: "training".into(),
+            name: name.into(),
+            owner: "alice".into(),
+            base_model: "m".into(),
+            created_at,
+            expires_at: None,
+            rank: 8,
+            train_attn: true,
+            train_mlp: false,
+            train_unembed: true,
+        }
+    }
+
+    #[test]
+    fn runs_and_checkpoints_round_trip() {
+        let db = Db::in_memory().unwrap();
+        let run = RunRow {
+            id: "s:train:0".into(),
+            owner: "alice".into(),
+            session_id: "s".into(),
+            base_model: "m".into(),
+            rank: 8,
+            train_attn: true,
+            train_mlp: false,
+            train_unembed: true,
+            created_at: 10,
+            last_request_at: 10,
+            user_metadata: [("k".to_string(), "v".to_string())].into(),
+        };
+        db.insert_run(&run).unwrap();
+        assert_eq!(db.run("s:train:0").unwrap().unwrap(), run);
+        assert_eq!(db.runs_of("bob", 0, 10).unwrap().1, 0);
+        db.insert_checkpoint(&meta("s:train:0", "a", 11), 100)
+            .unwrap();
+        db.insert_checkpoint(&meta("s:train:0", "b", 12), 200)
+            .unwrap();
+        let (page, total) = db.checkpoints_of_owner("alice", 0, 1).unwrap();
+        assert_eq!((page[0].meta.name.as_str(), total), ("b", 2));
+        db.set_public("s:train:0", "training", "a", true).unwrap();
+        assert!(
+            db.checkpoint("s:train:0", "training", "a")
+                .unwrap()
+                .unwrap()
+                .public
+        );
+        db.set_expiry("s:train:0", "training", "b", Some(5))
+            .unwrap();
+        assert_eq!(db.expired(6).unwrap().len(), 1);
+        db.delete_checkpoint("s:train:0", "training", "b").unwrap();
+        assert_eq!(db.checkpoints_of_run("s:train:0").unwrap().len(), 1);
+    }
+
+    #[test]
+    fn reconcile_follows_the_disk() {
+        let mut db = Db::in_memory().unwrap();
+        db.insert_checkpoint(&meta("r", "gone", 1), 1).unwrap();
+        let disk = vec![
+            (meta("r", "kept", 2), 10),
+            (meta("other", "lost-row", 3), 20),
+        ];
+        db.insert_checkpoint(&disk[0].0, 10).unwrap();
+        db.set_public("r", "training", "kept", true).unwrap();
+        assert_eq!(db.reconcile(&disk).unwrap(), (1, 1));
+        assert!(db.checkpoint("r", "training", "gone").unwrap().is_none());
+        assert!(
+            db.checkpoint("r", "training", "kept")
+                .unwrap()
+                .unwrap()
+                .public
+        );
+        assert!(db
+            .checkpoint("other", "training", "lost-row")
+            .unwrap()
+            .is_some());
+        assert_eq!(db.run("other").unwrap().unwrap().owner, "alice");
+    }
+}
