@@ -4,7 +4,9 @@
 //! multi-adapter forward/backward), `sample` (KV-cache decoding), `store` (checkpoint
 //! files). See ARCHITECTURE.md.
 
+pub mod engine;
 pub mod model;
 pub mod sample;
 pub mod store;
 pub mod train;
+pub mod worker;

@@ -1,0 +1,46 @@
+//! Engine errors: what a request did wrong, in a form the api layer maps to HTTP.
+
+/// Why the engine refused a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EngineError {
+    /// Malformed or out-of-range input (400).
+    BadRequest(String),
+    /// Unknown id, or one owned by another key (404).
+    NotFound(String),
+    /// The session was expired (410).
+    Gone(String),
+    /// The server is at a configured limit (400, so SDKs do not retry for minutes).
+    Capacity(String),
+    /// The server is shutting down (503).
+    Unavailable(String),
+    /// A fault on the server (500).
+    Internal(String),
+}
+
+impl EngineError {
+    /// The message.
+    pub fn message(&self) -> &str {
+        match self {
+            EngineError::BadRequest(m)
+            | EngineError::NotFound(m)
+            | EngineError::Gone(m)
+            | EngineError::Capacity(m)
+            | EngineError::Unavailable(m)
+            | EngineError::Internal(m) => m,
+        }
+    }
+}
+
+impl std::fmt::Display for EngineError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.message())
+    }
+}
+
+impl std::error::Error for EngineError {}
+
+impl From<crate::store::StoreError> for EngineError {
+    fn from(e: crate::store::StoreError) -> Self {
+        EngineError::Internal(e.to_string())
+    }
+}

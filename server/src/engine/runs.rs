@@ -1,0 +1,360 @@
+//! Training runs: creation, the operations queued on them, checkpoints they save and load.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use lathe_sdk::types::{
+    CheckpointKind, CheckpointUri, GetInfoResponse, ModelData, UntypedApiFuture,
+    WeightsInfoResponse,
+};
+
+use crate::model::LoraSpec;
+use crate::store::checkpoints::CheckpointMeta;
+use crate::store::db::{CheckpointRow, RunRow};
+use crate::worker::{RunOp, SamplerSource};
+
+use super::state::{now_unix, After, Inflight, Queued, Run};
+use super::{Engine, EngineError};
+
+/// A validated `create_model`.
+#[derive(Debug, Clone)]
+pub struct NewRun {
+    /// Owning session.
+    pub session_id: String,
+    /// The client's model counter.
+    pub model_seq_id: u64,
+    /// Rank and targets.
+    pub spec: LoraSpec,
+    /// Seed of A (random when the client gave none).
+    pub seed: u64,
+    /// Metadata kept with the run.
+    pub user_metadata: BTreeMap<String, String>,
+}
+
+/// A validated save request.
+#[derive(Debug, Clone)]
+pub struct SaveRequest {
+    /// Training state or sampler weights.
+    pub kind: CheckpointKind,
+    /// Checkpoint name (already checked).
+    pub name: String,
+    /// Replace an existing one.
+    pub overwrite: bool,
+    /// Delete after this many seconds.
+    pub ttl_seconds: Option<u64>,
+}
+
+impl Engine {
+    fn check_capacity(&self) -> Result<(), EngineError> {
+        if self.runs.len() >= self.config.max_sessions {
+            return Err(EngineError::Capacity(format!(
+                "the server is at its limit of {} training sessions (--max-sessions); \
+                 unload one or try again later",
+                self.config.max_sessions
+            )));
+        }
+        Ok(())
+    }
+
+    /// Registers a run and queues `first` as its operation number 0.
+    fn start_run(
+        &mut self,
+        owner: &str,
+        session_id: &str,
+        model_seq_id: u64,
+        spec: LoraSpec,
+        user_metadata: BTreeMap<String, String>,
+        first: RunOp,
+    ) -> Result<UntypedApiFuture, EngineError> {
+        self.check_open()?;
+        let run_id = format!("{session_id}:train:{model_seq_id}");
+        if let Some(run) = self.runs.get(&run_id) {
+            // A retried create: answer with the same future.
+            if run.owner == owner {
+                if let Some(id) = run.seen.get(&0) {
+                    return Ok(UntypedApiFuture {
+                        request_id: id.clone(),
+                        model_id: Some(run_id),
+                        sample_sequence_ids: None,
+                    });
+                }
+            }
+            return Err(EngineError::BadRequest(format!(
+                "training run {run_id} already exists"
+            )));
+        }
+        self.check_capacity()?;
+        self.session_mut(owner, session_id)?
+            .runs
+            .push(run_id.clone());
+        let now = now_unix();
+        self.db.insert_run(&RunRow {
+            id: run_id.clone(),
+            owner: owner.to_string(),
+            session_id: session_id.to_string(),
+            base_model: self.model.name.clone(),
+            rank: spec.rank,
+            train_attn: spec.train_attn,
+            train_mlp: spec.train_mlp,
+            train_unembed: spec.train_unembed,
+            created_at: now,
+            last_request_at: now,
+            user_metadata,
+        })?;
+        let request_id = uuid::Uuid::new_v4().to_string();
+        let arrival = self.next_arrival();
+        let mut run = Run {
+            owner: owner.to_string(),
+            session_id: session_id.to_string(),
+            spec,
+            next_seq: 0,
+            pending: BTreeMap::new(),
+            seen: BTreeMap::new(),
+            inflight: false,
+        };
+        run.seen.insert(0, request_id.clone());
+        run.pending.insert(
+            0,
+            Queued {
+                request_id: request_id.clone(),
+                arrival,
+                since: Instant::now(),
+                op: first,
+            },
+        );
+        self.runs.insert(run_id.clone(), run);
+        self.futures.insert(request_id.clone(), owner);
+        self.inflight.insert(
+            request_id.clone(),
+            Inflight {
+                run_id: Some(run_id.clone()),
+                after: After::DropRunOnFailure,
+            },
+        );
+        Ok(UntypedApiFuture {
+            request_id,
+            model_id: Some(run_id),
+            sample_sequence_ids: None,
+        })
+    }
+
+    /// `create_model`: a fresh adapter.
+    pub fn create_model(&mut self, owner: &str, req: NewRun) -> Result<UntypedApiFuture, EngineError> {
+        let op = RunOp::Create {
+            spec: req.spec,
+            seed: req.seed,
+        };
+        self.start_run(
+            owner,
+            &req.session_id,
+            req.model_seq_id,
+            req.spec,
+            req.user_metadata,
+            op,
+        )
+    }
+
+    /// Create-via-load (SDK 0.38): a new run initialised from a training checkpoint.
+    pub fn create_from_checkpoint(
+        &mut self,
+        owner: &str,
+        session_id: &str,
+        model_seq_id: u64,
+        uri: &CheckpointUri,
+        optimizer: bool,
+    ) -> Result<UntypedApiFuture, EngineError> {
+        let (row, dir) = self.resolve_checkpoint(owner, uri)?;
+        check_loadable(uri, optimizer)?;
+        let spec = spec_of(&row);
+        let op = RunOp::Load {
+            uri: uri.to_string(),
+            dir,
+            optimizer,
+            create: true,
+        };
+        self.start_run(owner, session_id, model_seq_id, spec, BTreeMap::new(), op)
+    }
+
+    /// Queues a forward pass, optimizer step or unload on a run.
+    pub fn submit(
+        &mut self,
+        owner: &str,
+        run_id: &str,
+        seq_id: Option<u64>,
+        op: RunOp,
+    ) -> Result<String, EngineError> {
+        let after = if matches!(op, RunOp::Unload) {
+            After::Unloaded
+        } else {
+            After::Nothing
+        };
+        self.enqueue(owner, run_id, seq_id, op, after)
+    }
+
+    /// Queues a checkpoint save; the index row is written when the files are in place.
+    pub fn save(
+        &mut self,
+        owner: &str,
+        run_id: &str,
+        seq_id: Option<u64>,
+        req: SaveRequest,
+    ) -> Result<String, EngineError> {
+        let spec = self.loaded_run(owner, run_id)?.spec;
+        let now = now_unix();
+        let meta = CheckpointMeta {
+            run_id: run_id.to_string(),
+            kind: req.kind.type_name().to_string(),
+            name: req.name,
+            owner: owner.to_string(),
+            base_model: self.model.name.clone(),
+            created_at: now,
+            expires_at: req.ttl_seconds.map(|t| now + t as i64),
+            rank: spec.rank,
+            train_attn: spec.train_attn,
+            train_mlp: spec.train_mlp,
+            train_unembed: spec.train_unembed,
+        };
+        let op = RunOp::Save {
+            meta: meta.clone(),
+            overwrite: req.overwrite,
+        };
+        self.enqueue(owner, run_id, seq_id, op, After::Saved(meta))
+    }
+
+    /// `save_weights_and_get_sampling_client`: snapshots the adapter in memory and opens
+    /// a sampling session on it.
+    pub fn snapshot_for_sampler(
+        &mut self,
+        owner: &str,
+        run_id: &str,
+        seq_id: Option<u64>,
+        sampling_session_seq_id: Option<u64>,
+    ) -> Result<String, EngineError> {
+        let session_id = self.loaded_run(owner, run_id)?.session_id.clone();
+        let seq = match sampling_session_seq_id {
+            Some(s) => s,
+            None => self.next_arrival() + 1_000_000_000,
+        };
+        let sampler_id = format!("{session_id}:sample:{seq}");
+        let request_id = self.enqueue(
+            owner,
+            run_id,
+            seq_id,
+            RunOp::Snapshot {
+                sampler_id: sampler_id.clone(),
+            },
+            After::Nothing,
+        )?;
+        let source = SamplerSource::Snapshot(sampler_id.clone());
+        self.register_sampler(owner, &session_id, sampler_id, source, None);
+        Ok(request_id)
+    }
+
+    /// `load_weights` into an existing run.
+    pub fn load(
+        &mut self,
+        owner: &str,
+        run_id: &str,
+        seq_id: Option<u64>,
+        uri: &CheckpointUri,
+        optimizer: bool,
+    ) -> Result<String, EngineError> {
+        check_loadable(uri, optimizer)?;
+        let (row, dir) = self.resolve_checkpoint(owner, uri)?;
+        let spec = self.loaded_run(owner, run_id)?.spec;
+        if spec_of(&row) != spec {
+            return Err(EngineError::BadRequest(format!(
+                "checkpoint {uri} has rank {} (attn {}, mlp {}, unembed {}) but run {run_id} has \
+                 rank {} (attn {}, mlp {}, unembed {})",
+                row.meta.rank,
+                row.meta.train_attn,
+                row.meta.train_mlp,
+                row.meta.train_unembed,
+                spec.rank,
+                spec.train_attn,
+                spec.train_mlp,
+                spec.train_unembed
+            )));
+        }
+        let op = RunOp::Load {
+            uri: uri.to_string(),
+            dir,
+            optimizer,
+            create: false,
+        };
+        self.enqueue(owner, run_id, seq_id, op, After::Nothing)
+    }
+
+    /// `get_info` on a loaded run.
+    pub fn get_info(&mut self, owner: &str, run_id: &str) -> Result<GetInfoResponse, EngineError> {
+        let rank = self.loaded_run(owner, run_id)?.spec.rank;
+        Ok(GetInfoResponse {
+            model_id: run_id.to_string(),
+            is_lora: true,
+            lora_rank: rank,
+            model_name: self.model.name.clone(),
+            model_data: ModelData {
+                arch: self.model.arch.clone(),
+                model_name: self.model.name.clone(),
+                tokenizer_id: None,
+            },
+        })
+    }
+
+    /// What a checkpoint was trained as.
+    pub fn weights_info(
+        &mut self,
+        owner: &str,
+        uri: &CheckpointUri,
+    ) -> Result<WeightsInfoResponse, EngineError> {
+        let (row, _) = self.resolve_checkpoint(owner, uri)?;
+        Ok(WeightsInfoResponse {
+            base_model: row.meta.base_model,
+            is_lora: true,
+            lora_rank: row.meta.rank,
+            train_unembed: row.meta.train_unembed,
+            train_mlp: row.meta.train_mlp,
+            train_attn: row.meta.train_attn,
+        })
+    }
+
+    /// A checkpoint readable by `owner` (its own, or published), and its directory.
+    pub fn resolve_checkpoint(
+        &self,
+        owner: &str,
+        uri: &CheckpointUri,
+    ) -> Result<(CheckpointRow, PathBuf), EngineError> {
+        let row = self
+            .db
+            .checkpoint(&uri.run_id, uri.kind.type_name(), &uri.name)?
+            .filter(|r| r.meta.owner == owner || r.public)
+            .ok_or_else(|| EngineError::NotFound(format!("unknown checkpoint {uri}")))?;
+        let dir = self.checkpoints.path(&uri.run_id, uri.kind, &uri.name);
+        if !dir.exists() {
+            return Err(EngineError::NotFound(format!(
+                "checkpoint {uri} is listed but its files are gone"
+            )));
+        }
+        Ok((row, dir))
+    }
+}
+
+fn spec_of(row: &CheckpointRow) -> LoraSpec {
+    LoraSpec {
+        rank: row.meta.rank,
+        train_attn: row.meta.train_attn,
+        train_mlp: row.meta.train_mlp,
+        train_unembed: row.meta.train_unembed,
+    }
+}
+
+fn check_loadable(uri: &CheckpointUri, optimizer: bool) -> Result<(), EngineError> {
+    if optimizer && uri.kind == CheckpointKind::Sampler {
+        return Err(EngineError::BadRequest(format!(
+            "{uri} holds sampler weights only; load it without the optimizer state, or load a \
+             weights/ checkpoint"
+        )));
+    }
+    Ok(())
+}

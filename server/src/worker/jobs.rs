@@ -1,0 +1,183 @@
+//! What the engine asks the worker to do, and what comes back. Plain data: no tokio, no
+//! HTTP, no candle types cross this boundary.
+
+use std::path::PathBuf;
+
+use lathe_sdk::types::AdamParams;
+
+use crate::model::LoraSpec;
+use crate::sample::SampleJob;
+use crate::store::checkpoints::CheckpointMeta;
+use crate::train::DatumJob;
+
+/// One operation on one training run.
+#[derive(Debug, Clone)]
+pub enum RunOp {
+    /// A fresh adapter (A seeded, B zero) with fresh optimizer state.
+    Create {
+        /// Rank and targets.
+        spec: LoraSpec,
+        /// Seed of A.
+        seed: u64,
+    },
+    /// `forward` (no gradient) or `forward_backward` (gradient accumulated).
+    Forward {
+        /// The datums (their `adapter` field is set by the worker).
+        data: Vec<DatumJob>,
+        /// Accumulate gradients.
+        with_grad: bool,
+    },
+    /// AdamW on the accumulated gradient, then zero it.
+    OptimStep(AdamParams),
+    /// Write a checkpoint: training state (adapter and optimizer) or sampler weights.
+    Save {
+        /// Its metadata (kind, name, owner ...).
+        meta: CheckpointMeta,
+        /// Replace an existing one of the same name.
+        overwrite: bool,
+    },
+    /// Keep the current adapter in memory as a sampler (no copy of the base model, no
+    /// disk round trip).
+    Snapshot {
+        /// The sampling session that will use it.
+        sampler_id: String,
+    },
+    /// Replace the run's adapter (and optionally optimizer state) from a checkpoint;
+    /// with `create`, the run is new and takes the checkpoint's geometry.
+    Load {
+        /// The checkpoint's URI, echoed in the result.
+        uri: String,
+        /// The checkpoint directory.
+        dir: PathBuf,
+        /// Also restore the optimizer state.
+        optimizer: bool,
+        /// The run does not exist yet (create-via-load).
+        create: bool,
+    },
+    /// Free the run's adapter, optimizer state and gradient.
+    Unload,
+}
+
+impl RunOp {
+    /// Input tokens this op feeds through the model (for batch budgeting).
+    pub fn tokens(&self) -> usize {
+        match self {
+            RunOp::Forward { data, .. } => data.iter().map(|d| d.tokens.len()).sum(),
+            _ => 0,
+        }
+    }
+}
+
+/// An operation with the future it completes.
+#[derive(Debug, Clone)]
+pub struct RunWork {
+    /// The future to complete.
+    pub request_id: String,
+    /// The training run.
+    pub run_id: String,
+    /// What to do.
+    pub op: RunOp,
+}
+
+/// Which adapter a sampling request uses.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum SamplerSource {
+    /// The base model alone.
+    Base,
+    /// An in-memory snapshot taken by [`RunOp::Snapshot`].
+    Snapshot(String),
+    /// A checkpoint directory (loaded once, then cached).
+    Checkpoint(PathBuf),
+}
+
+/// One sampling request.
+#[derive(Debug, Clone)]
+pub struct SampleWork {
+    /// The future to complete.
+    pub request_id: String,
+    /// The adapter.
+    pub source: SamplerSource,
+    /// Prompt and sampling settings (`adapter` is set by the worker).
+    pub job: SampleJob,
+}
+
+/// What the worker runs in one go: the runs' operations (all forward passes of the
+/// batch fused into one multi-adapter pass), then every sampling request decoded together.
+#[derive(Debug, Clone, Default)]
+pub struct Batch {
+    /// At most one operation per run, so per-run order is the engine's business.
+    pub runs: Vec<RunWork>,
+    /// Sampling requests.
+    pub samples: Vec<SampleWork>,
+    /// Sampler snapshots to free (their sampling sessions expired).
+    pub drop_snapshots: Vec<String>,
+}
+
+impl Batch {
+    /// Whether there is nothing to do.
+    pub fn is_empty(&self) -> bool {
+        self.runs.is_empty() && self.samples.is_empty() && self.drop_snapshots.is_empty()
+    }
+}
+
+/// Who is to blame for a failure; decides the `category` the client sees.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Blame {
+    /// Bad input: the same request will fail again.
+    User,
+    /// A fault on the server.
+    Server,
+}
+
+/// A failed operation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Failure {
+    /// `user` or `server`.
+    pub blame: Blame,
+    /// What went wrong.
+    pub message: String,
+}
+
+impl Failure {
+    /// Bad input.
+    pub fn user(message: impl Into<String>) -> Self {
+        Self {
+            blame: Blame::User,
+            message: message.into(),
+        }
+    }
+
+    /// A server fault.
+    pub fn server(message: impl Into<String>) -> Self {
+        Self {
+            blame: Blame::Server,
+            message: message.into(),
+        }
+    }
+
+    /// The wire category.
+    pub fn category(&self) -> &'static str {
+        match self.blame {
+            Blame::User => "user",
+            Blame::Server => "server",
+        }
+    }
+}
+
+/// A successful operation's result.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Done {
+    /// The JSON result the client retrieves.
+    pub body: serde_json::Value,
+    /// Bytes written, for a saved checkpoint.
+    pub saved_bytes: Option<u64>,
+}
+
+/// The result of one request of a [`Batch`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Outcome {
+    /// The future it completes.
+    pub request_id: String,
+    /// Result or failure.
+    pub result: Result<Done, Failure>,
+}

@@ -1,0 +1,12 @@
+//! The worker thread: one OS thread owns the base model and every adapter and runs all
+//! model work, one [`Batch`] at a time, for the engine.
+
+mod jobs;
+mod runner;
+mod thread;
+
+pub use jobs::{
+    Batch, Blame, Done, Failure, Outcome, RunOp, RunWork, SampleWork, SamplerSource,
+};
+pub use runner::Worker;
+pub use thread::{spawn, WorkerHandle};

@@ -1,0 +1,453 @@
+//! The worker: the only owner of the base model and of every run's adapter, optimizer
+//! state and accumulated gradient. It executes one [`Batch`] at a time.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use lathe_sdk::types::{CheckpointKind, CheckpointUri, TensorData};
+use serde_json::json;
+
+use super::jobs::{Batch, Done, Failure, Outcome, RunOp, RunWork, SampleWork, SamplerSource};
+use crate::model::{Adapter, AdapterGrads, LoadedModel, ModelError};
+use crate::sample::{self, DecodeMode, SampleOutput, Stop};
+use crate::store::checkpoints::{CheckpointDir, CheckpointMeta};
+use crate::store::{peft, StoreError};
+use crate::train::adamw::{self, AdamState};
+use crate::train::{self, DatumResult, TrainError};
+
+/// Checkpoint adapters kept in memory for sampling.
+const SAMPLER_CACHE: usize = 16;
+
+struct RunModel {
+    adapter: Adapter,
+    opt: AdamState,
+    grads: AdapterGrads,
+    has_grad: bool,
+}
+
+/// Model, adapters and the code that runs batches on them.
+pub struct Worker {
+    model: LoadedModel,
+    mode: DecodeMode,
+    checkpoints: CheckpointDir,
+    runs: HashMap<String, RunModel>,
+    snapshots: HashMap<String, Arc<Adapter>>,
+    /// Most recently used last.
+    cached: Vec<(PathBuf, Arc<Adapter>)>,
+}
+
+fn model_failure(e: ModelError) -> Failure {
+    match e {
+        ModelError::Input(m) | ModelError::Lora(m) => Failure::user(m),
+        other => Failure::server(other.to_string()),
+    }
+}
+
+fn train_failure(e: TrainError) -> Failure {
+    match e {
+        TrainError::Input(m) => Failure::user(m),
+        TrainError::Model(m) => model_failure(m),
+    }
+}
+
+fn store_failure(e: StoreError) -> Failure {
+    match e {
+        StoreError::Exists(_) | StoreError::Invalid(_) => Failure::user(e.to_string()),
+        other => Failure::server(other.to_string()),
+    }
+}
+
+fn done(body: serde_json::Value) -> Result<Done, Failure> {
+    Ok(Done {
+        body,
+        saved_bytes: None,
+    })
+}
+
+impl Worker {
+    /// A worker over `model`, saving checkpoints under `checkpoints`.
+    pub fn new(model: LoadedModel, mode: DecodeMode, checkpoints: CheckpointDir) -> Self {
+        Self {
+            model,
+            mode,
+            checkpoints,
+            runs: HashMap::new(),
+            snapshots: HashMap::new(),
+            cached: Vec::new(),
+        }
+    }
+
+    /// Runs a batch: every run operation, with all forward passes fused into one
+    /// multi-adapter pass, then all sampling requests decoded together. A failing
+    /// request fails alone.
+    pub fn run_batch(&mut self, batch: Batch) -> Vec<Outcome> {
+        for id in &batch.drop_snapshots {
+            self.snapshots.remove(id);
+        }
+        let mut outcomes = Vec::new();
+        let (forwards, others): (Vec<RunWork>, Vec<RunWork>) = batch
+            .runs
+            .into_iter()
+            .partition(|w| matches!(w.op, RunOp::Forward { .. }));
+        for work in others {
+            let result = self.run_op(&work);
+            outcomes.push(Outcome {
+                request_id: work.request_id,
+                result,
+            });
+        }
+        for with_grad in [true, false] {
+            let group: Vec<&RunWork> = forwards
+                .iter()
+                .filter(|w| matches!(w.op, RunOp::Forward { with_grad: g, .. } if g == with_grad))
+                .collect();
+            if !group.is_empty() {
+                outcomes.extend(self.forward_group(&group, with_grad));
+            }
+        }
+        if !batch.samples.is_empty() {
+            outcomes.extend(self.sample_group(&batch.samples));
+        }
+        outcomes
+    }
+
+    fn run_op(&mut self, work: &RunWork) -> Result<Done, Failure> {
+        let run_id = work.run_id.as_str();
+        match &work.op {
+            RunOp::Create { spec, seed } => {
+                let t = &self.model.transformer;
+                let adapter =
+                    Adapter::new(&t.config, *spec, *seed, t.weights.dtype(), t.device())
+                        .map_err(model_failure)?;
+                self.runs.insert(run_id.to_string(), RunModel::fresh(adapter));
+                done(json!({"model_id": run_id, "type": "create_model"}))
+            }
+            RunOp::Load {
+                uri,
+                dir,
+                optimizer,
+                create,
+            } => {
+                let (adapter, opt) = self.read_checkpoint(dir, *optimizer)?;
+                if !*create {
+                    let run = self.run(run_id)?;
+                    if run.adapter.spec != adapter.spec {
+                        return Err(Failure::user(format!(
+                            "checkpoint {uri} has LoRA {:?} but run {run_id} has {:?}",
+                            adapter.spec, run.adapter.spec
+                        )));
+                    }
+                }
+                let mut fresh = RunModel::fresh(adapter);
+                if let Some(opt) = opt {
+                    fresh.opt = opt;
+                }
+                self.runs.insert(run_id.to_string(), fresh);
+                done(json!({"path": uri, "type": "load_weights"}))
+            }
+            RunOp::OptimStep(params) => {
+                let run = self.runs.get_mut(run_id).ok_or_else(|| unknown(run_id))?;
+                if !run.has_grad {
+                    return Err(Failure::user(
+                        "optim_step without an accumulated gradient: call forward_backward first",
+                    ));
+                }
+                let report = adamw::step(&mut run.adapter, &mut run.opt, &run.grads, params)
+                    .map_err(train_failure)?;
+                run.grads = AdapterGrads::default();
+                run.has_grad = false;
+                done(json!({"metrics": {
+                    "grad_norm:mean": report.grad_norm,
+                    "clipped:mean": if report.clipped { 1.0 } else { 0.0 },
+                    "step:max": report.step as f64,
+                }}))
+            }
+            RunOp::Save { meta, overwrite } => self.save(run_id, meta, *overwrite),
+            RunOp::Snapshot { sampler_id } => {
+                let adapter = self.run(run_id)?.adapter.clone();
+                self.snapshots.insert(sampler_id.clone(), Arc::new(adapter));
+                done(json!({"path": null, "sampling_session_id": sampler_id,
+                            "type": "save_weights_for_sampler"}))
+            }
+            RunOp::Unload => {
+                self.runs.remove(run_id);
+                done(json!({"model_id": run_id, "type": "unload_model"}))
+            }
+            RunOp::Forward { .. } => unreachable!("forward ops run fused"),
+        }
+    }
+
+    fn run(&self, run_id: &str) -> Result<&RunModel, Failure> {
+        self.runs.get(run_id).ok_or_else(|| unknown(run_id))
+    }
+
+    fn read_checkpoint(
+        &self,
+        dir: &Path,
+        optimizer: bool,
+    ) -> Result<(Adapter, Option<AdamState>), Failure> {
+        let t = &self.model.transformer;
+        let adapter = peft::load_adapter(dir, &t.config, t.device())
+            .and_then(|a| Ok(a.to_dtype(t.weights.dtype())?))
+            .map_err(store_failure)?;
+        let opt = if optimizer {
+            Some(peft::load_optimizer(dir, t.device()).map_err(store_failure)?)
+        } else {
+            None
+        };
+        Ok((adapter, opt))
+    }
+
+    fn save(
+        &mut self,
+        run_id: &str,
+        meta: &CheckpointMeta,
+        overwrite: bool,
+    ) -> Result<Done, Failure> {
+        let kind = meta.kind().expect("engine sends a valid kind");
+        let run = self.runs.get(run_id).ok_or_else(|| unknown(run_id))?;
+        let base = self.model.name.clone();
+        let bytes = self
+            .checkpoints
+            .write(meta, overwrite, |dir| {
+                peft::save_adapter(dir, &run.adapter, &base)?;
+                if kind == CheckpointKind::Training {
+                    peft::save_optimizer(dir, &run.opt)?;
+                }
+                Ok(())
+            })
+            .map_err(store_failure)?;
+        let path = self.checkpoints.path(run_id, kind, &meta.name);
+        self.cached.retain(|(p, _)| p != &path);
+        let uri = CheckpointUri {
+            run_id: run_id.to_string(),
+            kind,
+            name: meta.name.clone(),
+        }
+        .to_string();
+        let body = match kind {
+            CheckpointKind::Training => json!({"path": uri, "type": "save_weights"}),
+            CheckpointKind::Sampler => json!({"path": uri, "sampling_session_id": null,
+                                              "type": "save_weights_for_sampler"}),
+        };
+        Ok(Done {
+            body,
+            saved_bytes: Some(bytes),
+        })
+    }
+
+    fn forward_group(&mut self, group: &[&RunWork], with_grad: bool) -> Vec<Outcome> {
+        match self.try_forward(group, with_grad) {
+            Ok(outcomes) => outcomes,
+            // One bad request must not fail the others: run each alone.
+            Err(_) if group.len() > 1 => group
+                .iter()
+                .flat_map(|w| self.forward_group(std::slice::from_ref(w), with_grad))
+                .collect(),
+            Err(failure) => vec![Outcome {
+                request_id: group[0].request_id.clone(),
+                result: Err(failure),
+            }],
+        }
+    }
+
+    fn try_forward(&mut self, group: &[&RunWork], with_grad: bool) -> Result<Vec<Outcome>, Failure> {
+        let mut jobs = Vec::new();
+        let mut spans = Vec::new();
+        for (i, work) in group.iter().enumerate() {
+            self.run(&work.run_id)?;
+            let RunOp::Forward { data, .. } = &work.op else {
+                unreachable!()
+            };
+            spans.push(jobs.len()..jobs.len() + data.len());
+            jobs.extend(data.iter().cloned().map(|mut d| {
+                d.adapter = i;
+                d
+            }));
+        }
+        let adapters: Vec<&Adapter> = group
+            .iter()
+            .map(|w| &self.runs[&w.run_id].adapter)
+            .collect();
+        let (results, grads) =
+            train::forward_backward(&self.model.transformer, &adapters, &jobs, with_grad)
+                .map_err(train_failure)?;
+        let mut outcomes = Vec::with_capacity(group.len());
+        for ((work, span), grad) in group.iter().zip(spans).zip(grads) {
+            if with_grad {
+                let run = self.runs.get_mut(&work.run_id).expect("checked above");
+                if let Err(e) = run.grads.merge(grad) {
+                    outcomes.push(Outcome {
+                        request_id: work.request_id.clone(),
+                        result: Err(Failure::server(e.to_string())),
+                    });
+                    continue;
+                }
+                run.has_grad = true;
+            }
+            let RunOp::Forward { data, .. } = &work.op else {
+                unreachable!()
+            };
+            let body = forward_output(&results[span], data);
+            outcomes.push(Outcome {
+                request_id: work.request_id.clone(),
+                result: done(body),
+            });
+        }
+        Ok(outcomes)
+    }
+
+    fn sampler_adapter(&mut self, source: &SamplerSource) -> Result<Option<Arc<Adapter>>, Failure> {
+        match source {
+            SamplerSource::Base => Ok(None),
+            SamplerSource::Snapshot(id) => self
+                .snapshots
+                .get(id)
+                .cloned()
+                .map(Some)
+                .ok_or_else(|| Failure::user(format!("sampler {id} no longer exists"))),
+            SamplerSource::Checkpoint(dir) => {
+                if let Some(pos) = self.cached.iter().position(|(p, _)| p == dir) {
+                    let entry = self.cached.remove(pos);
+                    let adapter = entry.1.clone();
+                    self.cached.push(entry);
+                    return Ok(Some(adapter));
+                }
+                let (adapter, _) = self.read_checkpoint(dir, false)?;
+                let adapter = Arc::new(adapter);
+                if self.cached.len() >= SAMPLER_CACHE {
+                    self.cached.remove(0);
+                }
+                self.cached.push((dir.clone(), adapter.clone()));
+                Ok(Some(adapter))
+            }
+        }
+    }
+
+    fn sample_group(&mut self, works: &[SampleWork]) -> Vec<Outcome> {
+        let mut outcomes = Vec::new();
+        let mut adapters: Vec<Arc<Adapter>> = Vec::new();
+        let mut runnable: Vec<(&SampleWork, crate::sample::SampleJob)> = Vec::new();
+        for work in works {
+            match self.sampler_adapter(&work.source) {
+                Ok(adapter) => {
+                    let mut job = work.job.clone();
+                    job.adapter = adapter.map(|a| {
+                        match adapters.iter().position(|b| Arc::ptr_eq(b, &a)) {
+                            Some(i) => i,
+                            None => {
+                                adapters.push(a);
+                                adapters.len() - 1
+                            }
+                        }
+                    });
+                    runnable.push((work, job));
+                }
+                Err(failure) => outcomes.push(Outcome {
+                    request_id: work.request_id.clone(),
+                    result: Err(failure),
+                }),
+            }
+        }
+        outcomes.extend(self.decode(&adapters, &runnable));
+        outcomes
+    }
+
+    fn decode(
+        &self,
+        adapters: &[Arc<Adapter>],
+        runnable: &[(&SampleWork, crate::sample::SampleJob)],
+    ) -> Vec<Outcome> {
+        if runnable.is_empty() {
+            return Vec::new();
+        }
+        let refs: Vec<&Adapter> = adapters.iter().map(|a| a.as_ref()).collect();
+        let jobs: Vec<_> = runnable.iter().map(|(_, j)| j.clone()).collect();
+        let m = &self.model;
+        match sample::sample(&m.transformer, &m.tokenizer, &refs, &jobs, self.mode) {
+            Ok(outputs) => runnable
+                .iter()
+                .zip(outputs)
+                .map(|((w, _), out)| Outcome {
+                    request_id: w.request_id.clone(),
+                    result: done(sample_output(out)),
+                })
+                .collect(),
+            Err(_) if runnable.len() > 1 => runnable
+                .iter()
+                .flat_map(|r| self.decode(adapters, std::slice::from_ref(r)))
+                .collect(),
+            Err(e) => vec![Outcome {
+                request_id: runnable[0].0.request_id.clone(),
+                result: Err(model_failure(e)),
+            }],
+        }
+    }
+}
+
+impl RunModel {
+    fn fresh(adapter: Adapter) -> Self {
+        Self {
+            adapter,
+            opt: AdamState::default(),
+            grads: AdapterGrads::default(),
+            has_grad: false,
+        }
+    }
+}
+
+fn unknown(run_id: &str) -> Failure {
+    Failure::user(format!("training run {run_id} is not loaded"))
+}
+
+fn float_tensor(values: &[f32], k: usize) -> TensorData {
+    let mut t = TensorData::float32(values.to_vec());
+    t.shape = Some(if k == 1 {
+        vec![values.len()]
+    } else {
+        vec![values.len() / k, k]
+    });
+    t
+}
+
+/// `ForwardBackwardOutput` JSON for one request's datums.
+fn forward_output(results: &[DatumResult], data: &[train::DatumJob]) -> serde_json::Value {
+    let outputs: Vec<serde_json::Value> = results
+        .iter()
+        .zip(data)
+        .map(|(r, d)| {
+            json!({
+                "logprobs": float_tensor(&r.logprobs, d.k),
+                "elementwise_loss": float_tensor(&r.elementwise_loss, d.k),
+            })
+        })
+        .collect();
+    let loss: f64 = results.iter().map(|r| r.loss).sum();
+    json!({
+        "loss_fn_output_type": "TorchLossReturn",
+        "loss_fn_outputs": outputs,
+        "metrics": {"loss:sum": loss},
+    })
+}
+
+/// `SampleResponse` JSON.
+fn sample_output(out: SampleOutput) -> serde_json::Value {
+    let sequences: Vec<serde_json::Value> = out
+        .sequences
+        .into_iter()
+        .map(|s| {
+            json!({
+                "stop_reason": match s.stop { Stop::Stop => "stop", Stop::Length => "length" },
+                "tokens": s.tokens,
+                "logprobs": s.logprobs,
+            })
+        })
+        .collect();
+    json!({
+        "type": "sample",
+        "sequences": sequences,
+        "prompt_logprobs": out.prompt_logprobs,
+        "topk_prompt_logprobs": null,
+    })
+}

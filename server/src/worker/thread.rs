@@ -1,0 +1,81 @@
+//! Running a [`Worker`] on its own OS thread.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+
+use super::jobs::{Batch, Failure, Outcome};
+use super::runner::Worker;
+
+/// Sends batches to the worker thread.
+pub struct WorkerHandle {
+    tx: Option<mpsc::Sender<Batch>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl WorkerHandle {
+    /// Queues a batch; its outcomes arrive through the `on_done` callback given to
+    /// [`spawn`]. Returns false if the worker thread has stopped.
+    pub fn send(&self, batch: Batch) -> bool {
+        self.tx.as_ref().is_some_and(|tx| tx.send(batch).is_ok())
+    }
+
+    /// Lets the current batch finish, then stops the thread.
+    pub fn shutdown(&mut self) {
+        self.tx.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for WorkerHandle {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// Starts the worker thread. `on_done` receives each batch's outcomes, in the worker
+/// thread. A panic inside a batch fails that batch's requests (category `server`) and
+/// the worker carries on.
+pub fn spawn(
+    mut worker: Worker,
+    on_done: impl Fn(Vec<Outcome>) + Send + 'static,
+) -> WorkerHandle {
+    let (tx, rx) = mpsc::channel::<Batch>();
+    let thread = std::thread::Builder::new()
+        .name("lathe-worker".into())
+        .spawn(move || {
+            while let Ok(batch) = rx.recv() {
+                let ids: Vec<String> = batch
+                    .runs
+                    .iter()
+                    .map(|w| w.request_id.clone())
+                    .chain(batch.samples.iter().map(|s| s.request_id.clone()))
+                    .collect();
+                let outcomes = match catch_unwind(AssertUnwindSafe(|| worker.run_batch(batch))) {
+                    Ok(o) => o,
+                    Err(panic) => {
+                        let msg = panic
+                            .downcast_ref::<String>()
+                            .cloned()
+                            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                            .unwrap_or_else(|| "unknown panic".into());
+                        tracing::error!("worker panicked: {msg}");
+                        ids.into_iter()
+                            .map(|request_id| Outcome {
+                                request_id,
+                                result: Err(Failure::server(format!("internal error: {msg}"))),
+                            })
+                            .collect()
+                    }
+                };
+                on_done(outcomes);
+            }
+        })
+        .expect("spawning the worker thread");
+    WorkerHandle {
+        tx: Some(tx),
+        thread: Some(thread),
+    }
+}
