@@ -4,9 +4,11 @@
 //! multi-adapter forward/backward), `sample` (KV-cache decoding), `store` (checkpoint
 //! files). See ARCHITECTURE.md.
 
+pub mod api;
 pub mod engine;
 pub mod model;
 pub mod sample;
+pub mod server;
 pub mod store;
 pub mod train;
 pub mod worker;

@@ -1,4 +1,4 @@
-//! The `lathe` command: generate text, and measure training and sampling speed.
+//! The `lathe` command: serve the training API, generate text, measure speed.
 
 mod cli;
 
@@ -19,6 +19,8 @@ struct Args {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Serve the Tinker HTTP protocol: many LoRA training sessions on one base model.
+    Serve(cli::serve::ServeArgs),
     /// Generate a completion for a prompt (chat template applied unless --raw).
     Generate(cli::generate::GenerateArgs),
     /// Measure throughput and memory; prints one JSON object.
@@ -35,6 +37,7 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     match Args::parse().command {
+        Command::Serve(args) => cli::serve::run(args),
         Command::Generate(args) => cli::generate::run(args),
         Command::Bench(cmd) => cli::bench::run(cmd),
     }

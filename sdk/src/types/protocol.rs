@@ -418,6 +418,9 @@ fn one_sample() -> usize {
     1
 }
 
+/// One `(token id, logprob)` alternative of a prompt position.
+pub type TopkEntry = (i64, f64);
+
 /// `asample` result.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SampleResponse {
@@ -428,7 +431,7 @@ pub struct SampleResponse {
     pub prompt_logprobs: Option<Vec<Option<f64>>>,
     /// Top-k prompt alternatives (always `None`).
     #[serde(default)]
-    pub topk_prompt_logprobs: Option<Vec<Option<Vec<(i64, f64)>>>>,
+    pub topk_prompt_logprobs: Option<Vec<Option<Vec<TopkEntry>>>>,
 }
 
 /// `POST /api/v1/retrieve_future`.

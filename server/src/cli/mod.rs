@@ -2,6 +2,7 @@
 
 pub mod bench;
 pub mod generate;
+pub mod serve;
 
 use std::path::Path;
 use std::process::Command;

@@ -106,7 +106,10 @@ mod tests {
         f.resolve("r1", Ok(json!({"x": 1})));
         assert_eq!(*rx.try_recv().unwrap(), Ok(json!({"x": 1})));
         assert!(matches!(f.poll("r1", "alice"), Some(Poll::Ready(_))));
-        f.expire(Instant::now() + Duration::from_secs(10), Duration::from_secs(5));
+        f.expire(
+            Instant::now() + Duration::from_secs(10),
+            Duration::from_secs(5),
+        );
         assert!(f.poll("r1", "alice").is_none());
     }
 }

@@ -40,7 +40,10 @@ fn checkpoint_view(row: &CheckpointRow) -> Checkpoint {
 }
 
 /// Parses a REST checkpoint id (`weights/<name>` or `sampler_weights/<name>`) of a run.
-pub fn parse_checkpoint_id(run_id: &str, checkpoint_id: &str) -> Result<CheckpointUri, EngineError> {
+pub fn parse_checkpoint_id(
+    run_id: &str,
+    checkpoint_id: &str,
+) -> Result<CheckpointUri, EngineError> {
     format!("tinker://{run_id}/{checkpoint_id}")
         .parse()
         .map_err(EngineError::BadRequest)
@@ -119,7 +122,9 @@ impl Engine {
             .map(checkpoint_view)
             .collect();
         if visible.is_empty() && self.owned_run(owner, run_id).is_err() {
-            return Err(EngineError::NotFound(format!("unknown training run {run_id}")));
+            return Err(EngineError::NotFound(format!(
+                "unknown training run {run_id}"
+            )));
         }
         Ok(CheckpointsListResponse {
             checkpoints: visible,
@@ -146,7 +151,11 @@ impl Engine {
         })
     }
 
-    fn owned_checkpoint(&self, owner: &str, uri: &CheckpointUri) -> Result<CheckpointRow, EngineError> {
+    fn owned_checkpoint(
+        &self,
+        owner: &str,
+        uri: &CheckpointUri,
+    ) -> Result<CheckpointRow, EngineError> {
         self.db
             .checkpoint(&uri.run_id, uri.kind.type_name(), &uri.name)?
             .filter(|r| r.meta.owner == owner)
@@ -154,7 +163,11 @@ impl Engine {
     }
 
     /// Deletes one of the owner's checkpoints (index row first, then files).
-    pub fn delete_checkpoint(&mut self, owner: &str, uri: &CheckpointUri) -> Result<(), EngineError> {
+    pub fn delete_checkpoint(
+        &mut self,
+        owner: &str,
+        uri: &CheckpointUri,
+    ) -> Result<(), EngineError> {
         self.owned_checkpoint(owner, uri)?;
         self.db
             .delete_checkpoint(&uri.run_id, uri.kind.type_name(), &uri.name)?;
@@ -163,7 +176,12 @@ impl Engine {
     }
 
     /// Publishes (readable by every key) or unpublishes a checkpoint.
-    pub fn set_public(&mut self, owner: &str, uri: &CheckpointUri, public: bool) -> Result<(), EngineError> {
+    pub fn set_public(
+        &mut self,
+        owner: &str,
+        uri: &CheckpointUri,
+        public: bool,
+    ) -> Result<(), EngineError> {
         self.owned_checkpoint(owner, uri)?;
         self.db
             .set_public(&uri.run_id, uri.kind.type_name(), &uri.name, public)?;
@@ -171,7 +189,12 @@ impl Engine {
     }
 
     /// Sets (seconds from now) or clears a checkpoint's TTL.
-    pub fn set_ttl(&mut self, owner: &str, uri: &CheckpointUri, ttl: Option<u64>) -> Result<(), EngineError> {
+    pub fn set_ttl(
+        &mut self,
+        owner: &str,
+        uri: &CheckpointUri,
+        ttl: Option<u64>,
+    ) -> Result<(), EngineError> {
         self.owned_checkpoint(owner, uri)?;
         let expires = ttl.map(|t| now_unix() + t.min(i64::MAX as u64 / 2) as i64);
         self.db
@@ -185,7 +208,11 @@ impl Engine {
     }
 
     /// A session's runs and samplers.
-    pub fn get_session(&self, owner: &str, id: &str) -> Result<(Vec<String>, Vec<String>), EngineError> {
+    pub fn get_session(
+        &self,
+        owner: &str,
+        id: &str,
+    ) -> Result<(Vec<String>, Vec<String>), EngineError> {
         let s = self
             .sessions
             .get(id)

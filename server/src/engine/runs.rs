@@ -140,7 +140,11 @@ impl Engine {
     }
 
     /// `create_model`: a fresh adapter.
-    pub fn create_model(&mut self, owner: &str, req: NewRun) -> Result<UntypedApiFuture, EngineError> {
+    pub fn create_model(
+        &mut self,
+        owner: &str,
+        req: NewRun,
+    ) -> Result<UntypedApiFuture, EngineError> {
         let op = RunOp::Create {
             spec: req.spec,
             seed: req.seed,

@@ -6,8 +6,8 @@ use lathe_sdk::types::{CheckpointUri, GetSamplerResponse, UntypedApiFuture};
 use crate::sample::SampleJob;
 use crate::worker::{SampleWork, SamplerSource};
 
-use super::state::{Inflight, Sampler};
 use super::state::After;
+use super::state::{Inflight, Sampler};
 use super::{Engine, EngineError};
 
 /// Which sampler a request uses.
@@ -61,10 +61,18 @@ impl Engine {
         let id = format!("{session_id}:sample:{seq}");
         if let Some(existing) = self.samplers.get(&id) {
             if existing.owner != owner {
-                return Err(EngineError::BadRequest(format!("sampler {id} already exists")));
+                return Err(EngineError::BadRequest(format!(
+                    "sampler {id} already exists"
+                )));
             }
         }
-        self.register_sampler(owner, session_id, id.clone(), source, model_path.map(|u| u.to_string()));
+        self.register_sampler(
+            owner,
+            session_id,
+            id.clone(),
+            source,
+            model_path.map(|u| u.to_string()),
+        );
         Ok(id)
     }
 
@@ -98,7 +106,9 @@ impl Engine {
                 .map(|s| s.source.clone())
                 .ok_or_else(|| EngineError::NotFound(format!("unknown sampler {id}")))?,
             SamplerRef::BaseModel => SamplerSource::Base,
-            SamplerRef::Path(uri) => SamplerSource::Checkpoint(self.resolve_checkpoint(owner, &uri)?.1),
+            SamplerRef::Path(uri) => {
+                SamplerSource::Checkpoint(self.resolve_checkpoint(owner, &uri)?.1)
+            }
         };
         let request_id = uuid::Uuid::new_v4().to_string();
         let sample_sequence_ids = (0..job.num_samples)

@@ -126,7 +126,11 @@ mod tests {
 
     #[test]
     fn forward_passes_fuse_within_the_token_budget_oldest_first() {
-        let c = [fwd(1, 3, 40, true), fwd(2, 1, 50, true), fwd(3, 2, 40, true)];
+        let c = [
+            fwd(1, 3, 40, true),
+            fwd(2, 1, 50, true),
+            fwd(3, 2, 40, true),
+        ];
         // Oldest (2, 50 tokens) then 3 (40) fit; 1 would exceed 100.
         assert_eq!(plan(&c, LIMITS), vec![2, 3]);
     }
@@ -139,7 +143,11 @@ mod tests {
 
     #[test]
     fn gradient_and_forward_only_passes_do_not_mix() {
-        let c = [fwd(1, 1, 10, false), fwd(2, 2, 10, true), fwd(3, 3, 10, false)];
+        let c = [
+            fwd(1, 1, 10, false),
+            fwd(2, 2, 10, true),
+            fwd(3, 3, 10, false),
+        ];
         assert_eq!(plan(&c, LIMITS), vec![1, 3]);
     }
 

@@ -294,7 +294,11 @@ impl Engine {
     }
 
     /// A run of `owner` that is loaded in the worker.
-    pub(super) fn loaded_run(&mut self, owner: &str, run_id: &str) -> Result<&mut Run, EngineError> {
+    pub(super) fn loaded_run(
+        &mut self,
+        owner: &str,
+        run_id: &str,
+    ) -> Result<&mut Run, EngineError> {
         match self.runs.get(run_id) {
             Some(r) if r.owner == owner => {}
             _ => {
@@ -421,7 +425,10 @@ impl Engine {
             }
             let result = match (outcome.result, inflight.after) {
                 (Ok(done), After::Saved(meta)) => {
-                    match self.db.insert_checkpoint(&meta, done.saved_bytes.unwrap_or(0)) {
+                    match self
+                        .db
+                        .insert_checkpoint(&meta, done.saved_bytes.unwrap_or(0))
+                    {
                         Ok(()) => Ok(done.body),
                         Err(e) => Err(Failure::server(e.to_string())),
                     }
@@ -516,7 +523,9 @@ impl Engine {
             self.inflight.remove(&id);
             self.futures.resolve(
                 &id,
-                Err(Failure::server("the server shut down before this request ran")),
+                Err(Failure::server(
+                    "the server shut down before this request ran",
+                )),
             );
         }
     }

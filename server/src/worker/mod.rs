@@ -5,8 +5,6 @@ mod jobs;
 mod runner;
 mod thread;
 
-pub use jobs::{
-    Batch, Blame, Done, Failure, Outcome, RunOp, RunWork, SampleWork, SamplerSource,
-};
+pub use jobs::{Batch, Blame, Done, Failure, Outcome, RunOp, RunWork, SampleWork, SamplerSource};
 pub use runner::Worker;
 pub use thread::{spawn, WorkerHandle};

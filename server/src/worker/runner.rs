@@ -117,10 +117,10 @@ impl Worker {
         match &work.op {
             RunOp::Create { spec, seed } => {
                 let t = &self.model.transformer;
-                let adapter =
-                    Adapter::new(&t.config, *spec, *seed, t.weights.dtype(), t.device())
-                        .map_err(model_failure)?;
-                self.runs.insert(run_id.to_string(), RunModel::fresh(adapter));
+                let adapter = Adapter::new(&t.config, *spec, *seed, t.weights.dtype(), t.device())
+                    .map_err(model_failure)?;
+                self.runs
+                    .insert(run_id.to_string(), RunModel::fresh(adapter));
                 done(json!({"model_id": run_id, "type": "create_model"}))
             }
             RunOp::Load {
@@ -252,7 +252,11 @@ impl Worker {
         }
     }
 
-    fn try_forward(&mut self, group: &[&RunWork], with_grad: bool) -> Result<Vec<Outcome>, Failure> {
+    fn try_forward(
+        &mut self,
+        group: &[&RunWork],
+        with_grad: bool,
+    ) -> Result<Vec<Outcome>, Failure> {
         let mut jobs = Vec::new();
         let mut spans = Vec::new();
         for (i, work) in group.iter().enumerate() {
@@ -333,15 +337,14 @@ impl Worker {
             match self.sampler_adapter(&work.source) {
                 Ok(adapter) => {
                     let mut job = work.job.clone();
-                    job.adapter = adapter.map(|a| {
-                        match adapters.iter().position(|b| Arc::ptr_eq(b, &a)) {
+                    job.adapter =
+                        adapter.map(|a| match adapters.iter().position(|b| Arc::ptr_eq(b, &a)) {
                             Some(i) => i,
                             None => {
                                 adapters.push(a);
                                 adapters.len() - 1
                             }
-                        }
-                    });
+                        });
                     runnable.push((work, job));
                 }
                 Err(failure) => outcomes.push(Outcome {

@@ -38,10 +38,7 @@ impl Drop for WorkerHandle {
 /// Starts the worker thread. `on_done` receives each batch's outcomes, in the worker
 /// thread. A panic inside a batch fails that batch's requests (category `server`) and
 /// the worker carries on.
-pub fn spawn(
-    mut worker: Worker,
-    on_done: impl Fn(Vec<Outcome>) + Send + 'static,
-) -> WorkerHandle {
+pub fn spawn(mut worker: Worker, on_done: impl Fn(Vec<Outcome>) + Send + 'static) -> WorkerHandle {
     let (tx, rx) = mpsc::channel::<Batch>();
     let thread = std::thread::Builder::new()
         .name("lathe-worker".into())

@@ -1,0 +1,113 @@
+//! The one table of error codes and HTTP statuses. Every error leaves the server as a
+//! JSON body `{"detail": <message>, "code": <code>}`: never an empty 400, which the
+//! Python SDK would take for a proxy failure and retry. Permanent errors are 4xx (the SDK
+//! retries 408/409/429/5xx for minutes); 5xx only for faults a retry may cure.
+
+use axum::extract::rejection::JsonRejection;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::json;
+
+use crate::engine::EngineError;
+
+/// An error response.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiError {
+    /// HTTP status.
+    pub status: StatusCode,
+    /// Stable machine-readable code.
+    pub code: &'static str,
+    /// Human-readable message.
+    pub message: String,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            code,
+            message: message.into(),
+        }
+    }
+
+    /// 400 `invalid_request`.
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "invalid_request", message)
+    }
+
+    /// 401 `unauthorized`.
+    pub fn unauthorized(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::UNAUTHORIZED, "unauthorized", message)
+    }
+
+    /// 404 `not_found`.
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::NOT_FOUND, "not_found", message)
+    }
+
+    /// 500 `internal`.
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message)
+    }
+}
+
+impl From<EngineError> for ApiError {
+    fn from(e: EngineError) -> Self {
+        match e {
+            EngineError::BadRequest(m) => Self::bad_request(m),
+            EngineError::NotFound(m) => Self::not_found(m),
+            EngineError::Gone(m) => Self::new(StatusCode::GONE, "gone", m),
+            EngineError::Capacity(m) => Self::new(StatusCode::BAD_REQUEST, "capacity", m),
+            EngineError::Unavailable(m) => {
+                Self::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", m)
+            }
+            EngineError::Internal(m) => Self::internal(m),
+        }
+    }
+}
+
+impl From<JsonRejection> for ApiError {
+    fn from(r: JsonRejection) -> Self {
+        match r.status() {
+            StatusCode::PAYLOAD_TOO_LARGE => Self::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "payload_too_large",
+                "request body is larger than the server's limit (--max-request-bytes)",
+            ),
+            StatusCode::UNSUPPORTED_MEDIA_TYPE => Self::new(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "unsupported_media_type",
+                "expected Content-Type: application/json",
+            ),
+            _ => Self::bad_request(format!("invalid JSON body: {}", r.body_text())),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = Json(json!({"detail": self.message, "code": self.code}));
+        (self.status, body).into_response()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn engine_errors_map_to_permanent_4xx() {
+        let cases = [
+            (EngineError::BadRequest("x".into()), 400),
+            (EngineError::NotFound("x".into()), 404),
+            (EngineError::Gone("x".into()), 410),
+            (EngineError::Capacity("x".into()), 400),
+            (EngineError::Unavailable("x".into()), 503),
+            (EngineError::Internal("x".into()), 500),
+        ];
+        for (e, status) in cases {
+            assert_eq!(ApiError::from(e).status.as_u16(), status);
+        }
+    }
+}

@@ -1,0 +1,130 @@
+//! The HTTP layer: axum handlers speaking the Tinker protocol, one file per resource.
+//! Handlers parse requests into checked types (`validate`), call the engine, and map
+//! errors through one table (`error`).
+
+pub mod auth;
+pub mod error;
+mod futures;
+mod rest;
+mod sampling;
+mod session;
+mod training;
+pub mod validate;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{DefaultBodyLimit, FromRequest, Request};
+use axum::routing::{get, post, put};
+use axum::Router;
+
+use crate::engine::{EngineHandle, ModelInfo};
+pub use auth::{Auth, Owner};
+pub use error::ApiError;
+
+/// Shared state of every handler.
+#[derive(Clone)]
+pub struct AppState {
+    /// The engine actor.
+    pub engine: EngineHandle,
+    /// Keys and JWTs.
+    pub auth: Arc<Auth>,
+    /// The served model.
+    pub model: Arc<ModelInfo>,
+    /// How long `retrieve_future` holds a pending request before `try_again`.
+    pub poll_timeout: Duration,
+}
+
+/// Default request body limit.
+pub const DEFAULT_MAX_REQUEST_BYTES: usize = 32 * 1024 * 1024;
+
+/// A JSON body whose rejections become [`ApiError`]s (JSON, 4xx).
+pub struct ApiJson<T>(pub T);
+
+impl<S, T> FromRequest<S> for ApiJson<T>
+where
+    axum::Json<T>: FromRequest<S, Rejection = axum::extract::rejection::JsonRejection>,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let axum::Json(v) = axum::Json::<T>::from_request(req, state).await?;
+        Ok(ApiJson(v))
+    }
+}
+
+/// The whole API. `max_request_bytes` bounds request bodies (413 beyond).
+pub fn router(state: AppState, max_request_bytes: usize) -> Router {
+    let protected = Router::new()
+        .route("/api/v1/client/config", post(session::client_config))
+        .route(
+            "/api/v1/client/dynamic_config",
+            post(session::dynamic_config),
+        )
+        .route("/api/v1/auth/token", post(session::auth_token))
+        .route("/api/v1/create_session", post(session::create_session))
+        .route("/api/v1/session_heartbeat", post(session::heartbeat))
+        .route("/api/v1/telemetry", post(session::telemetry))
+        .route(
+            "/api/v1/get_server_capabilities",
+            get(session::capabilities),
+        )
+        .route("/api/v1/lathe/tokenizer", get(session::tokenizer))
+        .route("/api/v1/create_model", post(training::create_model))
+        .route("/api/v1/get_info", post(training::get_info))
+        .route("/api/v1/forward", post(training::forward))
+        .route("/api/v1/forward_backward", post(training::forward_backward))
+        .route("/api/v1/optim_step", post(training::optim_step))
+        .route("/api/v1/save_weights", post(training::save_weights))
+        .route("/api/v1/load_weights", post(training::load_weights))
+        .route(
+            "/api/v1/save_weights_for_sampler",
+            post(training::save_weights_for_sampler),
+        )
+        .route("/api/v1/unload_model", post(training::unload_model))
+        .route("/api/v1/weights_info", post(training::weights_info))
+        .route(
+            "/api/v1/create_sampling_session",
+            post(sampling::create_sampling_session),
+        )
+        .route("/api/v1/asample", post(sampling::asample))
+        .route("/api/v1/samplers/{id}", get(sampling::get_sampler))
+        .route("/api/v1/retrieve_future", post(futures::retrieve_future))
+        .route("/api/v1/training_runs", get(rest::list_runs))
+        .route("/api/v1/training_runs/{run}", get(rest::get_run))
+        .route(
+            "/api/v1/training_runs/{run}/checkpoints",
+            get(rest::list_run_checkpoints),
+        )
+        .route(
+            "/api/v1/training_runs/{run}/checkpoints/{kind}/{name}",
+            axum::routing::delete(rest::delete_checkpoint),
+        )
+        .route(
+            "/api/v1/training_runs/{run}/checkpoints/{kind}/{name}/publish",
+            post(rest::publish).delete(rest::unpublish),
+        )
+        .route(
+            "/api/v1/training_runs/{run}/checkpoints/{kind}/{name}/ttl",
+            put(rest::set_ttl),
+        )
+        .route(
+            "/api/v1/training_runs/{run}/checkpoints/{kind}/{name}/archive",
+            get(rest::archive_url),
+        )
+        .route("/api/v1/checkpoints", get(rest::list_user_checkpoints))
+        .route("/api/v1/sessions", get(rest::list_sessions))
+        .route("/api/v1/sessions/{id}", get(rest::get_session))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            auth::require_auth,
+        ));
+    Router::new()
+        .route("/api/v1/healthz", get(session::healthz))
+        .route("/api/v1/lathe/archive", get(rest::download_archive))
+        .merge(protected)
+        .fallback(|| async { ApiError::not_found("no such endpoint") })
+        .layer(DefaultBodyLimit::max(max_request_bytes))
+        .with_state(state)
+}

@@ -1,0 +1,105 @@
+//! Client bootstrap: config, JWT exchange, sessions, heartbeat, telemetry, capabilities,
+//! and the Lathe tokenizer extension.
+
+use axum::extract::{Query, State};
+use axum::{Extension, Json};
+use lathe_sdk::types::{
+    AuthTokenResponse, ClientConfigResponse, CreateSessionRequest, CreateSessionResponse,
+    ServerCapabilities, SessionHeartbeatRequest, SupportedModel, TokenizerResponse,
+};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::{validate, ApiError, ApiJson, AppState, Owner};
+
+pub async fn client_config() -> Json<ClientConfigResponse> {
+    Json(ClientConfigResponse::default())
+}
+
+pub async fn dynamic_config() -> Json<Value> {
+    Json(json!({}))
+}
+
+pub async fn auth_token(
+    State(s): State<AppState>,
+    Extension(owner): Extension<Owner>,
+) -> Json<AuthTokenResponse> {
+    Json(AuthTokenResponse {
+        jwt: s.auth.session_token(&owner.0),
+    })
+}
+
+pub async fn create_session(
+    State(s): State<AppState>,
+    Extension(owner): Extension<Owner>,
+    ApiJson(_req): ApiJson<CreateSessionRequest>,
+) -> Result<Json<Value>, ApiError> {
+    let session_id = s.engine.call(move |e| e.create_session(&owner.0)).await??;
+    let resp = CreateSessionResponse {
+        session_id,
+        info_message: None,
+        warning_message: None,
+        error_message: None,
+    };
+    Ok(Json(with_type(resp, "create_session")))
+}
+
+pub async fn heartbeat(
+    State(s): State<AppState>,
+    Extension(owner): Extension<Owner>,
+    ApiJson(req): ApiJson<SessionHeartbeatRequest>,
+) -> Result<Json<Value>, ApiError> {
+    s.engine
+        .call(move |e| e.heartbeat(&owner.0, &req.session_id))
+        .await??;
+    Ok(Json(json!({"type": "session_heartbeat"})))
+}
+
+pub async fn telemetry() -> Json<Value> {
+    Json(json!({"status": "accepted"}))
+}
+
+pub async fn capabilities(State(s): State<AppState>) -> Json<ServerCapabilities> {
+    Json(ServerCapabilities {
+        supported_models: vec![SupportedModel {
+            model_name: s.model.name.clone(),
+            max_context_length: Some(s.model.max_seq_len),
+        }],
+    })
+}
+
+pub async fn healthz() -> Json<Value> {
+    Json(json!({"status": "ok"}))
+}
+
+#[derive(Deserialize)]
+pub struct TokenizerQuery {
+    base_model: Option<String>,
+}
+
+pub async fn tokenizer(
+    State(s): State<AppState>,
+    Query(q): Query<TokenizerQuery>,
+) -> Result<Json<TokenizerResponse>, ApiError> {
+    if let Some(name) = &q.base_model {
+        validate::base_model(&s.model, name)?;
+    }
+    let tokenizer: Value = serde_json::from_str(&s.model.tokenizer_json)
+        .map_err(|e| ApiError::internal(format!("tokenizer.json: {e}")))?;
+    Ok(Json(TokenizerResponse {
+        base_model: s.model.name.clone(),
+        tokenizer,
+        chat_template: s.model.chat_template.clone(),
+        eos_token: s.model.eos_token.clone(),
+        bos_token: s.model.bos_token.clone(),
+    }))
+}
+
+/// A response object with the `type` discriminator the Python SDK echoes.
+pub fn with_type(value: impl serde::Serialize, kind: &str) -> Value {
+    let mut v = serde_json::to_value(value).expect("response serialises");
+    if let Value::Object(map) = &mut v {
+        map.insert("type".into(), Value::String(kind.into()));
+    }
+    v
+}

@@ -1,0 +1,464 @@
+//! Parse, don't validate: wire requests become the engine's checked types here, and every
+//! way a request can be wrong becomes a 400 with a message naming the field.
+
+use std::collections::BTreeMap;
+
+use lathe_sdk::types::{
+    Datum, ForwardBackwardInput, LoraConfig, ModelInput, SampleRequest, StopCondition, TensorData,
+};
+
+use super::error::ApiError;
+use crate::engine::ModelInfo;
+use crate::model::lora::MAX_RANK;
+use crate::model::LoraSpec;
+use crate::sample::{Picker, SampleJob, DEFAULT_MAX_TOKENS};
+use crate::train::loss::{DEFAULT_CLIP_HIGH, DEFAULT_CLIP_LOW, DEFAULT_DRO_BETA};
+use crate::train::{DatumJob, Loss, TokenInputs};
+
+/// Most samples one `asample` may ask for.
+pub const MAX_NUM_SAMPLES: usize = 64;
+
+fn bad(msg: impl Into<String>) -> ApiError {
+    ApiError::bad_request(msg)
+}
+
+/// The LoRA spec of a `create_model`.
+pub fn lora_spec(cfg: &LoraConfig) -> Result<LoraSpec, ApiError> {
+    let spec = LoraSpec {
+        rank: cfg.rank,
+        train_attn: cfg.train_attn,
+        train_mlp: cfg.train_mlp,
+        train_unembed: cfg.train_unembed,
+    };
+    if spec.rank == 0 || spec.rank > MAX_RANK {
+        return Err(bad(format!(
+            "lora_config.rank must be between 1 and {MAX_RANK}, got {}",
+            spec.rank
+        )));
+    }
+    spec.validate().map_err(|e| bad(e.to_string()))?;
+    Ok(spec)
+}
+
+/// Checks that `name` is the served base model.
+pub fn base_model(model: &ModelInfo, name: &str) -> Result<(), ApiError> {
+    if model.matches(name) {
+        Ok(())
+    } else {
+        Err(bad(format!(
+            "unknown base_model {name:?}; this server serves {:?}",
+            model.name
+        )))
+    }
+}
+
+/// Token ids of a model input, checked against the vocabulary and context length.
+pub fn tokens(model: &ModelInfo, input: &ModelInput, what: &str) -> Result<Vec<u32>, ApiError> {
+    let ids = input.to_ints().ok_or_else(|| {
+        bad(format!(
+            "{what}: only encoded_text chunks are supported (this base model reads no images)"
+        ))
+    })?;
+    if ids.is_empty() {
+        return Err(bad(format!("{what} is empty")));
+    }
+    if ids.len() > model.max_seq_len {
+        return Err(bad(format!(
+            "{what} has {} tokens; the context limit is {}",
+            ids.len(),
+            model.max_seq_len
+        )));
+    }
+    to_token_ids(model, ids.into_iter().map(|t| t as f64), what)
+}
+
+fn to_token_ids(
+    model: &ModelInfo,
+    values: impl Iterator<Item = f64>,
+    what: &str,
+) -> Result<Vec<u32>, ApiError> {
+    values
+        .map(|v| {
+            if v.fract() != 0.0 || v < 0.0 || v >= model.vocab_size as f64 {
+                Err(bad(format!(
+                    "{what}: token id {v} is out of range [0, {})",
+                    model.vocab_size
+                )))
+            } else {
+                Ok(v as u32)
+            }
+        })
+        .collect()
+}
+
+/// The loss of a forward/backward request.
+pub fn loss(name: &str, config: Option<&BTreeMap<String, f64>>) -> Result<Loss, ApiError> {
+    let empty = BTreeMap::new();
+    let config = config.unwrap_or(&empty);
+    let allowed: &[&str] = match name {
+        "cross_entropy" | "importance_sampling" => &[],
+        "ppo" | "cispo" => &["clip_low_threshold", "clip_high_threshold"],
+        "dro" => &["beta"],
+        other => {
+            return Err(bad(format!(
+                "unknown loss_fn {other:?}; expected cross_entropy, importance_sampling, ppo, \
+                 cispo or dro"
+            )))
+        }
+    };
+    for (k, v) in config {
+        if !allowed.contains(&k.as_str()) {
+            return Err(bad(format!(
+                "loss_fn_config key {k:?} does not apply to {name}"
+            )));
+        }
+        if !v.is_finite() {
+            return Err(bad(format!("loss_fn_config.{k} must be finite, got {v}")));
+        }
+    }
+    let get = |k: &str, d: f64| config.get(k).copied().unwrap_or(d);
+    let clip = || -> Result<(f64, f64), ApiError> {
+        let (lo, hi) = (
+            get("clip_low_threshold", DEFAULT_CLIP_LOW),
+            get("clip_high_threshold", DEFAULT_CLIP_HIGH),
+        );
+        if lo < 0.0 || hi < lo {
+            return Err(bad(format!(
+                "clip thresholds must satisfy 0 <= clip_low_threshold <= clip_high_threshold, got {lo} and {hi}"
+            )));
+        }
+        Ok((lo, hi))
+    };
+    Ok(match name {
+        "cross_entropy" => Loss::CrossEntropy,
+        "importance_sampling" => Loss::ImportanceSampling,
+        "ppo" => {
+            let (clip_low, clip_high) = clip()?;
+            Loss::Ppo {
+                clip_low,
+                clip_high,
+            }
+        }
+        "cispo" => {
+            let (clip_low, clip_high) = clip()?;
+            Loss::Cispo {
+                clip_low,
+                clip_high,
+            }
+        }
+        _ => Loss::Dro {
+            beta: get("beta", DEFAULT_DRO_BETA),
+        },
+    })
+}
+
+fn floats(t: &TensorData, name: &str, n: usize, i: usize) -> Result<Vec<f32>, ApiError> {
+    let dense = t
+        .to_dense()
+        .map_err(|e| bad(format!("datum {i}: {name}: {e}")))?;
+    if dense.len() != n {
+        return Err(bad(format!(
+            "datum {i}: {name} has {} values but target_tokens has {n}",
+            dense.len()
+        )));
+    }
+    if let Some(v) = dense.iter().find(|v| !v.is_finite()) {
+        return Err(bad(format!(
+            "datum {i}: {name} contains a non-finite value ({v})"
+        )));
+    }
+    Ok(dense.into_iter().map(|v| v as f32).collect())
+}
+
+/// One datum as a training job (adapter index filled in by the worker).
+fn datum(model: &ModelInfo, d: &Datum, i: usize, loss: Loss) -> Result<DatumJob, ApiError> {
+    let toks = tokens(model, &d.model_input, &format!("datum {i}: model_input"))?;
+    let n = toks.len();
+    let targets = d.loss_fn_inputs.get("target_tokens").ok_or_else(|| {
+        bad(format!(
+            "datum {i}: loss_fn_inputs.target_tokens is required"
+        ))
+    })?;
+    let dims = targets.dims();
+    let k = match dims[..] {
+        [len] if len == n => 1,
+        [len, k] if len == n && k > 0 => k,
+        _ => {
+            return Err(bad(format!(
+                "datum {i}: target_tokens has shape {dims:?} but model_input has {n} tokens"
+            )))
+        }
+    };
+    let dense = targets
+        .to_dense()
+        .map_err(|e| bad(format!("datum {i}: target_tokens: {e}")))?;
+    if dense.len() != n * k {
+        return Err(bad(format!(
+            "datum {i}: target_tokens has {} values for shape {dims:?}",
+            dense.len()
+        )));
+    }
+    let target_ids = to_token_ids(
+        model,
+        dense.into_iter(),
+        &format!("datum {i}: target_tokens"),
+    )?;
+    let m = n * k;
+    let get = |name: &str| -> Result<Vec<f32>, ApiError> {
+        match d.loss_fn_inputs.get(name) {
+            Some(t) => floats(t, name, m, i),
+            None => Ok(Vec::new()),
+        }
+    };
+    let inputs = TokenInputs {
+        weights: get("weights")?,
+        advantages: get("advantages")?,
+        sampler_logprobs: get("logprobs")?,
+        clip_low: Some(get("clip_low_threshold")?).filter(|v| !v.is_empty()),
+        clip_high: Some(get("clip_high_threshold")?).filter(|v| !v.is_empty()),
+    };
+    if loss.is_rl() && k != 1 {
+        return Err(bad(format!(
+            "datum {i}: RL losses take one target per position, got shape {dims:?}"
+        )));
+    }
+    inputs
+        .validate(&loss, m)
+        .map_err(|e| bad(format!("datum {i}: {e}")))?;
+    Ok(DatumJob {
+        tokens: toks,
+        targets: target_ids,
+        k,
+        adapter: 0,
+        loss,
+        inputs,
+    })
+}
+
+/// The datums of a forward/backward request.
+pub fn forward_input(
+    model: &ModelInfo,
+    input: &ForwardBackwardInput,
+) -> Result<Vec<DatumJob>, ApiError> {
+    if input.data.is_empty() {
+        return Err(bad("data is empty: send at least one datum"));
+    }
+    let loss = loss(&input.loss_fn, input.loss_fn_config.as_ref())?;
+    input
+        .data
+        .iter()
+        .enumerate()
+        .map(|(i, d)| datum(model, d, i, loss))
+        .collect()
+}
+
+/// A sampling request as a decode job.
+pub fn sample_job(model: &ModelInfo, req: &SampleRequest) -> Result<SampleJob, ApiError> {
+    let prompt = tokens(model, &req.prompt, "prompt")?;
+    if req.num_samples == 0 || req.num_samples > MAX_NUM_SAMPLES {
+        return Err(bad(format!(
+            "num_samples must be between 1 and {MAX_NUM_SAMPLES}, got {}",
+            req.num_samples
+        )));
+    }
+    if req.topk_prompt_logprobs > 0 {
+        return Err(bad("topk_prompt_logprobs is not supported; send 0"));
+    }
+    let p = &req.sampling_params;
+    let room = model.max_seq_len.saturating_sub(prompt.len());
+    let max_tokens = match p.max_tokens {
+        Some(0) => return Err(bad("sampling_params.max_tokens must be at least 1")),
+        Some(m) if m > room => {
+            return Err(bad(format!(
+                "sampling_params.max_tokens {m} plus the prompt's {} tokens exceeds the context \
+                 limit of {}",
+                prompt.len(),
+                model.max_seq_len
+            )))
+        }
+        Some(m) => m,
+        None => DEFAULT_MAX_TOKENS.min(room),
+    };
+    if max_tokens == 0 {
+        return Err(bad(
+            "the prompt fills the whole context; nothing can be sampled",
+        ));
+    }
+    if !(p.temperature.is_finite() && p.temperature >= 0.0) {
+        return Err(bad(format!(
+            "sampling_params.temperature must be finite and >= 0, got {}",
+            p.temperature
+        )));
+    }
+    if !(p.top_p > 0.0 && p.top_p <= 1.0) {
+        return Err(bad(format!(
+            "sampling_params.top_p must be in (0, 1], got {}",
+            p.top_p
+        )));
+    }
+    let top_k = match p.top_k {
+        -1 | 0 => None,
+        k if k > 0 => Some(k as usize),
+        k => {
+            return Err(bad(format!(
+                "sampling_params.top_k must be -1 or positive, got {k}"
+            )))
+        }
+    };
+    let (stop_strings, stop_tokens) = match &p.stop {
+        None => (Vec::new(), Vec::new()),
+        Some(StopCondition::Text(s)) => (vec![s.clone()], Vec::new()),
+        Some(StopCondition::Texts(v)) => (v.clone(), Vec::new()),
+        Some(StopCondition::Tokens(v)) => (
+            Vec::new(),
+            to_token_ids(model, v.iter().map(|&t| t as f64), "sampling_params.stop")?,
+        ),
+    };
+    if stop_strings.iter().any(String::is_empty) {
+        return Err(bad("sampling_params.stop strings must not be empty"));
+    }
+    Ok(SampleJob {
+        prompt,
+        adapter: None,
+        num_samples: req.num_samples,
+        picker: Picker {
+            temperature: p.temperature,
+            top_k,
+            top_p: p.top_p,
+        },
+        max_tokens,
+        stop_strings,
+        stop_tokens,
+        seed: p.seed,
+        prompt_logprobs: req.prompt_logprobs,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info() -> ModelInfo {
+        ModelInfo {
+            name: "m".into(),
+            aliases: vec![],
+            arch: "llama".into(),
+            vocab_size: 10,
+            max_seq_len: 8,
+            tokenizer_json: "{}".into(),
+            chat_template: None,
+            eos_token: None,
+            bos_token: None,
+        }
+    }
+
+    fn input(data: Vec<Datum>, loss_fn: &str) -> ForwardBackwardInput {
+        ForwardBackwardInput {
+            data,
+            loss_fn: loss_fn.into(),
+            loss_fn_config: None,
+        }
+    }
+
+    #[test]
+    fn good_datums_parse_and_bad_ones_name_the_problem() {
+        let m = info();
+        let ok = Datum::cross_entropy(
+            ModelInput::from_ints(vec![1, 2]),
+            vec![2, 3],
+            vec![1.0, 1.0],
+        );
+        let jobs = forward_input(&m, &input(vec![ok.clone()], "cross_entropy")).unwrap();
+        assert_eq!(jobs[0].targets, vec![2, 3]);
+        let cases: Vec<(Datum, &str, &str)> = vec![
+            (
+                Datum::cross_entropy(
+                    ModelInput::from_ints(vec![1, 20]),
+                    vec![2, 3],
+                    vec![1.0, 1.0],
+                ),
+                "cross_entropy",
+                "out of range",
+            ),
+            (
+                Datum::cross_entropy(
+                    ModelInput::from_ints(vec![1, -1]),
+                    vec![2, 3],
+                    vec![1.0, 1.0],
+                ),
+                "cross_entropy",
+                "out of range",
+            ),
+            (
+                Datum::cross_entropy(ModelInput::from_ints(vec![1, 2]), vec![2], vec![1.0]),
+                "cross_entropy",
+                "shape",
+            ),
+            (
+                Datum::cross_entropy(ModelInput::from_ints(vec![1, 2]), vec![2, 3], vec![1.0]),
+                "cross_entropy",
+                "values",
+            ),
+            (
+                Datum::cross_entropy(
+                    ModelInput::from_ints(vec![1, 2]),
+                    vec![2, 3],
+                    vec![1.0, f32::NAN],
+                ),
+                "cross_entropy",
+                "non-finite",
+            ),
+            (
+                Datum::cross_entropy(ModelInput::from_ints(vec![1; 9]), vec![2; 9], vec![1.0; 9]),
+                "cross_entropy",
+                "context limit",
+            ),
+            (ok.clone(), "ppo", "advantages"),
+            (ok.clone(), "bogus", "unknown loss_fn"),
+        ];
+        for (d, loss_fn, needle) in cases {
+            let err = forward_input(&m, &input(vec![d], loss_fn)).unwrap_err();
+            assert!(err.message.contains(needle), "{needle}: {}", err.message);
+        }
+        assert!(forward_input(&m, &input(vec![], "cross_entropy")).is_err());
+    }
+
+    #[test]
+    fn sampling_parameters_are_range_checked() {
+        let m = info();
+        let base: SampleRequest = serde_json::from_value(serde_json::json!({
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
+            "sampling_params": {"max_tokens": 3}
+        }))
+        .unwrap();
+        assert_eq!(sample_job(&m, &base).unwrap().max_tokens, 3);
+        let mut r = base.clone();
+        r.sampling_params.top_p = 0.0;
+        assert!(sample_job(&m, &r).is_err());
+        let mut r = base.clone();
+        r.sampling_params.max_tokens = Some(0);
+        assert!(sample_job(&m, &r).is_err());
+        let mut r = base.clone();
+        r.sampling_params.max_tokens = Some(7);
+        assert!(sample_job(&m, &r).is_err());
+        let mut r = base.clone();
+        r.num_samples = 0;
+        assert!(sample_job(&m, &r).is_err());
+        let mut r = base;
+        r.num_samples = MAX_NUM_SAMPLES + 1;
+        assert!(sample_job(&m, &r).is_err());
+    }
+
+    #[test]
+    fn ranks_are_bounded() {
+        let mut c = LoraConfig {
+            rank: 0,
+            ..Default::default()
+        };
+        assert!(lora_spec(&c).is_err());
+        c.rank = MAX_RANK + 1;
+        assert!(lora_spec(&c).is_err());
+        c.rank = 8;
+        assert!(lora_spec(&c).is_ok());
+    }
+}

@@ -1,0 +1,120 @@
+//! `lathe serve`: the Tinker-compatible training server.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Args, ValueEnum};
+use lathe_server::engine::EngineConfig;
+use lathe_server::sample::DecodeMode;
+use lathe_server::server::{self, ServerConfig};
+
+/// Options of `lathe serve`.
+#[derive(Args)]
+pub struct ServeArgs {
+    /// `default`, a `.gguf` file or a Hugging Face model directory.
+    #[arg(long, default_value = "default")]
+    model: String,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0 picks a free one).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Index, checkpoints, API key and JWT secret live here.
+    #[arg(long, default_value = "./lathe-data")]
+    data_dir: PathBuf,
+    /// Accepted API keys (repeatable). Without any, a `tml-` key is generated once and
+    /// stored in <data-dir>/api-key.
+    #[arg(long = "api-key", env = "LATHE_API_KEYS", value_delimiter = ',')]
+    api_keys: Vec<String>,
+    /// Most LoRA training sessions loaded at once.
+    #[arg(long, default_value_t = 64)]
+    max_sessions: usize,
+    /// Token budget of one fused multi-adapter forward/backward pass.
+    #[arg(long, default_value_t = 8192)]
+    max_batch_tokens: usize,
+    /// Largest request body in bytes (413 beyond).
+    #[arg(long, default_value_t = lathe_server::api::DEFAULT_MAX_REQUEST_BYTES)]
+    max_request_bytes: usize,
+    /// Seconds without a heartbeat before a session's runs are unloaded (they stay
+    /// resumable from their checkpoints).
+    #[arg(long, default_value_t = 300)]
+    session_timeout: u64,
+    /// Which weights pick sampled tokens.
+    #[arg(long, value_enum, default_value_t = Mode::Fast)]
+    decode_mode: Mode,
+}
+
+/// Sampling weights (reported log-probabilities are the trainer's in both).
+#[derive(Clone, Copy, ValueEnum)]
+enum Mode {
+    /// 8-bit weights pick tokens, f32 weights score them.
+    Fast,
+    /// f32 weights pick and score tokens.
+    Exact,
+}
+
+/// Runs `lathe serve` until SIGINT or SIGTERM.
+pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let model = super::load_model(&args.model)?;
+    let name = model.name.clone();
+    let config = ServerConfig {
+        host: args.host,
+        port: args.port,
+        data_dir: args.data_dir,
+        api_keys: args
+            .api_keys
+            .into_iter()
+            .filter(|k| !k.is_empty())
+            .collect(),
+        engine: EngineConfig {
+            max_sessions: args.max_sessions.max(1),
+            max_batch_tokens: args.max_batch_tokens.max(1),
+            session_timeout: Duration::from_secs(args.session_timeout.max(1)),
+            ..Default::default()
+        },
+        max_request_bytes: args.max_request_bytes,
+        decode_mode: match args.decode_mode {
+            Mode::Fast => DecodeMode::Fast,
+            Mode::Exact => DecodeMode::Exact,
+        },
+        ..Default::default()
+    };
+    let data_dir = config.data_dir.clone();
+    let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    runtime.block_on(async move {
+        let server = server::start(model, config)
+            .await
+            .context("starting the server")?;
+        if server.generated_key {
+            eprintln!(
+                "generated API key (stored in {}): {}",
+                data_dir.join("api-key").display(),
+                server.api_keys[0]
+            );
+        }
+        tracing::info!(model = %name, data_dir = %data_dir.display(), "ready on {}", server.base_url());
+        println!("lathe serve: ready on {}", server.base_url());
+        wait_for_signal().await;
+        tracing::info!("shutting down: finishing the running batch");
+        server.shutdown(Duration::from_secs(120)).await;
+        tracing::info!("stopped");
+        Ok(())
+    })
+}
+
+async fn wait_for_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("installing the SIGTERM handler");
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}

@@ -1,0 +1,215 @@
+//! Starting a whole server: data dir, keys, index, worker thread, engine actor and HTTP
+//! listener. Used by `lathe serve`, the end-to-end tests and the SDK examples (which
+//! embed a server in-process).
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use rand::distr::{Alphanumeric, SampleString};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+use crate::api::{self, AppState, Auth};
+use crate::engine::{self, Engine, EngineConfig, EngineHandle, ModelInfo};
+use crate::model::LoadedModel;
+use crate::sample::DecodeMode;
+use crate::store::checkpoints::CheckpointDir;
+use crate::store::db::Db;
+use crate::worker::{self, Worker};
+
+/// Everything `lathe serve` can be told.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Listen address.
+    pub host: String,
+    /// Listen port (0 picks a free one).
+    pub port: u16,
+    /// Index, checkpoints, keys.
+    pub data_dir: PathBuf,
+    /// Accepted API keys; empty means the key stored in (or generated into) the data dir.
+    pub api_keys: Vec<String>,
+    /// Engine limits and timeouts.
+    pub engine: EngineConfig,
+    /// Largest request body (413 beyond).
+    pub max_request_bytes: usize,
+    /// How long `retrieve_future` holds a pending request.
+    pub poll_timeout: Duration,
+    /// Sampling weights.
+    pub decode_mode: DecodeMode,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            host: "127.0.0.1".into(),
+            port: 8000,
+            data_dir: PathBuf::from("lathe-data"),
+            api_keys: Vec::new(),
+            engine: EngineConfig::default(),
+            max_request_bytes: api::DEFAULT_MAX_REQUEST_BYTES,
+            poll_timeout: Duration::from_secs(30),
+            decode_mode: DecodeMode::Fast,
+        }
+    }
+}
+
+/// Errors starting a server.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// Data dir, key files, listener.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The index or checkpoint directory.
+    #[error(transparent)]
+    Store(#[from] crate::store::StoreError),
+}
+
+fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> ServeError {
+    let context = context.into();
+    move |source| ServeError::Io { context, source }
+}
+
+/// A running server.
+pub struct RunningServer {
+    /// Where it listens.
+    pub addr: SocketAddr,
+    /// The accepted keys (the first one is handy for clients in the same process).
+    pub api_keys: Vec<String>,
+    /// Whether the key was generated now (print it once).
+    pub generated_key: bool,
+    engine: EngineHandle,
+    stop: Option<oneshot::Sender<()>>,
+    http: Option<JoinHandle<()>>,
+}
+
+impl RunningServer {
+    /// The base URL clients use.
+    pub fn base_url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Graceful stop: refuse new work, let the running batch finish (up to `grace`),
+    /// fail what was queued, then close the listener.
+    pub async fn shutdown(mut self, grace: Duration) {
+        self.engine.shutdown(grace).await;
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(http) = self.http.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(5), http).await;
+        }
+    }
+}
+
+/// Writes `contents` to `path` readable by the owner only.
+fn write_private(path: &Path, contents: &[u8]) -> Result<(), ServeError> {
+    let mut opts = std::fs::OpenOptions::new();
+    opts.write(true).create(true).truncate(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        opts.mode(0o600);
+    }
+    let mut f = opts
+        .open(path)
+        .map_err(io_err(format!("creating {}", path.display())))?;
+    f.write_all(contents)
+        .map_err(io_err(format!("writing {}", path.display())))
+}
+
+/// The stored secret in `path`, created on first use.
+fn stored_secret(path: &Path, make: impl FnOnce() -> String) -> Result<(String, bool), ServeError> {
+    if let Ok(text) = std::fs::read_to_string(path) {
+        let text = text.trim().to_string();
+        if !text.is_empty() {
+            return Ok((text, false));
+        }
+    }
+    let value = make();
+    write_private(path, format!("{value}\n").as_bytes())?;
+    Ok((value, true))
+}
+
+/// Starts a server on `model` inside the current tokio runtime.
+pub async fn start(model: LoadedModel, config: ServerConfig) -> Result<RunningServer, ServeError> {
+    let dir = &config.data_dir;
+    std::fs::create_dir_all(dir).map_err(io_err(format!("creating {}", dir.display())))?;
+    let (api_keys, generated_key) = if config.api_keys.is_empty() {
+        let (key, generated) = stored_secret(&dir.join("api-key"), || {
+            format!("tml-{}", Alphanumeric.sample_string(&mut rand::rng(), 40))
+        })?;
+        (vec![key], generated)
+    } else {
+        (config.api_keys.clone(), false)
+    };
+    let (secret, _) = stored_secret(&dir.join("jwt-secret"), || {
+        Alphanumeric.sample_string(&mut rand::rng(), 64)
+    })?;
+    let checkpoints = CheckpointDir::new(dir.join("checkpoints"))?;
+    let mut db = Db::open(&dir.join("lathe.db"))?;
+    let (added, removed) = db.reconcile(&checkpoints.scan()?)?;
+    if added + removed > 0 {
+        tracing::info!(
+            added,
+            removed,
+            "checkpoint index reconciled with the data dir"
+        );
+    }
+    let info = ModelInfo::of(&model);
+    let (handle, rx) = engine::channel();
+    let worker = worker::spawn(
+        Worker::new(model, config.decode_mode, checkpoints.clone()),
+        handle.outcome_sink(),
+    );
+    let engine = Engine::new(
+        info.clone(),
+        config.engine.clone(),
+        db,
+        checkpoints,
+        Box::new(worker),
+    );
+    tokio::spawn(engine::run(engine, rx));
+    let state = AppState {
+        engine: handle.clone(),
+        auth: Arc::new(Auth::new(&api_keys, secret.as_bytes())),
+        model: Arc::new(info),
+        poll_timeout: config.poll_timeout,
+    };
+    let app = api::router(state, config.max_request_bytes);
+    let listener = tokio::net::TcpListener::bind((config.host.as_str(), config.port))
+        .await
+        .map_err(io_err(format!(
+            "listening on {}:{}",
+            config.host, config.port
+        )))?;
+    let addr = listener
+        .local_addr()
+        .map_err(io_err("reading the listen address"))?;
+    let (stop, stopped) = oneshot::channel::<()>();
+    let http = tokio::spawn(async move {
+        let served = axum::serve(listener, app)
+            .with_graceful_shutdown(async {
+                let _ = stopped.await;
+            })
+            .await;
+        if let Err(e) = served {
+            tracing::error!("HTTP server failed: {e}");
+        }
+    });
+    Ok(RunningServer {
+        addr,
+        api_keys,
+        generated_key,
+        engine: handle,
+        stop: Some(stop),
+        http: Some(http),
+    })
+}
