@@ -2,6 +2,8 @@
 //! and datum builders.
 #![allow(dead_code)]
 
+pub mod http;
+
 use candle_core::{DType, Device, Tensor};
 use lathe_server::model::tiny::tiny_model;
 use lathe_server::model::{Adapter, Arch, LoadedModel, LoraSpec};
