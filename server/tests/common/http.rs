@@ -119,6 +119,31 @@ impl Client {
         self.send(self.http.delete(format!("{}{path}", self.url)))
     }
 
+    /// POST that reports transport failures (a dead server) as `None`.
+    pub fn try_post(&self, path: &str, body: &Value) -> Option<(u16, Value)> {
+        let resp = self
+            .http
+            .post(format!("{}{path}", self.url))
+            .header("X-API-Key", &self.key)
+            .json(body)
+            .send()
+            .ok()?;
+        let status = resp.status().as_u16();
+        Some((status, resp.json().ok()?))
+    }
+
+    /// Submits and waits, reporting a dead server as `None`.
+    pub fn try_call(&self, path: &str, body: &Value) -> Option<Value> {
+        let (_, v) = self.try_post(path, body)?;
+        let id = v["request_id"].as_str()?.to_string();
+        loop {
+            let (_, v) = self.try_post("/api/v1/retrieve_future", &json!({"request_id": id}))?;
+            if v.get("type") != Some(&json!("try_again")) {
+                return Some(v);
+            }
+        }
+    }
+
     /// POST that must succeed with 200.
     pub fn ok(&self, path: &str, body: &Value) -> Value {
         let (status, v) = self.post(path, body);
