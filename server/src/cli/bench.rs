@@ -24,6 +24,8 @@ pub enum BenchCommand {
     Sample(SampleArgs),
     /// f32 matrix multiplication GFLOP/s at the model's shapes.
     Gemm(GemmArgs),
+    /// The HTTP server: batching across sessions and protocol overhead, over loopback.
+    Serve(super::bench_serve::ServeBenchArgs),
 }
 
 /// Options of `lathe bench train`.
@@ -107,18 +109,19 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Train(a) => bench_train(a)?,
         BenchCommand::Sample(a) => bench_sample(a)?,
         BenchCommand::Gemm(a) => bench_gemm(&a)?,
+        BenchCommand::Serve(a) => super::bench_serve::run(a)?,
     };
     println!("{}", serde_json::to_string_pretty(&report)?);
     Ok(())
 }
 
-struct Stats {
-    median: f64,
-    min: f64,
-    max: f64,
+pub(super) struct Stats {
+    pub median: f64,
+    pub min: f64,
+    pub max: f64,
 }
 
-fn stats(mut v: Vec<f64>) -> Stats {
+pub(super) fn stats(mut v: Vec<f64>) -> Stats {
     v.sort_by(f64::total_cmp);
     let n = v.len();
     let median = if n % 2 == 1 {
@@ -134,7 +137,7 @@ fn stats(mut v: Vec<f64>) -> Stats {
 }
 
 /// Peak resident memory of this process (VmHWM), in MiB.
-fn peak_rss_mib() -> f64 {
+pub(super) fn peak_rss_mib() -> f64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {
@@ -184,12 +187,12 @@ fn bench_gemm(a: &GemmArgs) -> anyhow::Result<serde_json::Value> {
     Ok(json!({"bench": "gemm", "threads": threads(), "gflops": round(best), "shapes": per_shape}))
 }
 
-fn round(x: f64) -> f64 {
+pub(super) fn round(x: f64) -> f64 {
     (x * 100.0).round() / 100.0
 }
 
 /// The benchmarks' adapter: rank `rank` on the seven projections of every block.
-fn seven_projections(rank: usize) -> LoraSpec {
+pub(super) fn seven_projections(rank: usize) -> LoraSpec {
     LoraSpec {
         rank,
         train_attn: true,

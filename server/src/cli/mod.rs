@@ -1,6 +1,7 @@
 //! Subcommands of the `lathe` binary.
 
 pub mod bench;
+pub mod bench_serve;
 pub mod generate;
 pub mod serve;
 

@@ -95,14 +95,22 @@ pub fn channel() -> (EngineHandle, mpsc::Receiver<Message>) {
 pub async fn run(mut engine: Engine, mut rx: mpsc::Receiver<Message>) {
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut wake: Option<Instant> = None;
     loop {
+        let window = async {
+            match wake {
+                Some(at) => tokio::time::sleep_until(at.into()).await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
             msg = rx.recv() => match msg {
                 Some(f) => f(&mut engine),
                 None => break,
             },
             _ = tick.tick() => engine.tick(Instant::now()),
+            _ = window => {}
         }
-        engine.pump();
+        wake = engine.pump();
     }
 }

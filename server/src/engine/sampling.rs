@@ -117,6 +117,7 @@ impl Engine {
         let arrival = self.next_arrival();
         self.samples.push_back((
             arrival,
+            std::time::Instant::now(),
             SampleWork {
                 request_id: request_id.clone(),
                 source,

@@ -31,6 +31,8 @@ pub struct EngineConfig {
     pub reorder_timeout: Duration,
     /// How long finished futures stay retrievable.
     pub future_ttl: Duration,
+    /// How long work arriving at an idle worker waits for company (see [`Engine::pump`]).
+    pub batch_window: Duration,
 }
 
 impl Default for EngineConfig {
@@ -42,6 +44,7 @@ impl Default for EngineConfig {
             session_timeout: Duration::from_secs(300),
             reorder_timeout: Duration::from_secs(30),
             future_ttl: Duration::from_secs(3600),
+            batch_window: Duration::from_millis(5),
         }
     }
 }
@@ -119,7 +122,7 @@ pub struct Engine {
     pub(super) runs: HashMap<String, Run>,
     pub(super) samplers: HashMap<String, Sampler>,
     pub(super) futures: Futures,
-    pub(super) samples: VecDeque<(u64, SampleWork)>,
+    pub(super) samples: VecDeque<(u64, Instant, SampleWork)>,
     pub(super) inflight: HashMap<String, Inflight>,
     pub(super) drop_snapshots: Vec<String>,
     pub(super) unload: Vec<String>,
@@ -317,12 +320,16 @@ impl Engine {
         Ok(self.runs.get_mut(run_id).expect("checked"))
     }
 
-    /// Sends the next batch to the worker if it is idle and there is work.
-    pub fn pump(&mut self) {
+    /// Sends the next batch to the worker if it is idle and there is work. Work that
+    /// arrives at an idle worker waits `batch_window` first, so that requests sent at the
+    /// same moment by several sessions share one pass; the return value is when to call
+    /// again for that.
+    pub fn pump(&mut self) -> Option<Instant> {
         if self.busy {
-            return;
+            return None;
         }
         let now = Instant::now();
+        let mut oldest: Option<Instant> = None;
         let mut candidates = Vec::new();
         let mut heads: Vec<(String, u64)> = Vec::new();
         for (run_id, run) in &mut self.runs {
@@ -339,6 +346,7 @@ impl Engine {
                 }
                 tracing::warn!(run = %run_id, missing = run.next_seq, next = seq, "skipping a seq_id that never arrived");
             }
+            oldest = Some(oldest.map_or(q.since, |o| o.min(q.since)));
             let kind = match &q.op {
                 RunOp::Forward { with_grad, .. } => Kind::Forward {
                     tokens: q.op.tokens(),
@@ -354,7 +362,8 @@ impl Engine {
             heads.push((run_id.clone(), seq));
         }
         let base = heads.len();
-        for (i, (arrival, s)) in self.samples.iter().enumerate() {
+        for (i, (arrival, since, s)) in self.samples.iter().enumerate() {
+            oldest = Some(oldest.map_or(*since, |o: Instant| o.min(*since)));
             candidates.push(Candidate {
                 key: base + i,
                 arrival: *arrival,
@@ -363,6 +372,12 @@ impl Engine {
                     streams: s.job.num_samples,
                 },
             });
+        }
+        if let Some(oldest) = oldest {
+            let ready_at = oldest + self.config.batch_window;
+            if now < ready_at && !self.draining {
+                return Some(ready_at);
+            }
         }
         let limits = Limits {
             max_batch_tokens: self.config.max_batch_tokens,
@@ -399,18 +414,25 @@ impl Engine {
         }
         sample_keys.sort_unstable();
         for i in sample_keys.into_iter().rev() {
-            let (_, s) = self.samples.remove(i).expect("sample exists");
+            let (_, _, s) = self.samples.remove(i).expect("sample exists");
             batch.samples.push(s);
         }
         batch.samples.reverse();
         if batch.is_empty() {
-            return;
+            return None;
         }
+        tracing::debug!(
+            runs = batch.runs.len(),
+            forward_tokens = batch.runs.iter().map(|w| w.op.tokens()).sum::<usize>(),
+            samples = batch.samples.len(),
+            "dispatching a batch"
+        );
         if self.worker.send(batch) {
             self.busy = true;
         } else {
             tracing::error!("the worker thread is gone");
         }
+        None
     }
 
     /// Takes a finished batch's outcomes: records checkpoints, resolves futures.
@@ -517,7 +539,7 @@ impl Engine {
             .values_mut()
             .flat_map(|r| std::mem::take(&mut r.pending).into_values())
             .map(|q| q.request_id)
-            .chain(self.samples.drain(..).map(|(_, s)| s.request_id))
+            .chain(self.samples.drain(..).map(|(_, _, s)| s.request_id))
             .collect();
         for id in queued {
             self.inflight.remove(&id);
