@@ -235,7 +235,7 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<Value> {
         let mut http_times = Vec::new();
         let mut direct_times = Vec::new();
         let r = &mut runs[0];
-        for round in 0..=a.rounds * 3 {
+        for round in 0..=a.rounds * 5 {
             // Interleaved with the HTTP round trips, so both see the same machine load.
             let direct_s = direct.round_trip(&reference)?;
             let t = Instant::now();

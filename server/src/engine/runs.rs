@@ -112,6 +112,7 @@ impl Engine {
             pending: BTreeMap::new(),
             seen: BTreeMap::new(),
             inflight: false,
+            last_submit: Instant::now(),
         };
         run.seen.insert(0, request_id.clone());
         run.pending.insert(

@@ -86,6 +86,8 @@ pub(super) struct Run {
     /// Request ids by `seq_id`, to answer a repeated submission with the same future.
     pub seen: BTreeMap<u64, String>,
     pub inflight: bool,
+    /// When the run last submitted an operation (to judge whether batching can pay).
+    pub last_submit: Instant,
 }
 
 pub(super) struct Sampler {
@@ -131,6 +133,9 @@ pub struct Engine {
     pub(super) busy: bool,
     pub(super) draining: bool,
 }
+
+/// A run that submitted within this long counts as active for batching decisions.
+const ACTIVE_WINDOW: Duration = Duration::from_secs(2);
 
 /// Unix seconds now.
 pub fn now_unix() -> i64 {
@@ -271,6 +276,7 @@ impl Engine {
         }
         let request_id = uuid::Uuid::new_v4().to_string();
         run.seen.insert(seq, request_id.clone());
+        run.last_submit = Instant::now();
         // Keep the dedupe window bounded.
         while run.seen.len() > 4096 {
             run.seen.pop_first();
@@ -373,9 +379,16 @@ impl Engine {
                 },
             });
         }
-        if let Some(oldest) = oldest {
+        // Waiting only pays when another session may be about to submit too.
+        let active = self
+            .runs
+            .values()
+            .filter(|r| now.duration_since(r.last_submit) < ACTIVE_WINDOW)
+            .count()
+            + self.samples.len();
+        if let Some(oldest) = oldest.filter(|_| active > 1 && !self.draining) {
             let ready_at = oldest + self.config.batch_window;
-            if now < ready_at && !self.draining {
+            if now < ready_at {
                 return Some(ready_at);
             }
         }
