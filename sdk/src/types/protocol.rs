@@ -253,6 +253,28 @@ pub struct ForwardBackwardOutput {
     pub metrics: BTreeMap<String, f64>,
 }
 
+impl ForwardBackwardOutput {
+    /// `loss:sum`, the batch's total loss.
+    pub fn loss(&self) -> Option<f64> {
+        self.metrics.get("loss:sum").copied()
+    }
+
+    /// Target log-probabilities of datum `i`, flattened.
+    pub fn logprobs(&self, i: usize) -> Option<Vec<f32>> {
+        self.tensor(i, "logprobs")
+    }
+
+    /// Per-token loss terms of datum `i`, flattened.
+    pub fn elementwise_loss(&self, i: usize) -> Option<Vec<f32>> {
+        self.tensor(i, "elementwise_loss")
+    }
+
+    fn tensor(&self, i: usize, name: &str) -> Option<Vec<f32>> {
+        let t = self.loss_fn_outputs.get(i)?.get(name)?;
+        Some(t.to_dense().ok()?.into_iter().map(|v| v as f32).collect())
+    }
+}
+
 /// `POST /api/v1/optim_step`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct OptimStepRequest {
@@ -290,6 +312,13 @@ pub struct SaveWeightsRequest {
     /// Delete the checkpoint after this many seconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ttl_seconds: Option<u64>,
+}
+
+impl OptimStepResponse {
+    /// The gradient norm before clipping, if the server reported it.
+    pub fn grad_norm(&self) -> Option<f64> {
+        self.metrics.as_ref()?.get("grad_norm:mean").copied()
+    }
 }
 
 /// `save_weights` result.

@@ -24,6 +24,21 @@ fn future(request_id: String, model_id: &str) -> Json<UntypedApiFuture> {
     })
 }
 
+/// Passes an ordered submission's result through; when it was rejected, tells the engine
+/// that its `seq_id` will never come, so the run's later operations do not wait for it.
+async fn ordered<T>(
+    (s, owner, model_id, seq): (AppState, Owner, String, Option<u64>),
+    result: Result<T, ApiError>,
+) -> Result<T, ApiError> {
+    if let (Err(_), Some(seq)) = (&result, seq) {
+        let _ = s
+            .engine
+            .call(move |e| e.skip_seq(&owner.0, &model_id, seq))
+            .await;
+    }
+    result
+}
+
 pub fn parse_uri(path: &str) -> Result<CheckpointUri, ApiError> {
     path.parse::<CheckpointUri>().map_err(ApiError::bad_request)
 }
@@ -82,6 +97,15 @@ pub async fn forward_backward(
     Extension(owner): Extension<Owner>,
     ApiJson(req): ApiJson<ForwardBackwardRequest>,
 ) -> Result<Json<UntypedApiFuture>, ApiError> {
+    let order = (s.clone(), owner.clone(), req.model_id.clone(), req.seq_id);
+    ordered(order, forward_backward_inner(s, owner, req).await).await
+}
+
+async fn forward_backward_inner(
+    s: AppState,
+    owner: Owner,
+    req: ForwardBackwardRequest,
+) -> Result<Json<UntypedApiFuture>, ApiError> {
     let data = validate::forward_input(&s.model, &req.forward_backward_input)?;
     submit_forward(s, owner, req.model_id, req.seq_id, data, true).await
 }
@@ -91,6 +115,15 @@ pub async fn forward(
     Extension(owner): Extension<Owner>,
     ApiJson(req): ApiJson<ForwardRequest>,
 ) -> Result<Json<UntypedApiFuture>, ApiError> {
+    let order = (s.clone(), owner.clone(), req.model_id.clone(), req.seq_id);
+    ordered(order, forward_inner(s, owner, req).await).await
+}
+
+async fn forward_inner(
+    s: AppState,
+    owner: Owner,
+    req: ForwardRequest,
+) -> Result<Json<UntypedApiFuture>, ApiError> {
     let data = validate::forward_input(&s.model, &req.forward_input)?;
     submit_forward(s, owner, req.model_id, req.seq_id, data, false).await
 }
@@ -99,6 +132,15 @@ pub async fn optim_step(
     State(s): State<AppState>,
     Extension(owner): Extension<Owner>,
     ApiJson(req): ApiJson<OptimStepRequest>,
+) -> Result<Json<UntypedApiFuture>, ApiError> {
+    let order = (s.clone(), owner.clone(), req.model_id.clone(), req.seq_id);
+    ordered(order, optim_step_inner(s, owner, req).await).await
+}
+
+async fn optim_step_inner(
+    s: AppState,
+    owner: Owner,
+    req: OptimStepRequest,
 ) -> Result<Json<UntypedApiFuture>, ApiError> {
     adamw::validate(&req.adam_params)
         .map_err(|e| ApiError::bad_request(format!("adam_params: {e}")))?;
@@ -122,6 +164,15 @@ pub async fn save_weights(
     Extension(owner): Extension<Owner>,
     ApiJson(req): ApiJson<SaveWeightsRequest>,
 ) -> Result<Json<UntypedApiFuture>, ApiError> {
+    let order = (s.clone(), owner.clone(), req.model_id.clone(), req.seq_id);
+    ordered(order, save_weights_inner(s, owner, req).await).await
+}
+
+async fn save_weights_inner(
+    s: AppState,
+    owner: Owner,
+    req: SaveWeightsRequest,
+) -> Result<Json<UntypedApiFuture>, ApiError> {
     let save = SaveRequest {
         kind: CheckpointKind::Training,
         name: checkpoint_name(req.path.as_deref())?,
@@ -140,6 +191,15 @@ pub async fn save_weights_for_sampler(
     State(s): State<AppState>,
     Extension(owner): Extension<Owner>,
     ApiJson(req): ApiJson<SaveWeightsForSamplerRequest>,
+) -> Result<Json<UntypedApiFuture>, ApiError> {
+    let order = (s.clone(), owner.clone(), req.model_id.clone(), req.seq_id);
+    ordered(order, save_weights_for_sampler_inner(s, owner, req).await).await
+}
+
+async fn save_weights_for_sampler_inner(
+    s: AppState,
+    owner: Owner,
+    req: SaveWeightsForSamplerRequest,
 ) -> Result<Json<UntypedApiFuture>, ApiError> {
     let id = req.model_id.clone();
     let request_id = match req.path.as_deref() {
@@ -168,6 +228,20 @@ pub async fn load_weights(
     State(s): State<AppState>,
     Extension(owner): Extension<Owner>,
     ApiJson(req): ApiJson<LoadWeightsRequest>,
+) -> Result<Json<UntypedApiFuture>, ApiError> {
+    let order = (
+        s.clone(),
+        owner.clone(),
+        req.model_id.clone().unwrap_or_default(),
+        req.seq_id,
+    );
+    ordered(order, load_weights_inner(s, owner, req).await).await
+}
+
+async fn load_weights_inner(
+    s: AppState,
+    owner: Owner,
+    req: LoadWeightsRequest,
 ) -> Result<Json<UntypedApiFuture>, ApiError> {
     let uri = parse_uri(&req.path)?;
     match (req.model_id, req.session_id, req.model_seq_id) {

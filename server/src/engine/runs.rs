@@ -113,6 +113,7 @@ impl Engine {
             seen: BTreeMap::new(),
             inflight: false,
             last_submit: Instant::now(),
+            skipped: Default::default(),
         };
         run.seen.insert(0, request_id.clone());
         run.pending.insert(

@@ -3,7 +3,7 @@
 //! plain synchronous function, so the whole engine is testable without channels; the
 //! actor (`actor.rs`) only calls them.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::model::LoraSpec;
@@ -88,6 +88,8 @@ pub(super) struct Run {
     pub inflight: bool,
     /// When the run last submitted an operation (to judge whether batching can pay).
     pub last_submit: Instant,
+    /// `seq_id`s whose submissions were rejected: nothing will come for them.
+    pub skipped: BTreeSet<u64>,
 }
 
 pub(super) struct Sampler {
@@ -268,6 +270,7 @@ impl Engine {
         if let Some(existing) = run.seen.get(&seq) {
             return Ok(existing.clone());
         }
+        run.skipped.remove(&seq);
         if seq < run.next_seq {
             return Err(EngineError::BadRequest(format!(
                 "seq_id {seq} of {run_id} was already executed (next is {})",
@@ -300,6 +303,17 @@ impl Engine {
         );
         let _ = self.db.touch_run(run_id, now_unix());
         Ok(request_id)
+    }
+
+    /// Records that the submission with `seq_id` on a run was rejected, so the run's
+    /// later operations do not wait for it. (Clients number operations before the server
+    /// sees them; a rejected one would otherwise leave a hole in the order.)
+    pub fn skip_seq(&mut self, owner: &str, run_id: &str, seq: u64) {
+        if let Some(run) = self.runs.get_mut(run_id).filter(|r| r.owner == owner) {
+            if seq >= run.next_seq && !run.seen.contains_key(&seq) {
+                run.skipped.insert(seq);
+            }
+        }
     }
 
     /// A run of `owner` that is loaded in the worker.
@@ -339,6 +353,9 @@ impl Engine {
         let mut candidates = Vec::new();
         let mut heads: Vec<(String, u64)> = Vec::new();
         for (run_id, run) in &mut self.runs {
+            while run.skipped.remove(&run.next_seq) {
+                run.next_seq += 1;
+            }
             if run.inflight {
                 continue;
             }

@@ -1,0 +1,278 @@
+//! The one place HTTP happens: authentication, retries and error mapping for every call.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use base64::Engine as _;
+use reqwest::{Method, StatusCode};
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
+use super::config::ClientConfig;
+use super::error::{Error, Result};
+
+/// Shared by every handle of one service connection.
+pub(crate) struct Transport {
+    http: reqwest::Client,
+    pub(crate) config: ClientConfig,
+    /// A JWT from `/auth/token` and its expiry (unix seconds), when the server wants one.
+    jwt: Mutex<Option<(String, u64)>>,
+    jwt_enabled: std::sync::atomic::AtomicBool,
+}
+
+fn now_unix() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// `exp` of a JWT, read from its payload (the signature is the server's business).
+fn jwt_expiry(jwt: &str) -> Option<u64> {
+    let payload = jwt.split('.').nth(1)?;
+    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(payload.trim_end_matches('='))
+        .ok()?;
+    serde_json::from_slice::<Value>(&bytes).ok()?["exp"].as_u64()
+}
+
+fn retryable(status: StatusCode) -> bool {
+    status == StatusCode::REQUEST_TIMEOUT
+        || status == StatusCode::TOO_MANY_REQUESTS
+        || status.is_server_error()
+}
+
+impl Transport {
+    pub(crate) fn new(config: ClientConfig) -> Result<Self> {
+        let http = reqwest::Client::builder()
+            .connect_timeout(config.connect_timeout)
+            .redirect(reqwest::redirect::Policy::none())
+            .user_agent(concat!("lathe-sdk/", env!("CARGO_PKG_VERSION")))
+            .build()
+            .map_err(|e| Error::Transport(e.to_string()))?;
+        Ok(Self {
+            http,
+            config,
+            jwt: Mutex::new(None),
+            jwt_enabled: false.into(),
+        })
+    }
+
+    /// Switches to JWTs from `/auth/token` (the server asked for it in its client config).
+    pub(crate) async fn enable_jwt(&self) -> Result<()> {
+        self.jwt_enabled
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        self.refresh_jwt().await
+    }
+
+    async fn refresh_jwt(&self) -> Result<()> {
+        let v: Value = self
+            .send_once(
+                Method::POST,
+                "/api/v1/auth/token",
+                Some(&serde_json::json!({})),
+                &self.config.api_key,
+                self.config.request_timeout,
+            )
+            .await?;
+        let jwt = v["jwt"]
+            .as_str()
+            .ok_or_else(|| Error::decode("no jwt in /auth/token answer", &v.to_string()))?
+            .to_string();
+        let exp = jwt_expiry(&jwt).unwrap_or(now_unix() + 60);
+        *self.jwt.lock().expect("jwt lock") = Some((jwt, exp));
+        Ok(())
+    }
+
+    /// The credential to send: the JWT (refreshed 5 minutes before it expires) or the key.
+    async fn credential(&self) -> Result<String> {
+        if !self.jwt_enabled.load(std::sync::atomic::Ordering::Relaxed) {
+            return Ok(self.config.api_key.clone());
+        }
+        let current = self.jwt.lock().expect("jwt lock").clone();
+        match current {
+            Some((jwt, exp)) if exp > now_unix() + 300 => Ok(jwt),
+            _ => {
+                self.refresh_jwt().await?;
+                Ok(self
+                    .jwt
+                    .lock()
+                    .expect("jwt lock")
+                    .clone()
+                    .expect("just set")
+                    .0)
+            }
+        }
+    }
+
+    async fn send_once<T: DeserializeOwned>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&Value>,
+        credential: &str,
+        timeout: Duration,
+    ) -> Result<T> {
+        let url = format!("{}{path}", self.config.base_url.trim_end_matches('/'));
+        let mut req = self
+            .http
+            .request(method, url)
+            .header("X-API-Key", credential)
+            .timeout(timeout);
+        if let Some(b) = body {
+            req = req.json(b);
+        }
+        let resp = req.send().await.map_err(|e| {
+            if e.is_timeout() {
+                Error::Timeout(timeout)
+            } else {
+                Error::Transport(e.to_string())
+            }
+        })?;
+        let status = resp.status();
+        let text = resp
+            .text()
+            .await
+            .map_err(|e| Error::Transport(e.to_string()))?;
+        if !status.is_success() {
+            let parsed: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
+            let message = parsed["detail"]
+                .as_str()
+                .or_else(|| parsed["message"].as_str())
+                .map(str::to_string)
+                .unwrap_or_else(|| text.clone());
+            return Err(Error::Api {
+                status: status.as_u16(),
+                code: parsed["code"].as_str().unwrap_or("unknown").to_string(),
+                message,
+            });
+        }
+        let text = if text.is_empty() {
+            "null".to_string()
+        } else {
+            text
+        };
+        serde_json::from_str(&text).map_err(|e| Error::decode(e, &text))
+    }
+
+    /// Sends a request with retries: connection failures, timeouts, 408, 429 and 5xx are
+    /// retried with exponential backoff until the policy's time budget is spent; other
+    /// 4xx are returned at once. A 401 on a JWT triggers one refresh.
+    pub(crate) async fn execute<T: DeserializeOwned>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<T> {
+        self.execute_with_timeout(method, path, body, self.config.request_timeout)
+            .await
+    }
+
+    pub(crate) async fn execute_with_timeout<T: DeserializeOwned>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&Value>,
+        timeout: Duration,
+    ) -> Result<T> {
+        let policy = &self.config.retry;
+        let started = Instant::now();
+        let mut delay = policy.initial_backoff;
+        let mut refreshed = false;
+        loop {
+            let credential = self.credential().await?;
+            let result = self
+                .send_once(method.clone(), path, body, &credential, timeout)
+                .await;
+            let retry = match &result {
+                Err(Error::Transport(_)) | Err(Error::Timeout(_)) => true,
+                Err(Error::Api { status: 401, .. })
+                    if !refreshed
+                        && self.jwt_enabled.load(std::sync::atomic::Ordering::Relaxed) =>
+                {
+                    refreshed = true;
+                    self.refresh_jwt().await?;
+                    continue;
+                }
+                Err(Error::Api { status, .. }) => {
+                    retryable(StatusCode::from_u16(*status).unwrap_or(StatusCode::OK))
+                }
+                _ => false,
+            };
+            if !retry || started.elapsed() + delay > policy.max_elapsed {
+                return result;
+            }
+            tracing::debug!(path, ?delay, "retrying after {:?}", result.as_ref().err());
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(policy.max_backoff);
+        }
+    }
+}
+
+impl Transport {
+    /// The `Location` of a redirecting endpoint (the checkpoint archive).
+    pub(crate) async fn redirect_location(&self, path: &str) -> Result<String> {
+        let credential = self.credential().await?;
+        let url = format!("{}{path}", self.config.base_url.trim_end_matches('/'));
+        let resp = self
+            .http
+            .get(url)
+            .header("X-API-Key", credential)
+            .timeout(self.config.request_timeout)
+            .send()
+            .await
+            .map_err(|e| Error::Transport(e.to_string()))?;
+        let status = resp.status();
+        if status.is_redirection() {
+            if let Some(loc) = resp.headers().get(reqwest::header::LOCATION) {
+                return loc
+                    .to_str()
+                    .map(str::to_string)
+                    .map_err(|e| Error::decode(e, "Location header"));
+            }
+        }
+        let text = resp.text().await.unwrap_or_default();
+        Err(Error::Api {
+            status: status.as_u16(),
+            code: "unexpected".into(),
+            message: format!("expected a redirect to the archive, got: {text}"),
+        })
+    }
+
+    /// Fetches a download link (it carries its own credential).
+    pub(crate) async fn download(&self, url: &str) -> Result<Vec<u8>> {
+        let resp = self
+            .http
+            .get(url)
+            .send()
+            .await
+            .map_err(|e| Error::Transport(e.to_string()))?;
+        let status = resp.status();
+        if !status.is_success() {
+            return Err(Error::Api {
+                status: status.as_u16(),
+                code: "download".into(),
+                message: resp.text().await.unwrap_or_default(),
+            });
+        }
+        Ok(resp
+            .bytes()
+            .await
+            .map_err(|e| Error::Transport(e.to_string()))?
+            .to_vec())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn jwt_expiry_reads_the_payload() {
+        // {"sub":"x","exp":1234567890}
+        let payload = base64::engine::general_purpose::URL_SAFE_NO_PAD
+            .encode(br#"{"sub":"x","exp":1234567890}"#);
+        assert_eq!(jwt_expiry(&format!("h.{payload}.s")), Some(1_234_567_890));
+        assert_eq!(jwt_expiry("garbage"), None);
+    }
+}

@@ -1,0 +1,288 @@
+//! The Rust SDK against a real server in-process on 127.0.0.1:0 with a tiny model.
+
+use std::time::Duration;
+
+use lathe::types::{
+    AdamParams, CheckpointKind, Datum, LoraConfig, LossFn, ModelInput, SamplingParams,
+};
+use lathe::{Error, SamplingSource, ServiceClient};
+use lathe_server::model::tiny::tiny_model;
+use lathe_server::model::Arch;
+use lathe_server::server::{self, RunningServer, ServerConfig};
+
+const KEY: &str = "tml-sdk-test";
+
+async fn start(dir: &std::path::Path) -> RunningServer {
+    let model = tiny_model(Arch::Qwen3, 5, &candle_core::Device::Cpu).unwrap();
+    let config = ServerConfig {
+        port: 0,
+        data_dir: dir.to_path_buf(),
+        api_keys: vec![KEY.into()],
+        poll_timeout: Duration::from_secs(1),
+        ..Default::default()
+    };
+    server::start(model, config).await.unwrap()
+}
+
+async fn connect(srv: &RunningServer) -> ServiceClient {
+    ServiceClient::builder()
+        .base_url(srv.base_url())
+        .api_key(KEY)
+        .build()
+        .await
+        .unwrap()
+}
+
+fn datum(seed: i64) -> Datum {
+    let toks: Vec<i64> = (0..10).map(|i| (seed * 17 + i * 29) % 250 + 3).collect();
+    Datum::cross_entropy(
+        ModelInput::from_ints(toks[..9].to_vec()),
+        toks[1..].to_vec(),
+        vec![1.0; 9],
+    )
+}
+
+fn temp(tag: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("lathe-sdk-{tag}-{}", std::process::id()))
+}
+
+const ADAM: AdamParams = AdamParams {
+    learning_rate: 1e-2,
+    beta1: 0.9,
+    beta2: 0.95,
+    eps: 1e-12,
+    weight_decay: 0.0,
+    grad_clip_norm: 0.0,
+};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn whole_flow_with_pipelining_and_exact_resume() {
+    let dir = temp("flow");
+    let srv = start(&dir).await;
+    let service = connect(&srv).await;
+    let base = service
+        .get_server_capabilities()
+        .await
+        .unwrap()
+        .supported_models[0]
+        .model_name
+        .clone();
+    let lora = LoraConfig {
+        rank: 4,
+        seed: Some(1),
+        ..Default::default()
+    };
+    let trainer = service
+        .create_lora_training_client(&base, lora)
+        .await
+        .unwrap();
+    assert_eq!(trainer.get_info().await.unwrap().lora_rank, 4);
+
+    // Pipelined: submit forward_backward and optim_step, then await both.
+    let mut losses = Vec::new();
+    for _ in 0..3 {
+        let fb = trainer
+            .forward_backward(&[datum(1)], LossFn::CrossEntropy, None)
+            .await
+            .unwrap();
+        let step = trainer.optim_step(ADAM).await.unwrap();
+        let out = fb.result().await.unwrap();
+        assert_eq!(out.logprobs(0).unwrap().len(), 9);
+        losses.push(out.loss().unwrap());
+        assert!(step.result().await.unwrap().grad_norm().unwrap() > 0.0);
+    }
+    assert!(losses[2] < losses[0], "{losses:?}");
+
+    let sampler = trainer
+        .save_weights_and_get_sampling_client()
+        .await
+        .unwrap();
+    let params = SamplingParams {
+        max_tokens: Some(5),
+        seed: Some(3),
+        ..Default::default()
+    };
+    let prompt = ModelInput::from_ints(vec![5, 6, 7]);
+    let out = sampler
+        .sample(&prompt, 2, &params)
+        .await
+        .unwrap()
+        .result()
+        .await
+        .unwrap();
+    assert_eq!(out.sequences.len(), 2);
+    let lps = sampler
+        .compute_logprobs(&prompt)
+        .await
+        .unwrap()
+        .result()
+        .await
+        .unwrap();
+    assert_eq!(lps.len(), 3);
+    assert!(lps[0].is_none() && lps[1].is_some());
+
+    let state = trainer
+        .save_state("s1")
+        .await
+        .unwrap()
+        .result()
+        .await
+        .unwrap();
+    assert_eq!(state.kind, CheckpointKind::Training);
+    let sampler_uri = trainer
+        .save_weights_for_sampler("p1")
+        .await
+        .unwrap()
+        .result()
+        .await
+        .unwrap();
+
+    // Resume with optimizer: the next step equals the original's.
+    let resumed = service
+        .create_training_client_from_state_with_optimizer(&state)
+        .await
+        .unwrap();
+    for t in [&trainer, &resumed] {
+        t.forward_backward(&[datum(2)], LossFn::CrossEntropy, None)
+            .await
+            .unwrap()
+            .result()
+            .await
+            .unwrap();
+        t.optim_step(ADAM).await.unwrap().result().await.unwrap();
+    }
+    let a = trainer
+        .forward(&[datum(2)], LossFn::CrossEntropy, None)
+        .await
+        .unwrap()
+        .result()
+        .await
+        .unwrap();
+    let b = resumed
+        .forward(&[datum(2)], LossFn::CrossEntropy, None)
+        .await
+        .unwrap()
+        .result()
+        .await
+        .unwrap();
+    assert_eq!(a.loss(), b.loss());
+
+    let from_path = service
+        .create_sampling_client(SamplingSource::Path(sampler_uri.clone()))
+        .await
+        .unwrap();
+    from_path
+        .sample(&prompt, 1, &params)
+        .await
+        .unwrap()
+        .result()
+        .await
+        .unwrap();
+
+    let rest = service.create_rest_client();
+    let runs = rest.list_training_runs(20, 0).await.unwrap();
+    assert!(runs
+        .training_runs
+        .iter()
+        .any(|r| r.training_run_id == trainer.model_id()));
+    let ckpts = rest.list_checkpoints(trainer.model_id()).await.unwrap();
+    assert_eq!(ckpts.checkpoints.len(), 2);
+    let tar = dir.join("s1.tar");
+    assert!(
+        rest.download_checkpoint_archive(&state, &tar)
+            .await
+            .unwrap()
+            > 0
+    );
+    rest.delete_checkpoint(&sampler_uri).await.unwrap();
+    assert_eq!(
+        rest.list_checkpoints(trainer.model_id())
+            .await
+            .unwrap()
+            .checkpoints
+            .len(),
+        1
+    );
+
+    // Typed errors: checked client-side, rejected by the server, failed in the future.
+    let err = trainer
+        .forward_backward(&[], LossFn::CrossEntropy, None)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidInput(_)), "{err}");
+    let bad = Datum::cross_entropy(
+        ModelInput::from_ints(vec![1, 99999]),
+        vec![2, 3],
+        vec![1.0, 1.0],
+    );
+    let err = trainer
+        .forward_backward(&[bad], LossFn::CrossEntropy, None)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Api { status: 400, .. }), "{err}");
+    let err = trainer
+        .optim_step(ADAM)
+        .await
+        .unwrap()
+        .result()
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::RequestFailed { category, .. } if category == "user"),
+        "{err}"
+    );
+
+    let tok = trainer.get_tokenizer().await.unwrap();
+    assert_eq!(tok.decode(&tok.encode("hello").unwrap()).unwrap(), "hello");
+    srv.shutdown(Duration::from_secs(10)).await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_clients_at_once_stay_independent() {
+    let dir = temp("two");
+    let srv = start(&dir).await;
+    let base = "tiny-qwen3";
+    let run = |seed: i64| {
+        let srv_url = srv.base_url();
+        async move {
+            let service = ServiceClient::builder()
+                .base_url(srv_url)
+                .api_key(KEY)
+                .build()
+                .await
+                .unwrap();
+            let lora = LoraConfig {
+                rank: 4,
+                seed: Some(seed as u64),
+                ..Default::default()
+            };
+            let t = service
+                .create_lora_training_client(base, lora)
+                .await
+                .unwrap();
+            let mut out = Vec::new();
+            for _ in 0..3 {
+                let fb = t
+                    .forward_backward(&[datum(seed)], LossFn::CrossEntropy, None)
+                    .await
+                    .unwrap();
+                let step = t.optim_step(ADAM).await.unwrap();
+                out.push(fb.result().await.unwrap().loss().unwrap());
+                step.result().await.unwrap();
+            }
+            out
+        }
+    };
+    let (a, b) = tokio::join!(run(1), run(2));
+    let a_alone = run(1).await;
+    let b_alone = run(2).await;
+    for (x, y) in a.iter().chain(&b).zip(a_alone.iter().chain(&b_alone)) {
+        assert!(
+            (x - y).abs() <= 1e-4 * y.abs().max(1.0),
+            "{a:?} {b:?} vs {a_alone:?} {b_alone:?}"
+        );
+    }
+    srv.shutdown(Duration::from_secs(10)).await;
+    let _ = std::fs::remove_dir_all(dir);
+}
