@@ -10,8 +10,10 @@ use super::data::{
     AdamParams, Datum, LoraConfig, ModelInput, SampledSequence, SamplingParams, TensorData,
 };
 
-/// `POST /api/v1/client/config` answer: the feature flags an SDK reads first.
+/// `POST /api/v1/client/config` answer: the feature flags an SDK reads first. Every field
+/// is optional on the wire; [`Default`] is what an absent field means.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct ClientConfigResponse {
     /// Exchange the key for a JWT at `/auth/token` (needed by MinT's `sk-` keys).
     pub pjwt_auth_enabled: bool,
@@ -48,8 +50,20 @@ pub struct ClientConfigResponse {
 }
 
 impl Default for ClientConfigResponse {
-    /// The answer verified against tinker 0.22.0, 0.25.0, 0.38.0 and MinT.
+    /// Every flag off: what a server that sends an empty object means.
     fn default() -> Self {
+        Self {
+            pjwt_auth_enabled: false,
+            ..Self::lathe()
+        }
+    }
+}
+
+impl ClientConfigResponse {
+    /// Lathe's answer, verified against tinker 0.22.0, 0.25.0, 0.38.0 and MinT: JWTs on
+    /// (MinT's `sk-` keys need them), no pyqwest (it follows the archive redirect), no
+    /// parallel chunks, no protobuf, no gRPC.
+    pub fn lathe() -> Self {
         Self {
             pjwt_auth_enabled: true,
             credential_default_source: "api_key".into(),

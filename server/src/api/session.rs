@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 use super::{validate, ApiError, ApiJson, AppState, Owner};
 
 pub async fn client_config() -> Json<ClientConfigResponse> {
-    Json(ClientConfigResponse::default())
+    Json(ClientConfigResponse::lathe())
 }
 
 pub async fn dynamic_config() -> Json<Value> {
