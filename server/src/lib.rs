@@ -5,6 +5,7 @@
 //! files). See ARCHITECTURE.md.
 
 pub mod api;
+pub mod embedded;
 pub mod engine;
 pub mod model;
 pub mod sample;
