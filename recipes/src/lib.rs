@@ -1,2 +1,8 @@
-//! Multi-agent RL recipes on the Lathe SDK: graders, data sets, advantages and rollout
-//! helpers shared by the recipe binaries.
+//! Multi-agent RL recipes on the Lathe SDK: graders, data sets, advantages, rollout
+//! helpers and run bookkeeping shared by the recipe binaries in `src/bin/`.
+
+pub mod advantages;
+pub mod data;
+pub mod grade;
+pub mod run;
+pub mod setup;
