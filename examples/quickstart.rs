@@ -53,15 +53,7 @@ async fn main() -> anyhow::Result<()> {
     let prompt_ids = prompt.to_ints().expect("text prompt");
     let mut answer = tok.encode(ANSWER)?;
     answer.extend(tok.eos_token_id());
-    let ids: Vec<i64> = prompt_ids.iter().chain(&answer).copied().collect();
-    let weights: Vec<f32> = (1..ids.len())
-        .map(|i| if i >= prompt_ids.len() { 1.0 } else { 0.0 })
-        .collect();
-    let datum = Datum::cross_entropy(
-        ModelInput::from_ints(ids[..ids.len() - 1].to_vec()),
-        ids[1..].to_vec(),
-        weights,
-    );
+    let datum = Datum::supervised(&prompt_ids, &answer);
 
     let adam = AdamParams {
         learning_rate: 1e-3,

@@ -5,7 +5,7 @@
 
 mod common;
 
-use lathe::types::{AdamParams, Datum, LoraConfig, LossFn, ModelInput, SamplingParams};
+use lathe::types::{AdamParams, Datum, LoraConfig, LossFn, SamplingParams};
 use lathe::{Message, ServiceClient, Tokenizer};
 
 const QUESTION: &str = "What is your favourite colour? Answer with one word.";
@@ -30,15 +30,7 @@ async fn teach(
     let p = prompt.to_ints().expect("text prompt");
     let mut a = tok.encode(answer)?;
     a.extend(tok.eos_token_id());
-    let ids: Vec<i64> = p.iter().chain(&a).copied().collect();
-    let weights: Vec<f32> = (1..ids.len())
-        .map(|i| if i >= p.len() { 1.0 } else { 0.0 })
-        .collect();
-    let datum = Datum::cross_entropy(
-        ModelInput::from_ints(ids[..ids.len() - 1].to_vec()),
-        ids[1..].to_vec(),
-        weights,
-    );
+    let datum = Datum::supervised(&p, &a);
     let adam = AdamParams {
         learning_rate: 1e-3,
         ..Default::default()

@@ -151,15 +151,12 @@ fn tensor_f32(v: Vec<f32>) -> TensorData {
 
 /// A supervised datum: the prompt, then the answer and a newline; loss on the answer.
 fn sft_datum(tok: &Tokenizer, prompt: &[i64], answer: &str) -> anyhow::Result<Datum> {
-    let target = tok.encode(&format!(" {answer}\n"))?;
-    let ids: Vec<i64> = prompt.iter().chain(&target).copied().collect();
-    let weights: Vec<f32> = (1..ids.len())
-        .map(|i| if i >= prompt.len() { 1.0 } else { 0.0 })
-        .collect();
-    Ok(Datum::cross_entropy(
-        ModelInput::from_ints(ids[..ids.len() - 1].to_vec()),
-        ids[1..].to_vec(),
-        weights,
+    Ok(Datum::supervised(
+        prompt,
+        &tok.encode(&format!(
+            " {answer}
+"
+        ))?,
     ))
 }
 

@@ -187,6 +187,22 @@ pub struct Datum {
 }
 
 impl Datum {
+    /// A supervised example that teaches `completion` after `prompt`: the model reads
+    /// `prompt + completion` (minus the last token) and is scored, with weight 1, only on
+    /// the completion's tokens.
+    pub fn supervised(prompt: &[i64], completion: &[i64]) -> Self {
+        let ids: Vec<i64> = prompt.iter().chain(completion).copied().collect();
+        let n = ids.len().saturating_sub(1);
+        let weights = (1..=n)
+            .map(|i| if i >= prompt.len() { 1.0 } else { 0.0 })
+            .collect();
+        Self::cross_entropy(
+            ModelInput::from_ints(ids[..n].to_vec()),
+            ids[1..].to_vec(),
+            weights,
+        )
+    }
+
     /// A supervised example for the `cross_entropy` loss.
     pub fn cross_entropy(model_input: ModelInput, targets: Vec<i64>, weights: Vec<f32>) -> Self {
         let mut inputs = BTreeMap::new();
@@ -415,6 +431,17 @@ mod tests {
             sparse_col_indices: Some(vec![9]),
         };
         assert!(t.to_dense().is_err());
+    }
+
+    #[test]
+    fn supervised_datums_weigh_only_the_completion() {
+        let d = Datum::supervised(&[1, 2, 3], &[4, 5]);
+        assert_eq!(d.model_input.to_ints().unwrap(), vec![1, 2, 3, 4]);
+        assert_eq!(
+            d.loss_fn_inputs["target_tokens"].data,
+            vec![2.0, 3.0, 4.0, 5.0]
+        );
+        assert_eq!(d.loss_fn_inputs["weights"].data, vec![0.0, 0.0, 1.0, 1.0]);
     }
 
     #[test]
