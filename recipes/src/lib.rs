@@ -4,5 +4,6 @@
 pub mod advantages;
 pub mod data;
 pub mod grade;
+pub mod plot;
 pub mod run;
 pub mod setup;

@@ -473,6 +473,13 @@ async fn main() -> anyhow::Result<()> {
         "checkpoints": checkpoints,
     });
     run.summary(&summary)?;
+    let png = run.path.join("curves.png");
+    let plotted = lathe_recipes::plot::curves(
+        &png,
+        &format!("multi_agent_math ({mode_name}, {:?})", args.objective).to_lowercase(),
+        "held-out accuracy",
+        &[("agent A", &curves[0]), ("agent B", &curves[1])],
+    )?;
     println!("mode: {mode_name} ({:?} objective)", args.objective);
     println!("agent  held-out accuracy  before  after");
     for r in 0..2 {
@@ -483,6 +490,9 @@ async fn main() -> anyhow::Result<()> {
     }
     println!("metrics: {}", run.path.join("metrics.jsonl").display());
     println!("summary: {}", run.path.join("summary.json").display());
+    if plotted {
+        println!("curves:  {}", png.display());
+    }
     for (role, ck) in &checkpoints {
         println!("checkpoint {role}: {}", ck["state"].as_str().unwrap_or(""));
     }
