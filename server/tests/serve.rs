@@ -187,6 +187,42 @@ fn whole_flow_over_http() {
 }
 
 #[test]
+fn old_snapshots_are_freed_and_work_keeps_a_session_alive() {
+    let dir = temp_dir("snap");
+    let srv = TestServer::start(&dir, |cfg| {
+        cfg.engine.session_timeout = Duration::from_secs(2)
+    });
+    let c = srv.client(KEY_A);
+    let session = c.session();
+    let mut t = Trainer::new(&c, &session, 0, 1);
+    let mut samplers = Vec::new();
+    for i in 0..=lathe_server::engine::MAX_SNAPSHOTS_PER_RUN {
+        // Training without heartbeats for longer than the timeout keeps the session.
+        std::thread::sleep(Duration::from_millis(600));
+        t.step(data(i as i64), 1e-2);
+        t.seq += 1;
+        let v = c
+            .call(
+                "/api/v1/save_weights_for_sampler",
+                &json!({"model_id": t.model_id, "seq_id": t.seq, "sampling_session_seq_id": i}),
+            )
+            .unwrap();
+        samplers.push(v["sampling_session_id"].as_str().unwrap().to_string());
+    }
+    let sample = |id: &str| {
+        c.post(
+            "/api/v1/asample",
+            &json!({"prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
+                    "sampling_params": {"max_tokens": 2}, "sampling_session_id": id}),
+        )
+        .0
+    };
+    assert_eq!(sample(&samplers[0]), 404, "the oldest snapshot was freed");
+    assert_eq!(sample(samplers.last().unwrap()), 200);
+    srv.stop();
+}
+
+#[test]
 fn seq_ids_are_reordered_and_repeats_deduplicated() {
     let dir = temp_dir("seq");
     let srv = TestServer::start(&dir, |_| {});

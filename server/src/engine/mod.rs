@@ -17,6 +17,6 @@ pub use error::EngineError;
 pub use futures::FutureResult;
 pub use info::ModelInfo;
 pub use rest::{parse_checkpoint_id, MAX_PAGE};
-pub use runs::{NewRun, SaveRequest};
+pub use runs::{NewRun, SaveRequest, MAX_SNAPSHOTS_PER_RUN};
 pub use sampling::SamplerRef;
 pub use state::{now_unix, Engine, EngineConfig, WorkerLink};

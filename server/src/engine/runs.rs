@@ -17,6 +17,10 @@ use crate::worker::{RunOp, SamplerSource};
 use super::state::{now_unix, After, Inflight, Queued, Run};
 use super::{Engine, EngineError};
 
+/// In-memory sampler snapshots (`save_weights_and_get_sampling_client`) kept per run; an
+/// older one is freed when a newer one is taken, and its sampling session is closed.
+pub const MAX_SNAPSHOTS_PER_RUN: usize = 4;
+
 /// A validated `create_model`.
 #[derive(Debug, Clone)]
 pub struct NewRun {
@@ -114,6 +118,7 @@ impl Engine {
             inflight: false,
             last_submit: Instant::now(),
             skipped: Default::default(),
+            snapshots: Default::default(),
         };
         run.seen.insert(0, request_id.clone());
         run.pending.insert(
@@ -253,7 +258,21 @@ impl Engine {
             After::Nothing,
         )?;
         let source = SamplerSource::Snapshot(sampler_id.clone());
-        self.register_sampler(owner, &session_id, sampler_id, source, None);
+        self.register_sampler(owner, &session_id, sampler_id.clone(), source, None);
+        // Each snapshot holds a full adapter in memory; keep the newest few per run.
+        let run = self.runs.get_mut(run_id).expect("loaded above");
+        run.snapshots.push_back(sampler_id);
+        let mut evicted = Vec::new();
+        while run.snapshots.len() > MAX_SNAPSHOTS_PER_RUN {
+            evicted.extend(run.snapshots.pop_front());
+        }
+        for old in evicted {
+            self.samplers.remove(&old);
+            if let Some(s) = self.sessions.get_mut(&session_id) {
+                s.samplers.retain(|x| x != &old);
+            }
+            self.drop_snapshots.push(old);
+        }
         Ok(request_id)
     }
 

@@ -90,6 +90,8 @@ pub(super) struct Run {
     pub last_submit: Instant,
     /// `seq_id`s whose submissions were rejected: nothing will come for them.
     pub skipped: BTreeSet<u64>,
+    /// In-memory sampler snapshots taken from this run, oldest first.
+    pub snapshots: VecDeque<String>,
 }
 
 pub(super) struct Sampler {
@@ -271,6 +273,7 @@ impl Engine {
             return Ok(existing.clone());
         }
         run.skipped.remove(&seq);
+        let session_id = run.session_id.clone();
         if seq < run.next_seq {
             return Err(EngineError::BadRequest(format!(
                 "seq_id {seq} of {run_id} was already executed (next is {})",
@@ -301,6 +304,10 @@ impl Engine {
                 after,
             },
         );
+        // Work on a run keeps its session alive, heartbeat or not.
+        if let Some(s) = self.sessions.get_mut(&session_id) {
+            s.last_heartbeat = Instant::now();
+        }
         let _ = self.db.touch_run(run_id, now_unix());
         Ok(request_id)
     }
