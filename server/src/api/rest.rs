@@ -206,14 +206,7 @@ pub async fn download_archive(
         .verify_archive_token(&q.token)
         .ok_or_else(|| ApiError::unauthorized("invalid or expired download link"))?;
     let u: CheckpointUri = path.parse().map_err(ApiError::bad_request)?;
-    let dir = s
-        .engine
-        .call(move |e| e.checkpoint_dir(&owner, &u))
-        .await??;
-    let bytes = tokio::task::spawn_blocking(move || crate::store::checkpoints::archive(&dir))
-        .await
-        .map_err(|e| ApiError::internal(e.to_string()))?
-        .map_err(|e| ApiError::internal(e.to_string()))?;
+    let bytes = s.engine.checkpoint_archive(owner, u).await?;
     Ok((
         [
             (header::CONTENT_TYPE, "application/x-tar".to_string()),

@@ -60,6 +60,20 @@ impl EngineHandle {
         }
     }
 
+    /// A tar of a checkpoint `owner` may read, built off the actor and the async threads
+    /// (it reads every file of the checkpoint).
+    pub async fn checkpoint_archive(
+        &self,
+        owner: String,
+        uri: lathe_sdk::types::CheckpointUri,
+    ) -> Result<Vec<u8>, EngineError> {
+        let dir = self.call(move |e| e.checkpoint_dir(&owner, &uri)).await??;
+        tokio::task::spawn_blocking(move || crate::store::checkpoints::archive(&dir))
+            .await
+            .map_err(|e| EngineError::Internal(e.to_string()))?
+            .map_err(EngineError::from)
+    }
+
     /// A sender the worker thread uses to hand outcomes back.
     pub fn outcome_sink(&self) -> impl Fn(Vec<Outcome>) + Send + 'static {
         let tx = self.tx.clone();
