@@ -59,6 +59,75 @@ pub fn math_reward(response: &str, answer: &str) -> f64 {
     }
 }
 
+/// The last integer in `text` after removing commas (the Tinker cookbook's arithmetic
+/// grader: "7 + 8 = 15" answers 15).
+pub fn last_integer(text: &str) -> Option<i64> {
+    let cleaned = text.replace(',', "");
+    let bytes = cleaned.as_bytes();
+    let mut end = bytes.len();
+    while end > 0 {
+        if bytes[end - 1].is_ascii_digit() {
+            let mut start = end;
+            while start > 0 && bytes[start - 1].is_ascii_digit() {
+                start -= 1;
+            }
+            if start > 0 && bytes[start - 1] == b'-' {
+                start -= 1;
+            }
+            return cleaned[start..end].parse().ok();
+        }
+        end -= 1;
+    }
+    None
+}
+
+/// 1.0 when the last integer of `response` equals `answer`, else 0.0.
+pub fn last_integer_reward(response: &str, answer: &str) -> f64 {
+    let gold = answer.trim().replace(',', "").parse::<i64>().ok();
+    if gold.is_some() && last_integer(response) == gold {
+        1.0
+    } else {
+        0.0
+    }
+}
+
+/// A verifier's verdict: AstraFlow's `<verify>approve|reject</verify>` (case-insensitive),
+/// else exactly one of the keywords "approve" / "reject" anywhere. `None` when neither
+/// decides (AstraFlow then treats it as approve, unparsed).
+pub fn verdict(text: &str) -> Option<bool> {
+    let lower = text.to_lowercase();
+    for (tag, approved) in [
+        ("<verify>approve</verify>", true),
+        ("<verify>reject</verify>", false),
+    ] {
+        if lower.contains(tag) {
+            return Some(approved);
+        }
+    }
+    match (lower.contains("approve"), lower.contains("reject")) {
+        (true, false) => Some(true),
+        (false, true) => Some(false),
+        _ => None,
+    }
+}
+
+/// Miles' selector answer: the first `Judgment:\s*(\d+)`, 1-based.
+pub fn judgment(text: &str) -> Option<usize> {
+    let mut rest = text;
+    while let Some(at) = rest.find("Judgment:") {
+        rest = &rest[at + "Judgment:".len()..];
+        let digits: String = rest
+            .trim_start()
+            .chars()
+            .take_while(char::is_ascii_digit)
+            .collect();
+        if let Ok(n) = digits.parse() {
+            return Some(n);
+        }
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -88,5 +157,32 @@ mod tests {
         );
         assert_eq!(boxed_answer(r"\boxed{1} then \boxed{ 7 }"), Some("7"));
         assert_eq!(boxed_answer("no box"), None);
+    }
+
+    #[test]
+    fn last_integer_reads_the_final_number() {
+        assert_eq!(last_integer("7 + 8 = 15"), Some(15));
+        assert_eq!(last_integer("it is 1,024."), Some(1024));
+        assert_eq!(last_integer("down to -3"), Some(-3));
+        assert_eq!(last_integer("none"), None);
+        assert_eq!(last_integer_reward("7 + 8 = 15\n", "15"), 1.0);
+        assert_eq!(last_integer_reward("15 or 16", "15"), 0.0);
+        assert_eq!(last_integer_reward("15", "x"), 0.0);
+    }
+
+    #[test]
+    fn verdicts_follow_astraflow() {
+        assert_eq!(verdict("looks right <verify>APPROVE</verify>"), Some(true));
+        assert_eq!(verdict("<verify>reject</verify> approve?"), Some(false));
+        assert_eq!(verdict("I reject it"), Some(false));
+        assert_eq!(verdict("approve or reject"), None);
+        assert_eq!(verdict("fine"), None);
+    }
+
+    #[test]
+    fn judgments_are_the_first_parsable_index() {
+        assert_eq!(judgment("analysis... Judgment: 3"), Some(3));
+        assert_eq!(judgment("Judgment: x then Judgment:12 end"), Some(12));
+        assert_eq!(judgment("Judgment 2"), None);
     }
 }

@@ -5,5 +5,6 @@ pub mod advantages;
 pub mod data;
 pub mod grade;
 pub mod plot;
+pub mod rollout;
 pub mod run;
 pub mod setup;

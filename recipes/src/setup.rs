@@ -4,7 +4,8 @@
 use std::path::{Path, PathBuf};
 
 use clap::Args;
-use lathe::ServiceClient;
+use lathe::types::LoraConfig;
+use lathe::{ServiceClient, TrainingClient};
 use lathe_server::server::{RunningServer, ServerConfig};
 
 /// Flags of every recipe.
@@ -98,4 +99,126 @@ pub async fn connect(args: &CommonArgs, out: &Path) -> anyhow::Result<Connection
         endpoint,
         _server: server,
     })
+}
+
+/// How a multi-agent run is set up: one session per role, or one playing every role (and
+/// why).
+#[derive(Debug, PartialEq)]
+pub enum Mode<T> {
+    /// One session per role.
+    Separate(T),
+    /// One session for every role.
+    Fallback(String),
+}
+
+/// Falls back to one session when the further sessions could not be created or were not
+/// wanted.
+pub fn choose_mode<T, E: std::fmt::Display>(
+    force: bool,
+    more: impl FnOnce() -> Result<T, E>,
+) -> Mode<T> {
+    if force {
+        return Mode::Fallback("--force-fallback".into());
+    }
+    match more() {
+        Ok(t) => Mode::Separate(t),
+        Err(e) => Mode::Fallback(format!("could not create another session: {e}")),
+    }
+}
+
+/// The training sessions of a multi-agent recipe.
+pub struct AgentSessions {
+    trainers: Vec<TrainingClient>,
+    /// Why one session plays every role, in fallback mode.
+    pub fallback_reason: Option<String>,
+}
+
+impl AgentSessions {
+    /// Creates one session per role (role `i` gets `lora(i)`); when a further session
+    /// cannot be created (e.g. the server's session limit) or `force_fallback` is set,
+    /// says why on stderr and uses the first session for every role. Failing to create
+    /// the first session is an error.
+    pub async fn open(
+        conn: &Connection,
+        roles: usize,
+        force_fallback: bool,
+        lora: impl Fn(usize) -> LoraConfig,
+    ) -> anyhow::Result<Self> {
+        let first = conn
+            .service
+            .create_lora_training_client(&conn.base_model, lora(0))
+            .await?;
+        let mut more = Vec::new();
+        let mut error = None;
+        if !force_fallback {
+            for i in 1..roles {
+                match conn
+                    .service
+                    .create_lora_training_client(&conn.base_model, lora(i))
+                    .await
+                {
+                    Ok(t) => more.push(t),
+                    Err(e) => {
+                        error = Some(e);
+                        break;
+                    }
+                }
+            }
+        }
+        let mode = choose_mode(force_fallback, || error.map_or(Ok(more), Err));
+        Ok(match mode {
+            Mode::Separate(more) => Self {
+                trainers: std::iter::once(first).chain(more).collect(),
+                fallback_reason: None,
+            },
+            Mode::Fallback(reason) => {
+                eprintln!("falling back to one session playing every role: {reason}");
+                Self {
+                    trainers: vec![first; roles],
+                    fallback_reason: Some(reason),
+                }
+            }
+        })
+    }
+
+    /// The session that plays `role`.
+    pub fn trainer(&self, role: usize) -> &TrainingClient {
+        &self.trainers[role]
+    }
+
+    /// How many different sessions there are (1 in fallback mode).
+    pub fn distinct(&self) -> usize {
+        if self.fallback_reason.is_some() {
+            1
+        } else {
+            self.trainers.len()
+        }
+    }
+
+    /// `"fallback"` or `"two-agent"` / `"<n>-agent"`.
+    pub fn mode(&self) -> &'static str {
+        match (self.fallback_reason.is_some(), self.trainers.len()) {
+            (true, _) => "fallback",
+            (false, 2) => "two-agent",
+            (false, 1) => "single-agent",
+            _ => "multi-agent",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fallback_is_chosen_when_a_session_fails_or_is_not_wanted() {
+        assert_eq!(choose_mode(false, || Ok::<_, String>(7)), Mode::Separate(7));
+        assert!(
+            matches!(choose_mode(false, || Err::<u8, _>("capacity")), Mode::Fallback(r) if r.contains("capacity"))
+        );
+        assert!(matches!(
+            choose_mode(true, || Ok::<_, String>(7)),
+            Mode::Fallback(_)
+        ));
+    }
 }

@@ -5,20 +5,17 @@
 //! `importance_sampling` loss. When a second session cannot be created (or with
 //! `--force-fallback`) one session plays both roles.
 
-use std::collections::BTreeMap;
-
-use anyhow::Context;
 use clap::{Parser, ValueEnum};
-use lathe::types::{
-    AdamParams, Datum, LoraConfig, LossFn, ModelInput, SampleResponse, SamplingParams,
-    StopCondition, TensorData,
-};
-use lathe::{SamplingClient, Tokenizer, TrainingClient};
+use lathe::types::{AdamParams, Datum, LoraConfig, LossFn};
+use lathe::{SamplingClient, Tokenizer};
 use lathe_recipes::advantages::group_centred;
 use lathe_recipes::data::{addition, Problem};
 use lathe_recipes::grade::{first_number_correct, math_reward};
+use lathe_recipes::rollout::{
+    ratio_mean, rl_datum, sample_prompts, submit_step, Generation, Rollout,
+};
 use lathe_recipes::run::{progress, RunDir};
-use lathe_recipes::setup::{connect, CommonArgs};
+use lathe_recipes::setup::{connect, AgentSessions, CommonArgs};
 use serde_json::json;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -76,79 +73,6 @@ fn prompt(role: &str, p: &Problem, a_answer: Option<&str>) -> String {
     }
 }
 
-/// How the run is set up: two sessions, or one playing both roles (and why).
-#[derive(Debug, PartialEq)]
-enum Mode<T> {
-    TwoAgents(T),
-    Fallback(String),
-}
-
-/// Falls back to one session when the second could not be created or was not wanted.
-fn choose_mode<T, E: std::fmt::Display>(
-    force: bool,
-    second: impl FnOnce() -> Result<T, E>,
-) -> Mode<T> {
-    if force {
-        return Mode::Fallback("--force-fallback".into());
-    }
-    match second() {
-        Ok(t) => Mode::TwoAgents(t),
-        Err(e) => Mode::Fallback(format!("could not create the second session: {e}")),
-    }
-}
-
-struct Rollout {
-    prompt: Vec<i64>,
-    /// One response per sample.
-    responses: Vec<(Vec<i64>, Vec<f64>, String)>,
-}
-
-async fn sample_all(
-    sampler: &SamplingClient,
-    tok: &Tokenizer,
-    prompts: &[String],
-    n: usize,
-    temperature: f64,
-    seed: u64,
-) -> anyhow::Result<Vec<Rollout>> {
-    let mut futures = Vec::new();
-    let mut encoded = Vec::new();
-    for (i, text) in prompts.iter().enumerate() {
-        let ids = tok.encode(text)?;
-        let params = SamplingParams {
-            max_tokens: Some(MAX_TOKENS),
-            seed: Some(seed + i as u64 * 7919),
-            stop: Some(StopCondition::Texts(vec!["\n".into()])),
-            temperature,
-            ..Default::default()
-        };
-        futures.push(
-            sampler
-                .sample(&ModelInput::from_ints(ids.clone()), n, &params)
-                .await?,
-        );
-        encoded.push(ids);
-    }
-    let mut out = Vec::new();
-    for (fut, prompt) in futures.into_iter().zip(encoded) {
-        let resp: SampleResponse = fut.result().await?;
-        let responses = resp
-            .sequences
-            .into_iter()
-            .map(|s| {
-                let text = tok.decode(&s.tokens).unwrap_or_default();
-                (s.tokens, s.logprobs.unwrap_or_default(), text)
-            })
-            .collect();
-        out.push(Rollout { prompt, responses });
-    }
-    Ok(out)
-}
-
-fn tensor_f32(v: Vec<f32>) -> TensorData {
-    TensorData::float32(v)
-}
-
 /// A supervised datum: the prompt, then the answer and a newline; loss on the answer.
 fn sft_datum(tok: &Tokenizer, prompt: &[i64], answer: &str) -> anyhow::Result<Datum> {
     Ok(Datum::supervised(
@@ -160,75 +84,6 @@ fn sft_datum(tok: &Tokenizer, prompt: &[i64], answer: &str) -> anyhow::Result<Da
     ))
 }
 
-/// An RL datum for one sampled response: sampler logprobs and the advantage on the
-/// response's tokens, zeros on the prompt.
-fn rl_datum(prompt: &[i64], tokens: &[i64], logprobs: &[f64], advantage: f64) -> Datum {
-    let ids: Vec<i64> = prompt.iter().chain(tokens).copied().collect();
-    let n = ids.len() - 1;
-    let first = prompt.len() - 1;
-    let mut lp = vec![0.0f32; n];
-    let mut adv = vec![0.0f32; n];
-    for (j, &l) in logprobs.iter().enumerate() {
-        lp[first + j] = l as f32;
-        adv[first + j] = advantage as f32;
-    }
-    let mut inputs = BTreeMap::new();
-    inputs.insert(
-        "target_tokens".to_string(),
-        TensorData::int64(ids[1..].to_vec()),
-    );
-    inputs.insert("logprobs".to_string(), tensor_f32(lp));
-    inputs.insert("advantages".to_string(), tensor_f32(adv));
-    Datum {
-        model_input: ModelInput::from_ints(ids[..n].to_vec()),
-        loss_fn_inputs: inputs,
-    }
-}
-
-/// Mean `exp(train logprob − sampler logprob)` over the sampled tokens: 1.0 when trainer
-/// and sampler agree.
-async fn ratio_mean(trainer: &TrainingClient, rollouts: &[Rollout]) -> anyhow::Result<f64> {
-    let mut data = Vec::new();
-    let mut sampled = Vec::new();
-    for r in rollouts {
-        let (tokens, lps, _) = &r.responses[0];
-        if tokens.is_empty() {
-            continue;
-        }
-        data.push(rl_datum(&r.prompt, tokens, lps, 0.0));
-        sampled.push((r.prompt.len() - 1, lps.clone()));
-    }
-    if data.is_empty() {
-        return Ok(1.0);
-    }
-    // Cross-entropy with zero weights: a forward pass that only reports logprobs.
-    let data: Vec<Datum> = data
-        .into_iter()
-        .map(|mut d| {
-            let n = d.model_input.length();
-            d.loss_fn_inputs
-                .insert("weights".into(), tensor_f32(vec![0.0; n]));
-            d.loss_fn_inputs.remove("logprobs");
-            d.loss_fn_inputs.remove("advantages");
-            d
-        })
-        .collect();
-    let out = trainer
-        .forward(&data, LossFn::CrossEntropy, None)
-        .await?
-        .result()
-        .await?;
-    let (mut sum, mut count) = (0.0, 0usize);
-    for (i, (first, lps)) in sampled.iter().enumerate() {
-        let train = out.logprobs(i).context("logprobs")?;
-        for (j, &q) in lps.iter().enumerate() {
-            sum += (f64::from(train[first + j]) - q).exp();
-            count += 1;
-        }
-    }
-    Ok(if count == 0 { 1.0 } else { sum / count as f64 })
-}
-
 /// Greedy held-out accuracy of both roles (B sees A's greedy answer).
 async fn evaluate(
     samplers: &[SamplingClient; 2],
@@ -236,17 +91,18 @@ async fn evaluate(
     problems: &[Problem],
 ) -> anyhow::Result<[f64; 2]> {
     let a_prompts: Vec<String> = problems.iter().map(|p| prompt("A", p, None)).collect();
-    let a = sample_all(&samplers[0], tok, &a_prompts, 1, 0.0, 0).await?;
+    let greedy = Generation::greedy(MAX_TOKENS);
+    let a = sample_prompts(&samplers[0], tok, &a_prompts, 1, &greedy).await?;
     let b_prompts: Vec<String> = problems
         .iter()
         .zip(&a)
-        .map(|(p, r)| prompt("B", p, Some(&r.responses[0].2)))
+        .map(|(p, r)| prompt("B", p, Some(&r.samples[0].text)))
         .collect();
-    let b = sample_all(&samplers[1], tok, &b_prompts, 1, 0.0, 0).await?;
+    let b = sample_prompts(&samplers[1], tok, &b_prompts, 1, &greedy).await?;
     let acc = |rs: &[Rollout]| {
         rs.iter()
             .zip(problems)
-            .filter(|(r, p)| first_number_correct(&r.responses[0].2, &p.answer))
+            .filter(|(r, p)| first_number_correct(&r.samples[0].text, &p.answer))
             .count() as f64
             / problems.len().max(1) as f64
     };
@@ -268,35 +124,16 @@ async fn main() -> anyhow::Result<()> {
     let conn = connect(c, &run.path).await?;
     eprintln!("endpoint {}, base model {}", conn.endpoint, conn.base_model);
     let tok = conn.service.get_tokenizer(&conn.base_model).await?;
-    let lora = |seed: u64| LoraConfig {
+    let sessions = AgentSessions::open(&conn, 2, args.force_fallback, |i| LoraConfig {
         rank: c.rank,
-        seed: Some(seed),
+        seed: Some(c.seed + i as u64),
         ..Default::default()
-    };
-    let agent_a = conn
-        .service
-        .create_lora_training_client(&conn.base_model, lora(c.seed))
-        .await?;
-    let second = if args.force_fallback {
-        None
-    } else {
-        Some(
-            conn.service
-                .create_lora_training_client(&conn.base_model, lora(c.seed + 1))
-                .await,
-        )
-    };
-    let mode = choose_mode(args.force_fallback, || {
-        second.expect("created unless forced")
-    });
-    let (trainers, mode_name, fallback_reason) = match mode {
-        Mode::TwoAgents(b) => ([agent_a.clone(), b], "two-agent", None),
-        Mode::Fallback(reason) => {
-            eprintln!("falling back to one session playing both roles: {reason}");
-            ([agent_a.clone(), agent_a.clone()], "fallback", Some(reason))
-        }
-    };
-    let distinct = if mode_name == "fallback" { 1 } else { 2 };
+    })
+    .await?;
+    let trainers = [sessions.trainer(0).clone(), sessions.trainer(1).clone()];
+    let mode_name = sessions.mode();
+    let fallback_reason = sessions.fallback_reason.clone();
+    let distinct = sessions.distinct();
 
     // Two-digit sums stay well below 0.9 at step 0 for small models.
     let (train, held_out) = addition(10, 49, c.seed, args.eval_size);
@@ -339,21 +176,14 @@ async fn main() -> anyhow::Result<()> {
         };
         let seed = c.seed * 1_000_003 + step as u64 * 101;
         let a_prompts: Vec<String> = problems.iter().map(|p| prompt("A", p, None)).collect();
-        let a = sample_all(&samplers[0], &tok, &a_prompts, n, args.temperature, seed).await?;
+        let generation = |seed| Generation::sampled(MAX_TOKENS, args.temperature, seed);
+        let a = sample_prompts(&samplers[0], &tok, &a_prompts, n, &generation(seed)).await?;
         let b_prompts: Vec<String> = problems
             .iter()
             .zip(&a)
-            .map(|(p, r)| prompt("B", p, Some(&r.responses[0].2)))
+            .map(|(p, r)| prompt("B", p, Some(&r.samples[0].text)))
             .collect();
-        let b = sample_all(
-            &samplers[1],
-            &tok,
-            &b_prompts,
-            n,
-            args.temperature,
-            seed + 1,
-        )
-        .await?;
+        let b = sample_prompts(&samplers[1], &tok, &b_prompts, n, &generation(seed + 1)).await?;
         let rollouts = [a, b];
 
         let mut per_role = serde_json::Map::new();
@@ -363,9 +193,9 @@ async fn main() -> anyhow::Result<()> {
                 .iter()
                 .zip(&problems)
                 .map(|(ro, p)| {
-                    ro.responses
+                    ro.samples
                         .iter()
-                        .map(|(_, _, t)| math_reward(t, &p.answer))
+                        .map(|s| math_reward(&s.text, &p.answer))
                         .collect()
                 })
                 .collect();
@@ -373,16 +203,17 @@ async fn main() -> anyhow::Result<()> {
                 match args.objective {
                     Objective::Supervised => data[r].push(sft_datum(&tok, &ro.prompt, &p.answer)?),
                     Objective::Rl => {
-                        for ((tokens, lps, _), adv) in ro.responses.iter().zip(group_centred(rw)) {
-                            if adv != 0.0 && !tokens.is_empty() {
-                                data[r].push(rl_datum(&ro.prompt, tokens, lps, adv));
+                        for (sample, adv) in ro.samples.iter().zip(group_centred(rw)) {
+                            if adv != 0.0 && !sample.tokens.is_empty() {
+                                data[r].push(rl_datum(&ro.prompt, sample, adv));
                             }
                         }
                     }
                 }
             }
             let flat: Vec<f64> = rewards.iter().flatten().copied().collect();
-            let ratio = ratio_mean(&trainers[r], rs).await?;
+            let firsts: Vec<_> = rs.iter().map(|ro| (&ro.prompt[..], &ro.samples[0])).collect();
+            let ratio = ratio_mean(&trainers[r], &firsts).await?;
             per_role.insert(
                 ROLES[r].into(),
                 json!({
@@ -408,17 +239,12 @@ async fn main() -> anyhow::Result<()> {
         };
         let mut pending = Vec::new();
         for (t, d) in &jobs {
-            if d.is_empty() {
-                continue;
+            if let Some(step) = submit_step(&trainers[*t], d, loss_fn, adam).await? {
+                pending.push((*t, step));
             }
-            let fb = trainers[*t].forward_backward(d, loss_fn, None).await?;
-            let opt = trainers[*t].optim_step(adam).await?;
-            pending.push((*t, d.len(), fb, opt));
         }
-        for (t, count, fb, opt) in pending {
-            let out = fb.result().await?;
-            opt.result().await?;
-            let loss = out.loss().unwrap_or(f64::NAN) / count as f64;
+        for (t, step) in pending {
+            let loss = step.finish().await?;
             let role = if distinct == 2 { ROLES[t] } else { "A" };
             if let Some(entry) = per_role.get_mut(role) {
                 entry["loss"] = json!(loss);
@@ -519,36 +345,4 @@ mod tests {
         assert!(prompt("B", &p, Some(" 5\n")).starts_with("Agent B: Agent A answered '5'."));
     }
 
-    #[test]
-    fn fallback_is_chosen_when_the_second_session_fails_or_is_not_wanted() {
-        assert_eq!(
-            choose_mode(false, || Ok::<_, String>(7)),
-            Mode::TwoAgents(7)
-        );
-        assert!(
-            matches!(choose_mode(false, || Err::<u8, _>("capacity")), Mode::Fallback(r) if r.contains("capacity"))
-        );
-        assert!(matches!(
-            choose_mode(true, || Ok::<_, String>(7)),
-            Mode::Fallback(_)
-        ));
-    }
-
-    #[test]
-    fn rl_datums_put_advantages_on_the_response_only() {
-        let d = rl_datum(&[1, 2, 3], &[4, 5], &[-0.5, -0.25], 0.75);
-        assert_eq!(d.model_input.to_ints().unwrap(), vec![1, 2, 3, 4]);
-        assert_eq!(
-            d.loss_fn_inputs["target_tokens"].data,
-            vec![2.0, 3.0, 4.0, 5.0]
-        );
-        assert_eq!(
-            d.loss_fn_inputs["advantages"].data,
-            vec![0.0, 0.0, 0.75, 0.75]
-        );
-        assert_eq!(
-            d.loss_fn_inputs["logprobs"].data,
-            vec![0.0, 0.0, -0.5, -0.25]
-        );
-    }
 }

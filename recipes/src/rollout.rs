@@ -1,0 +1,245 @@
+//! Rollout helpers over the SDK: sample many prompts at once, turn samples into RL
+//! datums, check that trainer and sampler agree, and run one training step.
+
+use std::collections::BTreeMap;
+
+use anyhow::Context;
+use lathe::types::{
+    AdamParams, Datum, LossFn, ModelInput, SamplingParams, StopCondition, TensorData,
+};
+use lathe::{SamplingClient, Tokenizer, TrainingClient};
+
+/// One sampled completion.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Sample {
+    /// The new tokens.
+    pub tokens: Vec<i64>,
+    /// The sampler's logprob of each new token.
+    pub logprobs: Vec<f64>,
+    /// The decoded text.
+    pub text: String,
+}
+
+/// The samples of one prompt.
+#[derive(Debug, Clone)]
+pub struct Rollout {
+    /// The encoded prompt.
+    pub prompt: Vec<i64>,
+    /// One entry per requested sample.
+    pub samples: Vec<Sample>,
+}
+
+/// How to generate.
+#[derive(Debug, Clone)]
+pub struct Generation {
+    /// New tokens at most.
+    pub max_tokens: usize,
+    /// Softmax temperature (0 = greedy).
+    pub temperature: f64,
+    /// Stop strings.
+    pub stop: Vec<String>,
+    /// Seed of the first prompt; prompt `i` uses a seed derived from it and `i`, so a
+    /// rerun samples the same.
+    pub seed: u64,
+}
+
+impl Generation {
+    /// Greedy decoding that stops at a newline.
+    pub fn greedy(max_tokens: usize) -> Self {
+        Self {
+            max_tokens,
+            temperature: 0.0,
+            stop: vec!["\n".into()],
+            seed: 0,
+        }
+    }
+
+    /// Sampling at `temperature`, stopping at a newline.
+    pub fn sampled(max_tokens: usize, temperature: f64, seed: u64) -> Self {
+        Self {
+            max_tokens,
+            temperature,
+            stop: vec!["\n".into()],
+            seed,
+        }
+    }
+
+    /// The same settings with other stop strings.
+    pub fn stop_at(mut self, stop: &[&str]) -> Self {
+        self.stop = stop.iter().map(|s| s.to_string()).collect();
+        self
+    }
+}
+
+/// Samples `n` completions of every prompt; all requests are in flight together, so the
+/// server decodes them in one batch.
+pub async fn sample_prompts(
+    sampler: &SamplingClient,
+    tok: &Tokenizer,
+    prompts: &[String],
+    n: usize,
+    generation: &Generation,
+) -> anyhow::Result<Vec<Rollout>> {
+    let mut pending = Vec::with_capacity(prompts.len());
+    for (i, text) in prompts.iter().enumerate() {
+        let ids = tok.encode(text)?;
+        let params = SamplingParams {
+            max_tokens: Some(generation.max_tokens),
+            seed: Some(generation.seed.wrapping_add(i as u64 * 7919)),
+            stop: (!generation.stop.is_empty())
+                .then(|| StopCondition::Texts(generation.stop.clone())),
+            temperature: generation.temperature,
+            ..Default::default()
+        };
+        let future = sampler
+            .sample(&ModelInput::from_ints(ids.clone()), n, &params)
+            .await?;
+        pending.push((future, ids));
+    }
+    let mut out = Vec::with_capacity(pending.len());
+    for (future, prompt) in pending {
+        let response = future.result().await?;
+        let samples = response
+            .sequences
+            .into_iter()
+            .map(|s| Sample {
+                text: tok.decode(&s.tokens).unwrap_or_default(),
+                logprobs: s.logprobs.unwrap_or_default(),
+                tokens: s.tokens,
+            })
+            .collect();
+        out.push(Rollout { prompt, samples });
+    }
+    Ok(out)
+}
+
+/// An RL datum for one sampled completion: the sampler's logprobs and `advantage` on the
+/// completion's tokens, zeros on the prompt (next-token aligned).
+pub fn rl_datum(prompt: &[i64], sample: &Sample, advantage: f64) -> Datum {
+    let ids: Vec<i64> = prompt.iter().chain(&sample.tokens).copied().collect();
+    let n = ids.len() - 1;
+    let first = prompt.len() - 1;
+    let mut logprobs = vec![0.0f32; n];
+    let mut advantages = vec![0.0f32; n];
+    for (j, &lp) in sample.logprobs.iter().enumerate() {
+        logprobs[first + j] = lp as f32;
+        advantages[first + j] = advantage as f32;
+    }
+    let mut inputs = BTreeMap::new();
+    inputs.insert(
+        "target_tokens".to_string(),
+        TensorData::int64(ids[1..].to_vec()),
+    );
+    inputs.insert("logprobs".to_string(), TensorData::float32(logprobs));
+    inputs.insert("advantages".to_string(), TensorData::float32(advantages));
+    Datum {
+        model_input: ModelInput::from_ints(ids[..n].to_vec()),
+        loss_fn_inputs: inputs,
+    }
+}
+
+/// Mean `exp(train logprob − sampler logprob)` over the tokens of `samples` (each with its
+/// prompt), from a forward pass of `trainer`: 1.0 when trainer and sampler agree. `None`
+/// when there is no sampled token.
+pub async fn ratio_mean(
+    trainer: &TrainingClient,
+    samples: &[(&[i64], &Sample)],
+) -> anyhow::Result<Option<f64>> {
+    let mut data = Vec::new();
+    let mut spans = Vec::new();
+    for (prompt, sample) in samples {
+        if sample.tokens.is_empty() || sample.logprobs.len() != sample.tokens.len() {
+            continue;
+        }
+        let mut d = rl_datum(prompt, sample, 0.0);
+        // Cross-entropy with zero weights: a forward pass that only reports logprobs.
+        let n = d.model_input.length();
+        d.loss_fn_inputs.remove("logprobs");
+        d.loss_fn_inputs.remove("advantages");
+        d.loss_fn_inputs
+            .insert("weights".into(), TensorData::float32(vec![0.0; n]));
+        data.push(d);
+        spans.push((prompt.len() - 1, &sample.logprobs));
+    }
+    if data.is_empty() {
+        return Ok(None);
+    }
+    let out = trainer
+        .forward(&data, LossFn::CrossEntropy, None)
+        .await?
+        .result()
+        .await?;
+    let (mut sum, mut count) = (0.0, 0usize);
+    for (i, (first, sampled)) in spans.iter().enumerate() {
+        let train = out.logprobs(i).context("forward returned no logprobs")?;
+        for (j, &q) in sampled.iter().enumerate() {
+            sum += (f64::from(train[first + j]) - q).exp();
+            count += 1;
+        }
+    }
+    Ok(Some(sum / count as f64))
+}
+
+/// A submitted `forward_backward` + `optim_step` pair; [`Step::finish`] waits for both.
+pub struct Step {
+    datums: usize,
+    forward_backward: lathe::ApiFuture<lathe::types::ForwardBackwardOutput>,
+    optim: lathe::ApiFuture<lathe::types::OptimStepResponse>,
+}
+
+impl Step {
+    /// Waits for the step and returns the loss per datum.
+    pub async fn finish(self) -> anyhow::Result<f64> {
+        let out = self.forward_backward.result().await?;
+        self.optim.result().await?;
+        Ok(out.loss().unwrap_or(f64::NAN) / self.datums.max(1) as f64)
+    }
+}
+
+/// Submits one training step on `data` (nothing when it is empty: no gradient, no step).
+/// Submitting without waiting lets several sessions' steps run in one fused pass.
+pub async fn submit_step(
+    trainer: &TrainingClient,
+    data: &[Datum],
+    loss_fn: LossFn,
+    adam: AdamParams,
+) -> anyhow::Result<Option<Step>> {
+    if data.is_empty() {
+        return Ok(None);
+    }
+    let forward_backward = trainer.forward_backward(data, loss_fn, None).await?;
+    let optim = trainer.optim_step(adam).await?;
+    Ok(Some(Step {
+        datums: data.len(),
+        forward_backward,
+        optim,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rl_datums_put_advantages_on_the_completion_only() {
+        let sample = Sample {
+            tokens: vec![4, 5],
+            logprobs: vec![-0.5, -0.25],
+            text: String::new(),
+        };
+        let d = rl_datum(&[1, 2, 3], &sample, 0.75);
+        assert_eq!(d.model_input.to_ints().unwrap(), vec![1, 2, 3, 4]);
+        assert_eq!(
+            d.loss_fn_inputs["target_tokens"].data,
+            vec![2.0, 3.0, 4.0, 5.0]
+        );
+        assert_eq!(
+            d.loss_fn_inputs["advantages"].data,
+            vec![0.0, 0.0, 0.75, 0.75]
+        );
+        assert_eq!(
+            d.loss_fn_inputs["logprobs"].data,
+            vec![0.0, 0.0, -0.5, -0.25]
+        );
+    }
+}
