@@ -29,6 +29,106 @@ pub fn addition(lo: u32, hi: u32, seed: u64, held_out: usize) -> (Vec<Problem>, 
     (train, all)
 }
 
+/// A disease of the synthetic case table: its symptoms and what a doctor should say.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Disease {
+    /// The diagnosis, as the doctor should name it.
+    pub name: &'static str,
+    /// Every symptom it can cause.
+    pub symptoms: [&'static str; 4],
+    /// What the doctor should recommend.
+    pub recommendation: &'static str,
+}
+
+/// The synthetic case table: six diseases whose symptoms overlap, so the chief complaint
+/// alone rarely decides the diagnosis.
+pub const DISEASES: [Disease; 6] = [
+    Disease {
+        name: "flu",
+        symptoms: ["fever", "cough", "body aches", "chills"],
+        recommendation: "rest, fluids and fever medicine",
+    },
+    Disease {
+        name: "common cold",
+        symptoms: ["cough", "sneezing", "sore throat", "runny nose"],
+        recommendation: "rest and fluids",
+    },
+    Disease {
+        name: "migraine",
+        symptoms: ["headache", "nausea", "light sensitivity", "dizziness"],
+        recommendation: "a dark quiet room and pain relief",
+    },
+    Disease {
+        name: "food poisoning",
+        symptoms: ["nausea", "vomiting", "diarrhea", "stomach cramps"],
+        recommendation: "fluids and a bland diet",
+    },
+    Disease {
+        name: "allergy",
+        symptoms: ["sneezing", "itchy eyes", "runny nose", "rash"],
+        recommendation: "antihistamines and avoiding the trigger",
+    },
+    Disease {
+        name: "strep throat",
+        symptoms: ["sore throat", "fever", "swollen glands", "headache"],
+        recommendation: "a throat swab and antibiotics",
+    },
+];
+
+/// Every symptom of the table, once, longest first (so "sore throat" matches before a
+/// shorter symptom inside it would).
+pub fn symptom_vocabulary() -> Vec<&'static str> {
+    let mut all: Vec<&'static str> = DISEASES.iter().flat_map(|d| d.symptoms).collect();
+    all.sort_by(|a, b| b.len().cmp(&a.len()).then(a.cmp(b)));
+    all.dedup();
+    all
+}
+
+/// One patient: a disease, the chief complaint they open with, and the symptoms they have
+/// (three of the disease's four, the complaint among them).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Case {
+    /// The disease.
+    pub disease: Disease,
+    /// The symptom the patient opens with.
+    pub complaint: &'static str,
+    /// The symptoms the patient has.
+    pub symptoms: Vec<&'static str>,
+}
+
+impl Case {
+    /// Whether the patient has `symptom`.
+    pub fn has(&self, symptom: &str) -> bool {
+        self.symptoms.contains(&symptom)
+    }
+}
+
+/// Every case of the table (each disease × complaint × one other symptom left out:
+/// 6 × 4 × 3 = 72), shuffled with `seed`, split into (train, held-out).
+pub fn cases(seed: u64, held_out: usize) -> (Vec<Case>, Vec<Case>) {
+    let mut all = Vec::new();
+    for disease in DISEASES {
+        for complaint in disease.symptoms {
+            for missing in disease.symptoms.iter().filter(|s| **s != complaint) {
+                all.push(Case {
+                    disease,
+                    complaint,
+                    symptoms: disease
+                        .symptoms
+                        .iter()
+                        .copied()
+                        .filter(|s| s != missing)
+                        .collect(),
+                });
+            }
+        }
+    }
+    all.shuffle(&mut StdRng::seed_from_u64(seed));
+    let held_out = held_out.min(all.len() / 2);
+    let train = all.split_off(held_out);
+    (train, all)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -46,5 +146,20 @@ mod tests {
             .map(|n| n.parse().unwrap())
             .collect();
         assert_eq!((nums[0] + nums[1]).to_string(), p.answer);
+    }
+
+    #[test]
+    fn cases_cover_the_table_and_hold_the_complaint() {
+        let (train, test) = cases(1, 18);
+        assert_eq!((train.len(), test.len()), (54, 18));
+        assert!(test.iter().all(|c| !train.contains(c)));
+        for c in train.iter().chain(&test) {
+            assert_eq!(c.symptoms.len(), 3);
+            assert!(c.has(c.complaint));
+            assert!(c.symptoms.iter().all(|s| c.disease.symptoms.contains(s)));
+        }
+        let vocab = symptom_vocabulary();
+        assert_eq!(vocab.len(), 17);
+        assert!(vocab.windows(2).all(|w| w[0].len() >= w[1].len()));
     }
 }

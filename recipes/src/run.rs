@@ -60,3 +60,103 @@ pub fn progress(steps: usize) -> ProgressBar {
     );
     bar
 }
+
+/// Held-out curves: named series of `(step, value)` points.
+#[derive(Debug, Default)]
+pub struct Curves {
+    series: Vec<(String, Vec<(usize, f64)>)>,
+}
+
+impl Curves {
+    /// Empty curves named `names`, in this order.
+    pub fn new(names: &[&str]) -> Self {
+        Self {
+            series: names.iter().map(|n| (n.to_string(), Vec::new())).collect(),
+        }
+    }
+
+    /// Adds a point to `name` (which must be one of the names given to [`Curves::new`]).
+    pub fn push(&mut self, name: &str, step: usize, value: f64) {
+        if let Some((_, pts)) = self.series.iter_mut().find(|(n, _)| n == name) {
+            pts.push((step, value));
+        }
+    }
+
+    /// The `(first, last)` values of `name` (NaN when it has no point).
+    pub fn before_after(&self, name: &str) -> (f64, f64) {
+        let pts = self
+            .series
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, p)| p.as_slice())
+            .unwrap_or_default();
+        (
+            pts.first().map_or(f64::NAN, |p| p.1),
+            pts.last().map_or(f64::NAN, |p| p.1),
+        )
+    }
+
+    /// `{name: {"before", "after", "curve"}}`.
+    pub fn to_json(&self) -> Value {
+        let map: serde_json::Map<String, Value> = self
+            .series
+            .iter()
+            .map(|(name, pts)| {
+                let (before, after) = self.before_after(name);
+                (
+                    name.clone(),
+                    serde_json::json!({"before": before, "after": after, "curve": pts}),
+                )
+            })
+            .collect();
+        Value::Object(map)
+    }
+
+    /// Draws `curves.png` into the run directory; false when no font was found.
+    pub fn plot(&self, run: &RunDir, title: &str, y_label: &str) -> anyhow::Result<bool> {
+        let series: Vec<(&str, &[(usize, f64)])> = self
+            .series
+            .iter()
+            .map(|(n, p)| (n.as_str(), p.as_slice()))
+            .collect();
+        crate::plot::curves(&run.path.join("curves.png"), title, y_label, &series)
+    }
+
+    /// Prints the before/after table and where the outputs are.
+    pub fn report(
+        &self,
+        run: &RunDir,
+        plotted: bool,
+        checkpoints: &serde_json::Map<String, Value>,
+    ) {
+        let width = self
+            .series
+            .iter()
+            .map(|(n, _)| n.len())
+            .max()
+            .unwrap_or(6)
+            .max(6);
+        println!("{:<width$}  before  after", "held-out");
+        for (name, _) in &self.series {
+            let (before, after) = self.before_after(name);
+            println!("{name:<width$}  {before:>6.2}  {after:>5.2}");
+        }
+        println!("metrics: {}", run.path.join("metrics.jsonl").display());
+        println!("summary: {}", run.path.join("summary.json").display());
+        if plotted {
+            println!("curves:  {}", run.path.join("curves.png").display());
+        }
+        for (role, ck) in checkpoints {
+            println!("checkpoint {role}: {}", ck["state"].as_str().unwrap_or(""));
+        }
+    }
+}
+
+/// Mean of `values` (0 when empty).
+pub fn mean(values: &[f64]) -> f64 {
+    if values.is_empty() {
+        0.0
+    } else {
+        values.iter().sum::<f64>() / values.len() as f64
+    }
+}

@@ -206,6 +206,27 @@ impl AgentSessions {
     }
 }
 
+/// Saves `trainer`'s state and sampler weights as `name`; returns both URIs as JSON.
+pub async fn save_final(trainer: &TrainingClient, name: &str) -> anyhow::Result<serde_json::Value> {
+    let state = trainer.save_state(name).await?.result().await?;
+    let sampler = trainer
+        .save_weights_for_sampler(name)
+        .await?
+        .result()
+        .await?;
+    Ok(serde_json::json!({"state": state.to_string(), "sampler": sampler.to_string()}))
+}
+
+/// Logs to stderr at `RUST_LOG` (default `warn`), so progress bars stay readable.
+pub fn init_tracing() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

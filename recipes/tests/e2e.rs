@@ -33,15 +33,20 @@ fn run_recipe(bin: &str, model: &Path, out: &Path, extra: &[&str]) -> serde_json
     assert!(status.success(), "{bin} {extra:?} failed");
     let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
     assert!(metrics.lines().count() >= 4, "{metrics}");
+    let mut checked = 0;
     for line in metrics.lines() {
         let v: serde_json::Value = serde_json::from_str(line).unwrap();
         if let Some(agents) = v.get("agents") {
             for a in agents.as_object().unwrap().values() {
-                let r = a["ratio_mean"].as_f64().unwrap();
-                assert!((r - 1.0).abs() < 0.01, "trainer and sampler disagree: {r}");
+                // null when a step had no sampled token to check
+                if let Some(r) = a["ratio_mean"].as_f64() {
+                    assert!((r - 1.0).abs() < 0.01, "trainer and sampler disagree: {r}");
+                    checked += 1;
+                }
             }
         }
     }
+    assert!(checked > 0, "no ratio_mean was measured: {metrics}");
     serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap()
 }
 
@@ -70,5 +75,81 @@ fn multi_agent_math_runs_in_every_mode() {
         (s["mode"].as_str(), s["objective"].as_str()),
         (Some("fallback"), Some("rl"))
     );
+    let _ = std::fs::remove_dir_all(root);
+}
+
+#[test]
+fn actor_verifier_runs_with_two_agents_alone_and_in_fallback() {
+    let root = std::env::temp_dir().join(format!("lathe-recipes-av-{}", std::process::id()));
+    let model = root.join("model");
+    write_hf_dir(&model, Arch::Llama, 4).unwrap();
+    let bin = env!("CARGO_BIN_EXE_actor_verifier");
+    let s = run_recipe(bin, &model, &root.join("two"), &["--group", "2"]);
+    assert_eq!(s["mode"], "two-agent");
+    assert_eq!(s["checkpoints"].as_object().unwrap().len(), 2);
+    let s = run_recipe(
+        bin,
+        &model,
+        &root.join("single"),
+        &["--group", "2", "--single-agent"],
+    );
+    assert_eq!(s["mode"], "single-agent");
+    let s = run_recipe(
+        bin,
+        &model,
+        &root.join("limit"),
+        &["--group", "2", "--max-sessions", "1", "--loss", "ppo"],
+    );
+    assert_eq!(s["mode"], "fallback");
+    let _ = std::fs::remove_dir_all(root);
+}
+
+#[test]
+fn solve_rewrite_select_runs() {
+    let root = std::env::temp_dir().join(format!("lathe-recipes-srs-{}", std::process::id()));
+    let model = root.join("model");
+    write_hf_dir(&model, Arch::Llama, 4).unwrap();
+    let bin = env!("CARGO_BIN_EXE_solve_rewrite_select");
+    let s = run_recipe(bin, &model, &root.join("run"), &["--num-parallel", "2"]);
+    assert_eq!(s["mode"], "shared-policy");
+    assert_eq!(s["num_parallel"], 2);
+    let _ = std::fs::remove_dir_all(root);
+}
+
+#[test]
+fn doctor_patient_queue_terminates_cleanly_in_both_modes() {
+    let root = std::env::temp_dir().join(format!("lathe-recipes-dpq-{}", std::process::id()));
+    let model = root.join("model");
+    write_hf_dir(&model, Arch::Llama, 4).unwrap();
+    let bin = env!("CARGO_BIN_EXE_doctor_patient_queue");
+    let flags = ["--group", "2", "--patient-batch", "3", "--max-turns", "2"];
+    for (dir, extra, mode) in [
+        ("two", None, "two-agent"),
+        ("fallback", Some("--force-fallback"), "fallback"),
+    ] {
+        let mut args = flags.to_vec();
+        args.extend(extra);
+        let s = run_recipe(bin, &model, &root.join(dir), &args);
+        assert_eq!(s["mode"], mode);
+        // Every reply the doctor sent was either trained on or dropped as stale.
+        let metrics = std::fs::read_to_string(root.join(dir).join("metrics.jsonl")).unwrap();
+        let patient_lines: Vec<serde_json::Value> = metrics
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .filter(|v: &serde_json::Value| v.get("patient_update").is_some())
+            .collect();
+        assert!(
+            !patient_lines.is_empty(),
+            "the patient never trained: {metrics}"
+        );
+        let received: u64 = patient_lines
+            .iter()
+            .map(|v| v["queue/received"].as_u64().unwrap())
+            .sum();
+        assert_eq!(received, s["patient_replies_sent"].as_u64().unwrap());
+        for v in &patient_lines {
+            assert!(v["queue/depth"].as_u64().unwrap() <= v["queue/capacity"].as_u64().unwrap());
+        }
+    }
     let _ = std::fs::remove_dir_all(root);
 }

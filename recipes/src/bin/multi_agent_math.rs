@@ -212,7 +212,10 @@ async fn main() -> anyhow::Result<()> {
                 }
             }
             let flat: Vec<f64> = rewards.iter().flatten().copied().collect();
-            let firsts: Vec<_> = rs.iter().map(|ro| (&ro.prompt[..], &ro.samples[0])).collect();
+            let firsts: Vec<_> = rs
+                .iter()
+                .map(|ro| (&ro.prompt[..], &ro.samples[0]))
+                .collect();
             let ratio = ratio_mean(&trainers[r], &firsts).await?;
             per_role.insert(
                 ROLES[r].into(),
@@ -344,5 +347,4 @@ mod tests {
         );
         assert!(prompt("B", &p, Some(" 5\n")).starts_with("Agent B: Agent A answered '5'."));
     }
-
 }

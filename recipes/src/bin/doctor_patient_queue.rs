@@ -1,0 +1,805 @@
+//! MrlX-TakesTwo's doctor/patient co-training, offline: doctor and patient are two LoRA
+//! sessions with their own train/sample loops running concurrently, connected by a bounded
+//! in-process queue. The doctor loop plays dialogues against the patient's newest sampler
+//! (the doctor asks one question per turn or diagnoses), trains the doctor, and pushes each
+//! patient reply onto the queue; the patient loop trains off-policy from the queue, drops
+//! replies older than `--max-staleness` patient updates, and publishes a fresh sampler
+//! after every update. Rewards are rules over the synthetic case table (`data::DISEASES`)
+//! in place of MrlX's reference F1 and LLM judge:
+//!
+//! * doctor = 5 × token F1 of the diagnosis with the reference, + 1 per answered question,
+//!   − 2 per "sorry" reply, − 2 per doctor turn with two or more `?`, − 5 when no diagnosis
+//!   is given (MrlX's precedence bug, which penalised a *present* recommendation, is fixed);
+//! * patient, per reply = mean of information control (1 − 0.2 × symptoms volunteered that
+//!   were not asked), completeness (1 − 0.2 × asked symptoms the patient has but did not
+//!   confirm) and consistency (1 − 0.2 × statements contradicting the case).
+//!
+//! The run ends cleanly: when the doctor finishes it closes the queue, the patient trains on
+//! what is left and stops. When the second session cannot be created (or with
+//! `--force-fallback`) one session plays both roles, still through the queue.
+//!
+//! Adapted to a small model: prompts are raw text, one line per turn, and at the turn cap
+//! the doctor's line starts with `Diagnosis:`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+use lathe::types::{AdamParams, Datum, LoraConfig, LossFn};
+use lathe::{SamplingClient, Tokenizer, TrainingClient};
+use lathe_recipes::advantages::group_normalised;
+use lathe_recipes::data::{cases, symptom_vocabulary, Case, DISEASES};
+use lathe_recipes::rollout::{
+    ratio_mean, rl_datum, sample_prompts, submit_step, Generation, Sample,
+};
+use lathe_recipes::run::{mean, progress, Curves, RunDir};
+use lathe_recipes::setup::{connect, init_tracing, save_final, AgentSessions, CommonArgs};
+use serde_json::{json, Value};
+use tokio::sync::{mpsc, watch, Mutex};
+
+/// A doctor and a patient co-trained through a message queue.
+#[derive(Parser, Debug)]
+#[command(name = "doctor_patient_queue", about)]
+struct Args {
+    #[command(flatten)]
+    common: CommonArgs,
+    /// Use one session for both roles even if two could be created.
+    #[arg(long)]
+    force_fallback: bool,
+    /// Cases per doctor step.
+    #[arg(long, default_value_t = 4)]
+    batch: usize,
+    /// Dialogues per case (the doctor's RL group).
+    #[arg(long, default_value_t = 4)]
+    group: usize,
+    /// Doctor turns per dialogue; the last one must diagnose.
+    #[arg(long, default_value_t = 3)]
+    max_turns: usize,
+    /// Queue capacity in patient replies; a full queue makes the doctor wait.
+    #[arg(long, default_value_t = 256)]
+    queue_capacity: usize,
+    /// Patient replies per patient update (fewer when the doctor has finished).
+    #[arg(long, default_value_t = 16)]
+    patient_batch: usize,
+    /// Replies sampled more than this many patient updates ago are dropped.
+    #[arg(long, default_value_t = 2)]
+    max_staleness: u64,
+    /// Evaluate on held-out cases every this many doctor steps.
+    #[arg(long, default_value_t = 4)]
+    eval_every: usize,
+    /// Held-out cases.
+    #[arg(long, default_value_t = 18)]
+    eval_size: usize,
+    /// Sampling temperature of training dialogues.
+    #[arg(long, default_value_t = 0.7)]
+    temperature: f64,
+}
+
+const DOCTOR: usize = 0;
+const PATIENT: usize = 1;
+const TURN_TOKENS: usize = 16;
+const SORRY: &str = "Sorry, I cannot answer this question.";
+
+fn doctor_header() -> String {
+    let names: Vec<&str> = DISEASES.iter().map(|d| d.name).collect();
+    format!(
+        "You are a doctor. Possible diagnoses: {}. Ask one yes/no question per turn as 'Question: Do you have <symptom>?', or give 'Diagnosis: <one possible diagnosis>'.\n",
+        names.join(", ")
+    )
+}
+
+fn patient_header(case: &Case) -> String {
+    format!(
+        "You are a patient talking to a doctor. Answer each question in one short sentence about your symptoms only, never a diagnosis. If a question is unrelated to your symptoms, say '{SORRY}'\nYour chief complaint: {}. Your self-report: I have {}.\n",
+        case.complaint,
+        case.symptoms.join(", ")
+    )
+}
+
+/// One doctor/patient exchange so far.
+#[derive(Debug, Clone, Default)]
+struct Dialogue {
+    /// `(question line, patient reply)` pairs.
+    turns: Vec<(String, String)>,
+    /// The diagnosis line, once given.
+    diagnosis: Option<String>,
+    /// The doctor's samples with their prompts, one per turn.
+    doctor_samples: Vec<(Vec<i64>, Sample)>,
+    /// The patient's samples with their prompts, one per reply.
+    patient_samples: Vec<(Vec<i64>, Sample)>,
+    /// Doctor turns with two or more question marks.
+    multi_questions: usize,
+}
+
+impl Dialogue {
+    fn transcript(&self, case: &Case, doctor_view: bool) -> String {
+        let mut s = if doctor_view {
+            format!("{}Patient: I have {}.\n", doctor_header(), case.complaint)
+        } else {
+            format!(
+                "{}Patient: I have {}.\n",
+                patient_header(case),
+                case.complaint
+            )
+        };
+        for (q, a) in &self.turns {
+            s.push_str(&format!("Doctor: {q}\nPatient: {a}\n"));
+        }
+        s
+    }
+
+    /// The doctor's next prompt; at the cap it opens the diagnosis line.
+    fn doctor_prompt(&self, case: &Case, last_turn: bool) -> String {
+        let mut s = self.transcript(case, true);
+        s.push_str(if last_turn {
+            "Doctor: Diagnosis:"
+        } else {
+            "Doctor:"
+        });
+        s
+    }
+
+    /// The patient's prompt for a reply to `question`.
+    fn patient_prompt(&self, case: &Case, question: &str) -> String {
+        format!(
+            "{}Doctor: {question}\nPatient:",
+            self.transcript(case, false)
+        )
+    }
+}
+
+/// The symptoms of the table mentioned in `text` (whole phrases, case-insensitive).
+fn mentioned(text: &str) -> Vec<&'static str> {
+    let mut lower = text.to_lowercase();
+    let mut found = Vec::new();
+    for s in symptom_vocabulary() {
+        if let Some(at) = lower.find(s) {
+            found.push(s);
+            lower.replace_range(at..at + s.len(), &" ".repeat(s.len()));
+        }
+    }
+    found
+}
+
+fn words(text: &str) -> Vec<String> {
+    text.to_lowercase()
+        .split(|c: char| !c.is_alphanumeric())
+        .filter(|w| !w.is_empty())
+        .map(str::to_string)
+        .collect()
+}
+
+/// Bag-of-words F1 between `text` and `reference` (MrlX scores diagnoses this way).
+fn token_f1(text: &str, reference: &str) -> f64 {
+    let (pred, gold) = (words(text), words(reference));
+    if pred.is_empty() || gold.is_empty() {
+        return 0.0;
+    }
+    let mut remaining = gold.clone();
+    let mut common = 0usize;
+    for w in &pred {
+        if let Some(i) = remaining.iter().position(|g| g == w) {
+            remaining.swap_remove(i);
+            common += 1;
+        }
+    }
+    if common == 0 {
+        return 0.0;
+    }
+    let p = common as f64 / pred.len() as f64;
+    let r = common as f64 / gold.len() as f64;
+    2.0 * p * r / (p + r)
+}
+
+/// Whether a diagnosis names exactly the right disease of the table.
+fn diagnosis_correct(text: &str, case: &Case) -> bool {
+    let lower = text.to_lowercase();
+    let named: Vec<&str> = DISEASES
+        .iter()
+        .map(|d| d.name)
+        .filter(|n| lower.contains(n))
+        .collect();
+    named == [case.disease.name]
+}
+
+fn is_sorry(reply: &str) -> bool {
+    reply.to_lowercase().contains("sorry")
+}
+
+/// The doctor's reward for a finished dialogue.
+fn doctor_reward(d: &Dialogue, case: &Case) -> f64 {
+    let accuracy = d
+        .diagnosis
+        .as_deref()
+        .map_or(0.0, |t| 5.0 * token_f1(t, case.disease.name));
+    let information: f64 = d
+        .turns
+        .iter()
+        .map(|(_, reply)| if is_sorry(reply) { -2.0 } else { 1.0 })
+        .sum();
+    let missing = d.diagnosis.as_deref().is_none_or(|t| t.trim().is_empty());
+    let compliance = -2.0 * d.multi_questions as f64 - if missing { 5.0 } else { 0.0 };
+    accuracy + information + compliance
+}
+
+/// The patient's reward for one reply to `question`.
+fn patient_reward(question: &str, reply: &str, case: &Case) -> f64 {
+    let asked = mentioned(question);
+    let said = mentioned(reply);
+    let lower = format!(" {} ", words(reply).join(" "));
+    let yes = lower.contains(" yes ");
+    let no = lower.contains(" no ") || lower.contains(" not ") || lower.contains(" don t ");
+    let volunteered = said
+        .iter()
+        .filter(|s| !asked.contains(s) && case.has(s))
+        .count();
+    let missed = asked
+        .iter()
+        .filter(|s| case.has(s) && !(yes || said.contains(s)))
+        .count();
+    let mut conflicts = said.iter().filter(|s| !case.has(s) && !no).count();
+    conflicts += asked.iter().filter(|s| case.has(s) && no && !yes).count();
+    conflicts += asked.iter().filter(|s| !case.has(s) && yes && !no).count();
+    let rate = |n: usize| (1.0 - 0.2 * n as f64).max(0.0);
+    (rate(volunteered) + rate(missed) + rate(conflicts)) / 3.0
+}
+
+/// Plays `group` dialogues of every case: doctor turns with `doctor`, replies with
+/// `patient`; every stage samples all open dialogues at once.
+async fn play(
+    samplers: (&SamplingClient, &SamplingClient),
+    tok: &Tokenizer,
+    cases: &[Case],
+    group: usize,
+    max_turns: usize,
+    generation: &Generation,
+) -> anyhow::Result<Vec<(usize, Dialogue)>> {
+    let mut dialogues: Vec<(usize, Dialogue)> = (0..cases.len())
+        .flat_map(|c| (0..group).map(move |_| (c, Dialogue::default())))
+        .collect();
+    for turn in 0..max_turns.max(1) {
+        let last = turn + 1 == max_turns.max(1);
+        let open: Vec<usize> = (0..dialogues.len())
+            .filter(|&i| dialogues[i].1.diagnosis.is_none())
+            .collect();
+        if open.is_empty() {
+            break;
+        }
+        let prompts: Vec<String> = open
+            .iter()
+            .map(|&i| dialogues[i].1.doctor_prompt(&cases[dialogues[i].0], last))
+            .collect();
+        let doctor_gen = Generation {
+            max_tokens: TURN_TOKENS,
+            seed: generation.seed.wrapping_add(turn as u64 * 31),
+            ..generation.clone()
+        };
+        let lines = sample_prompts(samplers.0, tok, &prompts, 1, &doctor_gen).await?;
+        let mut questions = Vec::new();
+        for (&i, r) in open.iter().zip(lines) {
+            let sample = r.samples.into_iter().next().unwrap_or_default();
+            let line = sample.text.trim().to_string();
+            let d = &mut dialogues[i].1;
+            d.doctor_samples.push((r.prompt, sample));
+            if last {
+                d.diagnosis = Some(line);
+            } else if let Some(at) = line.find("Diagnosis:") {
+                d.diagnosis = Some(line[at + "Diagnosis:".len()..].to_string());
+            } else {
+                if line.matches('?').count() >= 2 {
+                    d.multi_questions += 1;
+                }
+                questions.push((i, line));
+            }
+        }
+        if questions.is_empty() {
+            continue;
+        }
+        let prompts: Vec<String> = questions
+            .iter()
+            .map(|(i, q)| dialogues[*i].1.patient_prompt(&cases[dialogues[*i].0], q))
+            .collect();
+        let patient_gen = Generation {
+            seed: doctor_gen.seed.wrapping_add(17),
+            ..doctor_gen.clone()
+        };
+        let replies = sample_prompts(samplers.1, tok, &prompts, 1, &patient_gen).await?;
+        for ((i, q), r) in questions.into_iter().zip(replies) {
+            let sample = r.samples.into_iter().next().unwrap_or_default();
+            let d = &mut dialogues[i].1;
+            d.turns.push((q, sample.text.trim().to_string()));
+            d.patient_samples.push((r.prompt, sample));
+        }
+    }
+    Ok(dialogues)
+}
+
+/// A patient reply on the queue.
+#[derive(Debug, Clone)]
+struct QueueItem {
+    prompt: Vec<i64>,
+    sample: Sample,
+    reward: f64,
+    /// The patient update the reply was sampled from.
+    version: u64,
+}
+
+/// Drops items older than `max_staleness` updates; returns the kept items and how many
+/// were dropped.
+fn drop_stale(items: Vec<QueueItem>, version: u64, max_staleness: u64) -> (Vec<QueueItem>, usize) {
+    let before = items.len();
+    let kept: Vec<QueueItem> = items
+        .into_iter()
+        .filter(|it| version.saturating_sub(it.version) <= max_staleness)
+        .collect();
+    let dropped = before - kept.len();
+    (kept, dropped)
+}
+
+/// Held while a step's `forward_backward` and `optim_step` are submitted, so that in
+/// fallback mode (one session for both roles) the two loops' gradients never mix: the
+/// server runs a session's requests in submission order.
+type StepLock = Arc<Mutex<()>>;
+
+/// Submits one step under `lock`.
+async fn locked_step(
+    lock: &StepLock,
+    trainer: &TrainingClient,
+    data: &[Datum],
+    adam: AdamParams,
+) -> anyhow::Result<Option<lathe_recipes::rollout::Step>> {
+    let _guard = lock.lock().await;
+    submit_step(trainer, data, LossFn::ImportanceSampling, adam).await
+}
+
+/// The patient's loop: waits for `batch` replies (or the queue's close), drops stale
+/// ones, trains, publishes a fresh sampler. Returns its per-update records when the doctor
+/// closes the queue and everything left is trained.
+#[allow(clippy::too_many_arguments)]
+async fn patient_loop(
+    trainer: TrainingClient,
+    lock: StepLock,
+    mut queue: mpsc::Receiver<QueueItem>,
+    publish: watch::Sender<(u64, SamplingClient)>,
+    records: mpsc::UnboundedSender<Value>,
+    batch: usize,
+    max_staleness: u64,
+    adam: AdamParams,
+    capacity: usize,
+) -> anyhow::Result<()> {
+    let mut version = 0u64;
+    let mut dropped_total = 0usize;
+    loop {
+        let mut items = Vec::with_capacity(batch);
+        let open = queue.recv_many(&mut items, batch).await > 0;
+        while open && items.len() < batch {
+            let wanted = batch - items.len();
+            if queue.recv_many(&mut items, wanted).await == 0 {
+                break;
+            }
+        }
+        if items.is_empty() {
+            return Ok(());
+        }
+        let depth = queue.len();
+        let received = items.len();
+        let staleness: Vec<f64> = items
+            .iter()
+            .map(|it| version.saturating_sub(it.version) as f64)
+            .collect();
+        let (items, dropped) = drop_stale(items, version, max_staleness);
+        dropped_total += dropped;
+        let rewards: Vec<f64> = items.iter().map(|it| it.reward).collect();
+        // The agreement check on replies from the current weights (older ones are off
+        // policy by design).
+        let fresh: Vec<(&[i64], &Sample)> = items
+            .iter()
+            .filter(|it| it.version == version)
+            .map(|it| (&it.prompt[..], &it.sample))
+            .collect();
+        let ratio = ratio_mean(&trainer, &fresh).await?;
+        let data: Vec<Datum> = items
+            .iter()
+            .zip(group_normalised(&rewards))
+            .filter(|(it, adv)| *adv != 0.0 && !it.sample.tokens.is_empty())
+            .map(|(it, adv)| rl_datum(&it.prompt, &it.sample, adv))
+            .collect();
+        let loss = match locked_step(&lock, &trainer, &data, adam).await? {
+            Some(step) => {
+                let loss = step.finish().await?;
+                version += 1;
+                let sampler = trainer.save_weights_and_get_sampling_client().await?;
+                // The doctor may have finished and dropped its receiver; that is fine.
+                let _ = publish.send((version, sampler));
+                Some(loss)
+            }
+            None => None,
+        };
+        let _ = records.send(json!({
+            "patient_update": version,
+            "agents": {"patient": {
+                "reward_mean": mean(&rewards),
+                "loss": loss,
+                "datums": data.len(),
+                "ratio_mean": ratio,
+            }},
+            "queue/received": received,
+            "queue/depth": depth,
+            "queue/capacity": capacity,
+            "queue/staleness_mean": mean(&staleness),
+            "queue/staleness_max": staleness.iter().copied().fold(0.0, f64::max),
+            "queue/dropped": dropped,
+            "queue/dropped_total": dropped_total,
+        }));
+    }
+}
+
+/// Held-out numbers from greedy dialogues.
+struct Eval {
+    diagnosis_accuracy: f64,
+    doctor_reward: f64,
+    patient_reward: f64,
+}
+
+async fn evaluate(
+    samplers: (&SamplingClient, &SamplingClient),
+    tok: &Tokenizer,
+    held_out: &[Case],
+    max_turns: usize,
+) -> anyhow::Result<Eval> {
+    let greedy = Generation::greedy(TURN_TOKENS);
+    let dialogues = play(samplers, tok, held_out, 1, max_turns, &greedy).await?;
+    let (correct, doctor, patient) = score(&dialogues, held_out);
+    Ok(Eval {
+        diagnosis_accuracy: mean(&correct),
+        doctor_reward: mean(&doctor),
+        patient_reward: mean(&patient),
+    })
+}
+
+/// Per dialogue: diagnosis correct (0/1), doctor reward; per reply: patient reward.
+fn score(dialogues: &[(usize, Dialogue)], cases: &[Case]) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let mut correct = Vec::new();
+    let mut doctor = Vec::new();
+    let mut patient = Vec::new();
+    for (c, d) in dialogues {
+        let case = &cases[*c];
+        correct.push(f64::from(u8::from(
+            d.diagnosis
+                .as_deref()
+                .is_some_and(|t| diagnosis_correct(t, case)),
+        )));
+        doctor.push(doctor_reward(d, case));
+        patient.extend(d.turns.iter().map(|(q, a)| patient_reward(q, a, case)));
+    }
+    (correct, doctor, patient)
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    init_tracing();
+    let args = Args::parse();
+    let c = &args.common;
+    let mut run = RunDir::create("doctor_patient_queue", c.out.as_deref())?;
+    eprintln!("doctor_patient_queue: output in {}", run.path.display());
+    let conn = connect(c, &run.path).await?;
+    eprintln!("endpoint {}, base model {}", conn.endpoint, conn.base_model);
+    let tok = conn.service.get_tokenizer(&conn.base_model).await?;
+    let sessions = AgentSessions::open(&conn, 2, args.force_fallback, |i| LoraConfig {
+        rank: c.rank,
+        seed: Some(c.seed + i as u64),
+        ..Default::default()
+    })
+    .await?;
+    let mode = sessions.mode();
+    let doctor = sessions.trainer(DOCTOR).clone();
+    let patient = sessions.trainer(PATIENT).clone();
+    let (train, held_out) = cases(c.seed, args.eval_size);
+    let adam = AdamParams {
+        learning_rate: c.lr,
+        ..Default::default()
+    };
+
+    let (queue_tx, queue_rx) = mpsc::channel::<QueueItem>(args.queue_capacity.max(1));
+    let first_patient = patient.save_weights_and_get_sampling_client().await?;
+    let (publish, latest_patient) = watch::channel((0u64, first_patient));
+    let (records_tx, mut records_rx) = mpsc::unbounded_channel();
+    let doctor_lock = StepLock::default();
+    let patient_lock = if sessions.distinct() == 2 {
+        StepLock::default()
+    } else {
+        doctor_lock.clone()
+    };
+    let patient_task = tokio::spawn(patient_loop(
+        patient.clone(),
+        patient_lock,
+        queue_rx,
+        publish,
+        records_tx,
+        args.patient_batch.max(1),
+        args.max_staleness,
+        adam,
+        args.queue_capacity,
+    ));
+
+    let mut curves = Curves::new(&["doctor diagnosis accuracy", "patient reward"]);
+    let bar = progress(c.steps);
+    bar.set_prefix(mode);
+    let mut cursor = 0;
+    let mut sent = 0usize;
+    for step in 0..=c.steps {
+        while let Ok(record) = records_rx.try_recv() {
+            run.log(&record)?;
+        }
+        let doctor_sampler = doctor.save_weights_and_get_sampling_client().await?;
+        let (patient_version, patient_sampler) = latest_patient.borrow().clone();
+        if step % args.eval_every.max(1) == 0 {
+            let e = evaluate(
+                (&doctor_sampler, &patient_sampler),
+                &tok,
+                &held_out,
+                args.max_turns,
+            )
+            .await?;
+            curves.push("doctor diagnosis accuracy", step, e.diagnosis_accuracy);
+            curves.push("patient reward", step, e.patient_reward);
+            run.log(
+                &json!({"step": step, "patient_version": patient_version, "eval": {
+                    "doctor_diagnosis_accuracy": e.diagnosis_accuracy,
+                    "doctor_reward": e.doctor_reward,
+                    "patient_reward": e.patient_reward,
+                }}),
+            )?;
+            bar.set_message(format!(
+                "held-out diagnosis {:.2} patient {:.2}",
+                e.diagnosis_accuracy, e.patient_reward
+            ));
+        }
+        if step == c.steps {
+            break;
+        }
+        let batch: Vec<Case> = (0..args.batch)
+            .map(|i| train[(cursor + i) % train.len()].clone())
+            .collect();
+        cursor += args.batch;
+        let generation = Generation::sampled(
+            TURN_TOKENS,
+            args.temperature,
+            c.seed * 1_000_003 + step as u64 * 101,
+        );
+        let dialogues = play(
+            (&doctor_sampler, &patient_sampler),
+            &tok,
+            &batch,
+            args.group.max(1),
+            args.max_turns,
+            &generation,
+        )
+        .await?;
+        let (correct, rewards, patient_rewards) = score(&dialogues, &batch);
+
+        // Doctor: every turn of a dialogue carries the dialogue's advantage; groups are
+        // the dialogues of one case.
+        let mut data = Vec::new();
+        for (case, chunk) in dialogues.chunks(args.group.max(1)).enumerate() {
+            let group_rewards = &rewards[case * args.group.max(1)..][..chunk.len()];
+            for ((_, d), adv) in chunk.iter().zip(group_normalised(group_rewards)) {
+                if adv != 0.0 {
+                    data.extend(
+                        d.doctor_samples
+                            .iter()
+                            .filter(|(_, s)| !s.tokens.is_empty())
+                            .map(|(p, s)| rl_datum(p, s, adv)),
+                    );
+                }
+            }
+        }
+        let firsts: Vec<(&[i64], &Sample)> = dialogues
+            .iter()
+            .filter_map(|(_, d)| d.doctor_samples.first())
+            .map(|(p, s)| (&p[..], s))
+            .collect();
+        let ratio = ratio_mean(&doctor, &firsts).await?;
+        let step_future = locked_step(&doctor_lock, &doctor, &data, adam).await?;
+
+        // Patient replies go onto the queue while the doctor trains.
+        let mut replies = 0;
+        for (c_idx, d) in &dialogues {
+            for ((prompt, sample), (q, a)) in d.patient_samples.iter().zip(&d.turns) {
+                let item = QueueItem {
+                    prompt: prompt.clone(),
+                    sample: sample.clone(),
+                    reward: patient_reward(q, a, &batch[*c_idx]),
+                    version: patient_version,
+                };
+                queue_tx
+                    .send(item)
+                    .await
+                    .map_err(|_| anyhow::anyhow!("the patient loop stopped early"))?;
+                replies += 1;
+            }
+        }
+        sent += replies;
+        let loss = match step_future {
+            Some(s) => Some(s.finish().await?),
+            None => None,
+        };
+        run.log(&json!({
+            "step": step + 1,
+            "mode": mode,
+            "patient_version": patient_version,
+            "queue/sent": replies,
+            "queue/depth": args.queue_capacity - queue_tx.capacity(),
+            "agents": {"doctor": {
+                "reward_mean": mean(&rewards),
+                "accuracy": mean(&correct),
+                "loss": loss,
+                "datums": data.len(),
+                "ratio_mean": ratio,
+                "patient_reward_mean": mean(&patient_rewards),
+            }},
+        }))?;
+        bar.inc(1);
+    }
+    bar.finish();
+
+    // Clean termination: closing the queue ends the patient loop once it has trained on
+    // what is left.
+    drop(queue_tx);
+    eprintln!("doctor finished; waiting for the patient to drain the queue ({sent} replies sent)");
+    tokio::time::timeout(Duration::from_secs(600), patient_task)
+        .await
+        .map_err(|_| anyhow::anyhow!("the patient loop did not finish within 10 minutes"))???;
+    while let Ok(record) = records_rx.try_recv() {
+        run.log(&record)?;
+    }
+    // Final held-out numbers with both final weights.
+    let doctor_sampler = doctor.save_weights_and_get_sampling_client().await?;
+    let patient_sampler = latest_patient.borrow().1.clone();
+    let e = evaluate(
+        (&doctor_sampler, &patient_sampler),
+        &tok,
+        &held_out,
+        args.max_turns,
+    )
+    .await?;
+    curves.push("doctor diagnosis accuracy", c.steps, e.diagnosis_accuracy);
+    curves.push("patient reward", c.steps, e.patient_reward);
+    run.log(&json!({"step": c.steps, "final": true, "eval": {
+        "doctor_diagnosis_accuracy": e.diagnosis_accuracy,
+        "doctor_reward": e.doctor_reward,
+        "patient_reward": e.patient_reward,
+    }}))?;
+
+    let mut checkpoints = serde_json::Map::new();
+    if sessions.distinct() == 2 {
+        checkpoints.insert("doctor".into(), save_final(&doctor, "doctor-final").await?);
+        checkpoints.insert(
+            "patient".into(),
+            save_final(&patient, "patient-final").await?,
+        );
+    } else {
+        checkpoints.insert(
+            "shared".into(),
+            save_final(&doctor, "doctor-patient-shared-final").await?,
+        );
+    }
+    let (dx_before, dx_after) = curves.before_after("doctor diagnosis accuracy");
+    let (pt_before, pt_after) = curves.before_after("patient reward");
+    let passed = dx_after - dx_before >= CRITERION_DOCTOR_GAIN
+        && pt_after - pt_before >= CRITERION_PATIENT_GAIN;
+    let criterion = format!(
+        "held-out doctor diagnosis accuracy rises by >= {CRITERION_DOCTOR_GAIN} and patient reward by >= {CRITERION_PATIENT_GAIN}"
+    );
+    let summary = json!({
+        "recipe": "doctor_patient_queue",
+        "mode": mode,
+        "fallback_reason": sessions.fallback_reason,
+        "steps": c.steps,
+        "patient_replies_sent": sent,
+        "base_model": conn.base_model,
+        "held_out": curves.to_json(),
+        "criterion": criterion,
+        "passed": passed,
+        "checkpoints": checkpoints,
+    });
+    run.summary(&summary)?;
+    let plotted = curves.plot(&run, &format!("doctor_patient_queue ({mode})"), "held-out")?;
+    println!("mode: {mode}");
+    curves.report(&run, plotted, &checkpoints);
+    if c.check && !passed {
+        anyhow::bail!("criterion not met: {criterion}");
+    }
+    Ok(())
+}
+
+/// Calibrated from measured runs on the default model (README, recipe table).
+const CRITERION_DOCTOR_GAIN: f64 = 0.2;
+const CRITERION_PATIENT_GAIN: f64 = 0.1;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn flu_case() -> Case {
+        Case {
+            disease: DISEASES[0],
+            complaint: "fever",
+            symptoms: vec!["fever", "cough", "chills"],
+        }
+    }
+
+    #[test]
+    fn symptoms_are_found_as_whole_phrases() {
+        assert_eq!(mentioned("Do you have a Sore Throat?"), vec!["sore throat"]);
+        assert_eq!(mentioned("fever and a cough"), vec!["fever", "cough"]);
+        assert!(mentioned("How old are you?").is_empty());
+    }
+
+    #[test]
+    fn patient_rewards_follow_the_rubric() {
+        let case = flu_case();
+        let q = "Question: Do you have a cough?";
+        assert_eq!(patient_reward(q, "Yes, I have a cough.", &case), 1.0);
+        // Volunteering chills, which was not asked: information control 0.8.
+        let r = patient_reward(q, "Yes, a cough and chills.", &case);
+        assert!((r - (0.8 + 1.0 + 1.0) / 3.0).abs() < 1e-12);
+        // Denying a symptom the patient has: missed and contradicted.
+        let r = patient_reward(q, "No.", &case);
+        assert!((r - (1.0 + 0.8 + 0.8) / 3.0).abs() < 1e-12);
+        // Claiming a symptom the patient lacks.
+        let r = patient_reward("Question: Do you have a rash?", "Yes, a rash.", &case);
+        assert!(r < 1.0);
+        assert_eq!(
+            patient_reward("Question: Do you have a rash?", "No, I don't.", &case),
+            1.0
+        );
+    }
+
+    #[test]
+    fn doctor_rewards_fix_mrlx_precedence() {
+        let case = flu_case();
+        let mut d = Dialogue {
+            turns: vec![("Question: Do you have a cough?".into(), "Yes.".into())],
+            diagnosis: Some(" flu".into()),
+            ..Default::default()
+        };
+        assert_eq!(doctor_reward(&d, &case), 5.0 + 1.0);
+        assert!(diagnosis_correct(" flu", &case));
+        assert!(!diagnosis_correct("flu or allergy", &case));
+        d.turns.push(("Question: Age? Job?".into(), SORRY.into()));
+        d.multi_questions = 1;
+        assert_eq!(doctor_reward(&d, &case), 5.0 + 1.0 - 2.0 - 2.0);
+        d.diagnosis = None;
+        assert_eq!(doctor_reward(&d, &case), 1.0 - 2.0 - 2.0 - 5.0);
+        assert!((token_f1("common flu", "flu") - 2.0 / 3.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn stale_replies_are_dropped() {
+        let item = |version| QueueItem {
+            prompt: vec![1],
+            sample: Sample::default(),
+            reward: 0.0,
+            version,
+        };
+        let (kept, dropped) = drop_stale(vec![item(0), item(3), item(5)], 5, 2);
+        assert_eq!((kept.len(), dropped), (2, 1));
+        assert!(kept.iter().all(|it| it.version >= 3));
+    }
+
+    #[test]
+    fn the_last_turn_asks_for_the_diagnosis() {
+        let case = flu_case();
+        let d = Dialogue {
+            turns: vec![("Question: Do you have chills?".into(), "Yes.".into())],
+            ..Default::default()
+        };
+        let p = d.doctor_prompt(&case, true);
+        assert!(p.ends_with("Patient: Yes.\nDoctor: Diagnosis:"));
+        assert!(p.contains("Patient: I have fever.\n"));
+        let p = d.patient_prompt(&case, "Question: Do you have a cough?");
+        assert!(p.contains("Your self-report: I have fever, cough, chills."));
+        assert!(p.ends_with("Doctor: Question: Do you have a cough?\nPatient:"));
+    }
+}
