@@ -41,6 +41,9 @@ pub struct Generation {
     /// Seed of the first prompt; prompt `i` uses a seed derived from it and `i`, so a
     /// rerun samples the same.
     pub seed: u64,
+    /// The model's context length: `max_tokens` shrinks to fit each prompt, and a prompt
+    /// that leaves no room gets empty samples instead of an error (as Miles skips it).
+    pub context_limit: Option<usize>,
 }
 
 impl Generation {
@@ -51,6 +54,7 @@ impl Generation {
             temperature: 0.0,
             stop: vec!["\n".into()],
             seed: 0,
+            context_limit: None,
         }
     }
 
@@ -61,7 +65,21 @@ impl Generation {
             temperature,
             stop: vec!["\n".into()],
             seed,
+            context_limit: None,
         }
+    }
+
+    /// The same settings within a context of `limit` tokens (`None`: unknown).
+    pub fn within(mut self, limit: Option<usize>) -> Self {
+        self.context_limit = limit;
+        self
+    }
+
+    /// New tokens allowed after a prompt of `prompt_len` tokens (0: no room).
+    fn room(&self, prompt_len: usize) -> usize {
+        self.context_limit.map_or(self.max_tokens, |limit| {
+            self.max_tokens.min(limit.saturating_sub(prompt_len))
+        })
     }
 
     /// The same settings with other stop strings.
@@ -83,8 +101,13 @@ pub async fn sample_prompts(
     let mut pending = Vec::with_capacity(prompts.len());
     for (i, text) in prompts.iter().enumerate() {
         let ids = tok.encode(text)?;
+        let room = generation.room(ids.len());
+        if room == 0 {
+            pending.push((None, ids));
+            continue;
+        }
         let params = SamplingParams {
-            max_tokens: Some(generation.max_tokens),
+            max_tokens: Some(room),
             seed: Some(generation.seed.wrapping_add(i as u64 * 7919)),
             stop: (!generation.stop.is_empty())
                 .then(|| StopCondition::Texts(generation.stop.clone())),
@@ -94,10 +117,17 @@ pub async fn sample_prompts(
         let future = sampler
             .sample(&ModelInput::from_ints(ids.clone()), n, &params)
             .await?;
-        pending.push((future, ids));
+        pending.push((Some(future), ids));
     }
     let mut out = Vec::with_capacity(pending.len());
     for (future, prompt) in pending {
+        let Some(future) = future else {
+            out.push(Rollout {
+                prompt,
+                samples: vec![Sample::default(); n],
+            });
+            continue;
+        };
         let response = future.result().await?;
         let samples = response
             .sequences
@@ -219,6 +249,17 @@ pub async fn submit_step(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn max_tokens_shrink_to_fit_the_context() {
+        let g = Generation::greedy(16);
+        assert_eq!(g.room(1000), 16);
+        let g = g.within(Some(100));
+        assert_eq!(
+            (g.room(50), g.room(90), g.room(100), g.room(120)),
+            (16, 10, 0, 0)
+        );
+    }
 
     #[test]
     fn rl_datums_put_advantages_on_the_completion_only() {

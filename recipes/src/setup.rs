@@ -46,6 +46,8 @@ pub struct Connection {
     pub base_model: String,
     /// Where the service is.
     pub endpoint: String,
+    /// The base model's context length, when the server says.
+    pub max_context: Option<usize>,
     _server: Option<RunningServer>,
 }
 
@@ -87,16 +89,16 @@ pub async fn connect(args: &CommonArgs, out: &Path) -> anyhow::Result<Connection
         |s| format!("{} (in-process)", s.base_url()),
     );
     let caps = service.get_server_capabilities().await?;
-    let base_model = caps
+    let model = caps
         .supported_models
         .first()
-        .ok_or_else(|| anyhow::anyhow!("the service offers no base model"))?
-        .model_name
-        .clone();
+        .ok_or_else(|| anyhow::anyhow!("the service offers no base model"))?;
+    let (base_model, max_context) = (model.model_name.clone(), model.max_context_length);
     Ok(Connection {
         service,
         base_model,
         endpoint,
+        max_context,
         _server: server,
     })
 }

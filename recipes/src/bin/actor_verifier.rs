@@ -244,9 +244,9 @@ async fn evaluate(
     tok: &Tokenizer,
     problems: &[Problem],
     verify: bool,
+    greedy: &Generation,
 ) -> anyhow::Result<Eval> {
-    let greedy = Generation::greedy(SOLVER_TOKENS);
-    let chains = run_chains(samplers, tok, problems, 1, verify, &greedy).await?;
+    let chains = run_chains(samplers, tok, problems, 1, verify, greedy).await?;
     let n = problems.len().max(1) as f64;
     let sum = |f: &dyn Fn(&Chains) -> f64| chains.iter().map(f).sum::<f64>() / n;
     Ok(Eval {
@@ -329,7 +329,8 @@ async fn main() -> anyhow::Result<()> {
         };
         let samplers = [solver, verifier];
         if step % args.eval_every.max(1) == 0 || step == c.steps {
-            let e = evaluate(&samplers, &tok, &held_out, verify).await?;
+            let greedy = Generation::greedy(SOLVER_TOKENS).within(conn.max_context);
+            let e = evaluate(&samplers, &tok, &held_out, verify, &greedy).await?;
             curves.push("final correct", step, e.final_correct);
             curves.push("first attempt correct", step, e.first_correct);
             curves.push("verifier accuracy", step, e.verifier_accuracy);
@@ -355,7 +356,8 @@ async fn main() -> anyhow::Result<()> {
             SOLVER_TOKENS,
             args.temperature,
             c.seed * 1_000_003 + step as u64 * 101,
-        );
+        )
+        .within(conn.max_context);
         let chains = run_chains(
             &samplers,
             &tok,

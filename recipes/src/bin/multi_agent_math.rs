@@ -89,9 +89,10 @@ async fn evaluate(
     samplers: &[SamplingClient; 2],
     tok: &Tokenizer,
     problems: &[Problem],
+    context: Option<usize>,
 ) -> anyhow::Result<[f64; 2]> {
     let a_prompts: Vec<String> = problems.iter().map(|p| prompt("A", p, None)).collect();
-    let greedy = Generation::greedy(MAX_TOKENS);
+    let greedy = Generation::greedy(MAX_TOKENS).within(context);
     let a = sample_prompts(&samplers[0], tok, &a_prompts, 1, &greedy).await?;
     let b_prompts: Vec<String> = problems
         .iter()
@@ -155,7 +156,7 @@ async fn main() -> anyhow::Result<()> {
             },
         ];
         if step % args.eval_every.max(1) == 0 || step == c.steps {
-            let acc = evaluate(&samplers, &tok, &held_out).await?;
+            let acc = evaluate(&samplers, &tok, &held_out, conn.max_context).await?;
             for r in 0..2 {
                 curves[r].push((step, acc[r]));
             }
@@ -176,7 +177,8 @@ async fn main() -> anyhow::Result<()> {
         };
         let seed = c.seed * 1_000_003 + step as u64 * 101;
         let a_prompts: Vec<String> = problems.iter().map(|p| prompt("A", p, None)).collect();
-        let generation = |seed| Generation::sampled(MAX_TOKENS, args.temperature, seed);
+        let generation =
+            |seed| Generation::sampled(MAX_TOKENS, args.temperature, seed).within(conn.max_context);
         let a = sample_prompts(&samplers[0], &tok, &a_prompts, n, &generation(seed)).await?;
         let b_prompts: Vec<String> = problems
             .iter()

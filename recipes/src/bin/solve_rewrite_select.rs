@@ -342,7 +342,8 @@ async fn main() -> anyhow::Result<()> {
         let sampler = trainer.save_weights_and_get_sampling_client().await?;
         if step % args.eval_every.max(1) == 0 || step == c.steps {
             // One fixed seed: evaluations differ only by the weights.
-            let generation = Generation::sampled(ANSWER_TOKENS, args.temperature, 99_991);
+            let generation = Generation::sampled(ANSWER_TOKENS, args.temperature, 99_991)
+                .within(conn.max_context);
             let s = stats(&run_pipeline(&sampler, &tok, &held_out, n, &generation).await?);
             curves.push("raw reward", step, s.raw_reward);
             curves.push("team correct", step, s.team_correct);
@@ -372,7 +373,8 @@ async fn main() -> anyhow::Result<()> {
             ANSWER_TOKENS,
             args.temperature,
             c.seed * 1_000_003 + step as u64 * 101,
-        );
+        )
+        .within(conn.max_context);
         let passes = run_pipeline(&sampler, &tok, &problems, n, &generation).await?;
         let firsts: Vec<(&[i64], &Sample)> = passes
             .iter()
