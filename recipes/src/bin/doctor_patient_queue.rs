@@ -47,7 +47,7 @@ struct Args {
     #[arg(long)]
     force_fallback: bool,
     /// Cases per doctor step.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 8)]
     batch: usize,
     /// Dialogues per case (the doctor's RL group).
     #[arg(long, default_value_t = 4)]
@@ -58,9 +58,11 @@ struct Args {
     /// Queue capacity in patient replies; a full queue makes the doctor wait.
     #[arg(long, default_value_t = 256)]
     queue_capacity: usize,
-    /// Patient replies per patient update (fewer when the doctor has finished).
-    #[arg(long, default_value_t = 16)]
-    patient_batch: usize,
+    /// Patient replies per patient update (fewer when the doctor has finished); default
+    /// one doctor step's worth (batch × group × (max turns − 1)), so the patient keeps
+    /// pace.
+    #[arg(long)]
+    patient_batch: Option<usize>,
     /// Replies sampled more than this many patient updates ago are dropped.
     #[arg(long, default_value_t = 2)]
     max_staleness: u64,
@@ -106,7 +108,9 @@ struct Dialogue {
     /// The doctor's samples with their prompts, one per turn.
     doctor_samples: Vec<(Vec<i64>, Sample)>,
     /// The patient's samples with their prompts, one per reply.
-    patient_samples: Vec<(Vec<i64>, Sample)>,
+    /// The patient's samples with their prompts and the patient update that sampled
+    /// them, one per reply.
+    patient_samples: Vec<(Vec<i64>, Sample, u64)>,
     /// Doctor turns with two or more question marks.
     multi_questions: usize,
 }
@@ -233,10 +237,14 @@ fn patient_reward(question: &str, reply: &str, case: &Case) -> f64 {
         .iter()
         .filter(|s| !asked.contains(s) && case.has(s))
         .count();
-    let missed = asked
+    let mut missed = asked
         .iter()
         .filter(|s| case.has(s) && !(yes || said.contains(s)))
         .count();
+    // A question about nothing in the case asks for the refusal the prompt prescribes.
+    if asked.is_empty() && !is_sorry(reply) {
+        missed += 1;
+    }
     let mut conflicts = said.iter().filter(|s| !case.has(s) && !no).count();
     conflicts += asked.iter().filter(|s| case.has(s) && no && !yes).count();
     conflicts += asked.iter().filter(|s| !case.has(s) && yes && !no).count();
@@ -244,10 +252,69 @@ fn patient_reward(question: &str, reply: &str, case: &Case) -> f64 {
     (rate(volunteered) + rate(missed) + rate(conflicts)) / 3.0
 }
 
+/// Questions not about symptoms, for the patient's exam.
+const UNRELATED: [&str; 3] = [
+    "Question: How old are you?",
+    "Question: What is your job?",
+    "Question: Where do you live?",
+];
+
+/// The patient's held-out exam for case number `i`: a question about a symptom the
+/// patient has (not the complaint), one about a symptom they lack, one unrelated.
+fn patient_exam(case: &Case, i: usize) -> [String; 3] {
+    let have: Vec<&str> = case
+        .symptoms
+        .iter()
+        .copied()
+        .filter(|s| *s != case.complaint)
+        .collect();
+    let lack: Vec<&str> = symptom_vocabulary()
+        .into_iter()
+        .filter(|s| !case.disease.symptoms.contains(s))
+        .collect();
+    [
+        format!("Question: Do you have {}?", have[i % have.len()]),
+        format!("Question: Do you have {}?", lack[i % lack.len()]),
+        UNRELATED[i % UNRELATED.len()].to_string(),
+    ]
+}
+
+/// The exam's mean reward and the fraction of replies with full marks.
+async fn examine_patient(
+    patient: &SamplingClient,
+    tok: &Tokenizer,
+    held_out: &[Case],
+    greedy: &Generation,
+) -> anyhow::Result<(f64, f64)> {
+    let mut asked = Vec::new();
+    let mut prompts = Vec::new();
+    for (i, case) in held_out.iter().enumerate() {
+        for q in patient_exam(case, i) {
+            prompts.push(Dialogue::default().patient_prompt(case, &q));
+            asked.push((case, q));
+        }
+    }
+    let replies = sample_prompts(patient, tok, &prompts, 1, greedy).await?;
+    let rewards: Vec<f64> = asked
+        .iter()
+        .zip(&replies)
+        .map(|((case, q), r)| patient_reward(q, r.samples[0].text.trim(), case))
+        .collect();
+    let perfect: Vec<f64> = rewards
+        .iter()
+        .map(|&r| f64::from(u8::from(r >= 1.0 - 1e-9)))
+        .collect();
+    Ok((mean(&rewards), mean(&perfect)))
+}
+
+/// The patient's newest sampler and its update count, published by the patient loop.
+type LatestPatient = watch::Receiver<(u64, SamplingClient)>;
+
 /// Plays `group` dialogues of every case: doctor turns with `doctor`, replies with
 /// `patient`; every stage samples all open dialogues at once.
 async fn play(
-    samplers: (&SamplingClient, &SamplingClient),
+    doctor: &SamplingClient,
+    patient: &LatestPatient,
     tok: &Tokenizer,
     cases: &[Case],
     group: usize,
@@ -274,7 +341,7 @@ async fn play(
             seed: generation.seed.wrapping_add(turn as u64 * 31),
             ..generation.clone()
         };
-        let lines = sample_prompts(samplers.0, tok, &prompts, 1, &doctor_gen).await?;
+        let lines = sample_prompts(doctor, tok, &prompts, 1, &doctor_gen).await?;
         let mut questions = Vec::new();
         for (&i, r) in open.iter().zip(lines) {
             let sample = r.samples.into_iter().next().unwrap_or_default();
@@ -303,12 +370,14 @@ async fn play(
             seed: doctor_gen.seed.wrapping_add(17),
             ..doctor_gen.clone()
         };
-        let replies = sample_prompts(samplers.1, tok, &prompts, 1, &patient_gen).await?;
+        // The patient's newest weights, as MrlX's doctor queries the patient's router.
+        let (version, sampler) = patient.borrow().clone();
+        let replies = sample_prompts(&sampler, tok, &prompts, 1, &patient_gen).await?;
         for ((i, q), r) in questions.into_iter().zip(replies) {
             let sample = r.samples.into_iter().next().unwrap_or_default();
             let d = &mut dialogues[i].1;
             d.turns.push((q, sample.text.trim().to_string()));
-            d.patient_samples.push((r.prompt, sample));
+            d.patient_samples.push((r.prompt, sample, version));
         }
     }
     Ok(dialogues)
@@ -438,22 +507,43 @@ async fn patient_loop(
 struct Eval {
     diagnosis_accuracy: f64,
     doctor_reward: f64,
+    /// Mean reward of the patient's replies in the doctor's dialogues.
     patient_reward: f64,
+    /// The patient's exam: mean reward, and the fraction of replies with full marks.
+    exam_reward: f64,
+    exam_correct: f64,
+}
+
+impl Eval {
+    fn to_json(&self) -> Value {
+        json!({
+            "doctor_diagnosis_accuracy": self.diagnosis_accuracy,
+            "doctor_reward": self.doctor_reward,
+            "patient_reward": self.patient_reward,
+            "patient_exam_reward": self.exam_reward,
+            "patient_exam_correct": self.exam_correct,
+        })
+    }
 }
 
 async fn evaluate(
-    samplers: (&SamplingClient, &SamplingClient),
+    doctor: &SamplingClient,
+    patient: &LatestPatient,
     tok: &Tokenizer,
     held_out: &[Case],
     max_turns: usize,
     greedy: &Generation,
 ) -> anyhow::Result<Eval> {
-    let dialogues = play(samplers, tok, held_out, 1, max_turns, greedy).await?;
-    let (correct, doctor, patient) = score(&dialogues, held_out);
+    let dialogues = play(doctor, patient, tok, held_out, 1, max_turns, greedy).await?;
+    let (correct, doctor_rewards, patient_rewards) = score(&dialogues, held_out);
+    let latest = patient.borrow().1.clone();
+    let (exam_reward, exam_correct) = examine_patient(&latest, tok, held_out, greedy).await?;
     Ok(Eval {
         diagnosis_accuracy: mean(&correct),
-        doctor_reward: mean(&doctor),
-        patient_reward: mean(&patient),
+        doctor_reward: mean(&doctor_rewards),
+        patient_reward: mean(&patient_rewards),
+        exam_reward,
+        exam_correct,
     })
 }
 
@@ -516,14 +606,16 @@ async fn main() -> anyhow::Result<()> {
         queue_rx,
         publish,
         records_tx,
-        args.patient_batch.max(1),
+        args.patient_batch
+            .unwrap_or(args.batch * args.group * args.max_turns.saturating_sub(1))
+            .max(1),
         args.max_staleness,
         adam,
         args.queue_capacity,
     ));
 
     let greedy = Generation::greedy(TURN_TOKENS).within(conn.max_context);
-    let mut curves = Curves::new(&["doctor diagnosis accuracy", "patient reward"]);
+    let mut curves = Curves::new(&["doctor diagnosis accuracy", "patient exam correct"]);
     let bar = progress(c.steps);
     bar.set_prefix(mode);
     let mut cursor = 0;
@@ -533,10 +625,11 @@ async fn main() -> anyhow::Result<()> {
             run.log(&record)?;
         }
         let doctor_sampler = doctor.save_weights_and_get_sampling_client().await?;
-        let (patient_version, patient_sampler) = latest_patient.borrow().clone();
+        let patient_version = latest_patient.borrow().0;
         if step % args.eval_every.max(1) == 0 {
             let e = evaluate(
-                (&doctor_sampler, &patient_sampler),
+                &doctor_sampler,
+                &latest_patient,
                 &tok,
                 &held_out,
                 args.max_turns,
@@ -544,17 +637,13 @@ async fn main() -> anyhow::Result<()> {
             )
             .await?;
             curves.push("doctor diagnosis accuracy", step, e.diagnosis_accuracy);
-            curves.push("patient reward", step, e.patient_reward);
+            curves.push("patient exam correct", step, e.exam_correct);
             run.log(
-                &json!({"step": step, "patient_version": patient_version, "eval": {
-                    "doctor_diagnosis_accuracy": e.diagnosis_accuracy,
-                    "doctor_reward": e.doctor_reward,
-                    "patient_reward": e.patient_reward,
-                }}),
+                &json!({"step": step, "patient_version": patient_version, "eval": e.to_json()}),
             )?;
             bar.set_message(format!(
-                "held-out diagnosis {:.2} patient {:.2}",
-                e.diagnosis_accuracy, e.patient_reward
+                "held-out diagnosis {:.2}, patient exam {:.2}",
+                e.diagnosis_accuracy, e.exam_correct
             ));
         }
         if step == c.steps {
@@ -571,7 +660,8 @@ async fn main() -> anyhow::Result<()> {
         )
         .within(conn.max_context);
         let dialogues = play(
-            (&doctor_sampler, &patient_sampler),
+            &doctor_sampler,
+            &latest_patient,
             &tok,
             &batch,
             args.group.max(1),
@@ -608,12 +698,12 @@ async fn main() -> anyhow::Result<()> {
         // Patient replies go onto the queue while the doctor trains.
         let mut replies = 0;
         for (c_idx, d) in &dialogues {
-            for ((prompt, sample), (q, a)) in d.patient_samples.iter().zip(&d.turns) {
+            for ((prompt, sample, version), (q, a)) in d.patient_samples.iter().zip(&d.turns) {
                 let item = QueueItem {
                     prompt: prompt.clone(),
                     sample: sample.clone(),
                     reward: patient_reward(q, a, &batch[*c_idx]),
-                    version: patient_version,
+                    version: *version,
                 };
                 queue_tx
                     .send(item)
@@ -658,9 +748,9 @@ async fn main() -> anyhow::Result<()> {
     }
     // Final held-out numbers with both final weights.
     let doctor_sampler = doctor.save_weights_and_get_sampling_client().await?;
-    let patient_sampler = latest_patient.borrow().1.clone();
     let e = evaluate(
-        (&doctor_sampler, &patient_sampler),
+        &doctor_sampler,
+        &latest_patient,
         &tok,
         &held_out,
         args.max_turns,
@@ -668,12 +758,8 @@ async fn main() -> anyhow::Result<()> {
     )
     .await?;
     curves.push("doctor diagnosis accuracy", c.steps, e.diagnosis_accuracy);
-    curves.push("patient reward", c.steps, e.patient_reward);
-    run.log(&json!({"step": c.steps, "final": true, "eval": {
-        "doctor_diagnosis_accuracy": e.diagnosis_accuracy,
-        "doctor_reward": e.doctor_reward,
-        "patient_reward": e.patient_reward,
-    }}))?;
+    curves.push("patient exam correct", c.steps, e.exam_correct);
+    run.log(&json!({"step": c.steps, "final": true, "eval": e.to_json()}))?;
 
     let mut checkpoints = serde_json::Map::new();
     if sessions.distinct() == 2 {
@@ -689,11 +775,11 @@ async fn main() -> anyhow::Result<()> {
         );
     }
     let (dx_before, dx_after) = curves.before_after("doctor diagnosis accuracy");
-    let (pt_before, pt_after) = curves.before_after("patient reward");
+    let (pt_before, pt_after) = curves.before_after("patient exam correct");
     let passed = dx_after - dx_before >= CRITERION_DOCTOR_GAIN
         && pt_after - pt_before >= CRITERION_PATIENT_GAIN;
     let criterion = format!(
-        "held-out doctor diagnosis accuracy rises by >= {CRITERION_DOCTOR_GAIN} and patient reward by >= {CRITERION_PATIENT_GAIN}"
+        "held-out doctor diagnosis accuracy rises by >= {CRITERION_DOCTOR_GAIN} and the patient's exam score (replies with full marks) by >= {CRITERION_PATIENT_GAIN}"
     );
     let summary = json!({
         "recipe": "doctor_patient_queue",
@@ -779,6 +865,19 @@ mod tests {
         d.diagnosis = None;
         assert_eq!(doctor_reward(&d, &case), 1.0 - 2.0 - 2.0 - 5.0);
         assert!((token_f1("common flu", "flu") - 2.0 / 3.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn unrelated_questions_ask_for_the_refusal() {
+        let case = flu_case();
+        assert_eq!(patient_reward(UNRELATED[0], SORRY, &case), 1.0);
+        assert!(patient_reward(UNRELATED[0], "I am 40.", &case) < 1.0);
+        let exam = patient_exam(&case, 0);
+        assert!(exam[0].contains("cough") || exam[0].contains("chills"));
+        assert!(mentioned(&exam[1])
+            .iter()
+            .all(|s| !case.disease.symptoms.contains(s)));
+        assert!(mentioned(&exam[2]).is_empty());
     }
 
     #[test]
