@@ -2,6 +2,7 @@
 //! helpers and run bookkeeping shared by the recipe binaries in `src/bin/`.
 
 pub mod advantages;
+pub mod clinic;
 pub mod data;
 pub mod grade;
 pub mod plot;

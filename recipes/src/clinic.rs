@@ -1,0 +1,213 @@
+//! Rule-based rubrics over the synthetic case table ([`crate::data::DISEASES`]), in
+//! place of MrlX-TakesTwo's reference F1 and LLM judge: the doctor's reward for a
+//! dialogue, the patient's reward for a reply, and a held-out exam for the patient.
+
+use crate::data::{symptom_vocabulary, Case, DISEASES};
+
+/// The refusal the patient's prompt prescribes for questions outside its case.
+pub const SORRY: &str = "Sorry, I cannot answer this question.";
+
+/// The symptoms of the table mentioned in `text` (whole phrases, case-insensitive).
+pub fn mentioned(text: &str) -> Vec<&'static str> {
+    let mut lower = text.to_lowercase();
+    let mut found = Vec::new();
+    for s in symptom_vocabulary() {
+        if let Some(at) = lower.find(s) {
+            found.push(s);
+            lower.replace_range(at..at + s.len(), &" ".repeat(s.len()));
+        }
+    }
+    found
+}
+
+fn words(text: &str) -> Vec<String> {
+    text.to_lowercase()
+        .split(|c: char| !c.is_alphanumeric())
+        .filter(|w| !w.is_empty())
+        .map(str::to_string)
+        .collect()
+}
+
+/// Bag-of-words F1 between `text` and `reference` (MrlX scores diagnoses this way).
+pub fn token_f1(text: &str, reference: &str) -> f64 {
+    let (pred, gold) = (words(text), words(reference));
+    if pred.is_empty() || gold.is_empty() {
+        return 0.0;
+    }
+    let mut remaining = gold.clone();
+    let mut common = 0usize;
+    for w in &pred {
+        if let Some(i) = remaining.iter().position(|g| g == w) {
+            remaining.swap_remove(i);
+            common += 1;
+        }
+    }
+    if common == 0 {
+        return 0.0;
+    }
+    let p = common as f64 / pred.len() as f64;
+    let r = common as f64 / gold.len() as f64;
+    2.0 * p * r / (p + r)
+}
+
+/// Whether a diagnosis names exactly the right disease of the table.
+pub fn diagnosis_correct(text: &str, case: &Case) -> bool {
+    let lower = text.to_lowercase();
+    let named: Vec<&str> = DISEASES
+        .iter()
+        .map(|d| d.name)
+        .filter(|n| lower.contains(n))
+        .collect();
+    named == [case.disease.name]
+}
+
+/// Whether a reply is the prescribed refusal.
+pub fn is_sorry(reply: &str) -> bool {
+    reply.to_lowercase().contains("sorry")
+}
+
+/// The doctor's reward for a finished dialogue: its `diagnosis` (if any), the patient's
+/// `replies`, and how many of its turns held two or more questions.
+pub fn doctor_reward<'a>(
+    diagnosis: Option<&str>,
+    replies: impl IntoIterator<Item = &'a str>,
+    multi_questions: usize,
+    case: &Case,
+) -> f64 {
+    let accuracy = diagnosis.map_or(0.0, |t| 5.0 * token_f1(t, case.disease.name));
+    let information: f64 = replies
+        .into_iter()
+        .map(|reply| if is_sorry(reply) { -2.0 } else { 1.0 })
+        .sum();
+    let missing = diagnosis.is_none_or(|t| t.trim().is_empty());
+    let compliance = -2.0 * multi_questions as f64 - if missing { 5.0 } else { 0.0 };
+    accuracy + information + compliance
+}
+
+/// The patient's reward for one reply to `question`.
+pub fn patient_reward(question: &str, reply: &str, case: &Case) -> f64 {
+    let asked = mentioned(question);
+    let said = mentioned(reply);
+    let lower = format!(" {} ", words(reply).join(" "));
+    let yes = lower.contains(" yes ");
+    let no = lower.contains(" no ") || lower.contains(" not ") || lower.contains(" don t ");
+    let volunteered = said
+        .iter()
+        .filter(|s| !asked.contains(s) && case.has(s))
+        .count();
+    let mut missed = asked
+        .iter()
+        .filter(|s| case.has(s) && !(yes || said.contains(s)))
+        .count();
+    // A question about nothing in the case asks for the refusal the prompt prescribes.
+    if asked.is_empty() && !is_sorry(reply) {
+        missed += 1;
+    }
+    let mut conflicts = said.iter().filter(|s| !case.has(s) && !no).count();
+    conflicts += asked.iter().filter(|s| case.has(s) && no && !yes).count();
+    conflicts += asked.iter().filter(|s| !case.has(s) && yes && !no).count();
+    let rate = |n: usize| (1.0 - 0.2 * n as f64).max(0.0);
+    (rate(volunteered) + rate(missed) + rate(conflicts)) / 3.0
+}
+
+/// Questions not about symptoms, for the patient's exam.
+pub const UNRELATED: [&str; 3] = [
+    "Question: How old are you?",
+    "Question: What is your job?",
+    "Question: Where do you live?",
+];
+
+/// The patient's held-out exam for case number `i`: a question about a symptom the
+/// patient has (not the complaint), one about a symptom they lack, one unrelated.
+pub fn patient_exam(case: &Case, i: usize) -> [String; 3] {
+    let have: Vec<&str> = case
+        .symptoms
+        .iter()
+        .copied()
+        .filter(|s| *s != case.complaint)
+        .collect();
+    let lack: Vec<&str> = symptom_vocabulary()
+        .into_iter()
+        .filter(|s| !case.disease.symptoms.contains(s))
+        .collect();
+    [
+        format!("Question: Do you have {}?", have[i % have.len()]),
+        format!("Question: Do you have {}?", lack[i % lack.len()]),
+        UNRELATED[i % UNRELATED.len()].to_string(),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn flu_case() -> Case {
+        Case {
+            disease: DISEASES[0],
+            complaint: "fever",
+            symptoms: vec!["fever", "cough", "chills"],
+        }
+    }
+
+    #[test]
+    fn symptoms_are_found_as_whole_phrases() {
+        assert_eq!(mentioned("Do you have a Sore Throat?"), vec!["sore throat"]);
+        let mut both = mentioned("fever and a cough");
+        both.sort_unstable();
+        assert_eq!(both, vec!["cough", "fever"]);
+        assert!(mentioned("How old are you?").is_empty());
+    }
+
+    #[test]
+    fn patient_rewards_follow_the_rubric() {
+        let case = flu_case();
+        let q = "Question: Do you have a cough?";
+        assert_eq!(patient_reward(q, "Yes, I have a cough.", &case), 1.0);
+        // Volunteering chills, which was not asked: information control 0.8.
+        let r = patient_reward(q, "Yes, a cough and chills.", &case);
+        assert!((r - (0.8 + 1.0 + 1.0) / 3.0).abs() < 1e-12);
+        // Denying a symptom the patient has: missed and contradicted.
+        let r = patient_reward(q, "No.", &case);
+        assert!((r - (1.0 + 0.8 + 0.8) / 3.0).abs() < 1e-12);
+        // Claiming a symptom the patient lacks.
+        let r = patient_reward("Question: Do you have a rash?", "Yes, a rash.", &case);
+        assert!(r < 1.0);
+        assert_eq!(
+            patient_reward("Question: Do you have a rash?", "No, I don't.", &case),
+            1.0
+        );
+    }
+
+    #[test]
+    fn doctor_rewards_fix_mrlx_precedence() {
+        let case = flu_case();
+        assert_eq!(doctor_reward(Some(" flu"), ["Yes."], 0, &case), 5.0 + 1.0);
+        assert!(diagnosis_correct(" flu", &case));
+        assert!(!diagnosis_correct("flu or allergy", &case));
+        let replies = ["Yes.", SORRY];
+        assert_eq!(
+            doctor_reward(Some(" flu"), replies, 1, &case),
+            5.0 + 1.0 - 2.0 - 2.0
+        );
+        assert_eq!(
+            doctor_reward(None, replies, 1, &case),
+            1.0 - 2.0 - 2.0 - 5.0
+        );
+        // A recommendation never costs anything (MrlX's precedence bug did that).
+        assert_eq!(doctor_reward(Some(" "), [], 0, &case), -5.0);
+        assert!((token_f1("common flu", "flu") - 2.0 / 3.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn unrelated_questions_ask_for_the_refusal() {
+        let case = flu_case();
+        assert_eq!(patient_reward(UNRELATED[0], SORRY, &case), 1.0);
+        assert!(patient_reward(UNRELATED[0], "I am 40.", &case) < 1.0);
+        let exam = patient_exam(&case, 0);
+        assert!(exam[0].contains("cough") || exam[0].contains("chills"));
+        assert!(mentioned(&exam[1])
+            .iter()
+            .all(|s| !case.disease.symptoms.contains(s)));
+        assert!(mentioned(&exam[2]).is_empty());
+    }
+}
