@@ -168,6 +168,74 @@ pub fn rl_datum(prompt: &[i64], sample: &Sample, advantage: f64) -> Datum {
     }
 }
 
+/// The RL datums of one multi-turn trajectory whose every completion carries
+/// `advantage`: a turn joins the previous datum when its prompt extends the previous
+/// prompt plus completion token for token (the observation in between gets zeros), and
+/// starts a new datum otherwise — the Tinker cookbook's rule. One datum instead of one
+/// per turn trains each shared prefix once.
+pub fn trajectory_data(turns: &[(&[i64], &Sample)], advantage: f64) -> Vec<Datum> {
+    // Per position of the full sequence: the token, its sampler logprob and advantage
+    // (zeros on observation tokens).
+    struct Seq {
+        tokens: Vec<i64>,
+        logprobs: Vec<f32>,
+        advantages: Vec<f32>,
+    }
+    fn finish(seq: Seq) -> Option<Datum> {
+        let n = seq.tokens.len().checked_sub(1).filter(|&n| n > 0)?;
+        let mut inputs = BTreeMap::new();
+        inputs.insert(
+            "target_tokens".to_string(),
+            TensorData::int64(seq.tokens[1..].to_vec()),
+        );
+        inputs.insert(
+            "logprobs".to_string(),
+            TensorData::float32(seq.logprobs[1..].to_vec()),
+        );
+        inputs.insert(
+            "advantages".to_string(),
+            TensorData::float32(seq.advantages[1..].to_vec()),
+        );
+        Some(Datum {
+            model_input: ModelInput::from_ints(seq.tokens[..n].to_vec()),
+            loss_fn_inputs: inputs,
+        })
+    }
+    let mut out = Vec::new();
+    let mut current: Option<Seq> = None;
+    for (prompt, sample) in turns {
+        if sample.tokens.is_empty() || prompt.is_empty() {
+            continue;
+        }
+        let extends = current
+            .as_ref()
+            .is_some_and(|c| prompt.len() >= c.tokens.len() && prompt.starts_with(&c.tokens));
+        let mut seq = match current.take() {
+            Some(c) if extends => c,
+            other => {
+                out.extend(other.and_then(finish));
+                Seq {
+                    tokens: Vec::new(),
+                    logprobs: Vec::new(),
+                    advantages: Vec::new(),
+                }
+            }
+        };
+        let observed = &prompt[seq.tokens.len()..];
+        seq.tokens.extend_from_slice(observed);
+        seq.logprobs.resize(seq.tokens.len(), 0.0);
+        seq.advantages.resize(seq.tokens.len(), 0.0);
+        seq.tokens.extend_from_slice(&sample.tokens);
+        seq.logprobs
+            .extend(sample.logprobs.iter().map(|&l| l as f32));
+        seq.logprobs.resize(seq.tokens.len(), 0.0);
+        seq.advantages.resize(seq.tokens.len(), advantage as f32);
+        current = Some(seq);
+    }
+    out.extend(current.and_then(finish));
+    out
+}
+
 /// Mean `exp(train logprob − sampler logprob)` over the tokens of `samples` (each with its
 /// prompt), from a forward pass of `trainer`: 1.0 when trainer and sampler agree. `None`
 /// when there is no sampled token.
@@ -249,6 +317,53 @@ pub async fn submit_step(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn sample(tokens: &[i64], logprobs: &[f64]) -> Sample {
+        Sample {
+            tokens: tokens.to_vec(),
+            logprobs: logprobs.to_vec(),
+            text: String::new(),
+        }
+    }
+
+    #[test]
+    fn one_turn_trajectories_equal_rl_datums() {
+        let s = sample(&[4, 5], &[-0.5, -0.25]);
+        assert_eq!(
+            trajectory_data(&[(&[1, 2, 3], &s)], 0.75),
+            vec![rl_datum(&[1, 2, 3], &s, 0.75)]
+        );
+    }
+
+    #[test]
+    fn turns_that_extend_the_prefix_merge_into_one_datum() {
+        let first = sample(&[4, 5], &[-0.5, -0.25]);
+        let second = sample(&[8], &[-1.0]);
+        // Turn 2's prompt = turn 1's prompt + completion + observation [6, 7].
+        let data = trajectory_data(
+            &[(&[1, 2, 3], &first), (&[1, 2, 3, 4, 5, 6, 7], &second)],
+            2.0,
+        );
+        assert_eq!(data.len(), 1);
+        let d = &data[0];
+        assert_eq!(d.model_input.to_ints().unwrap(), vec![1, 2, 3, 4, 5, 6, 7]);
+        assert_eq!(
+            d.loss_fn_inputs["target_tokens"].data,
+            vec![2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]
+        );
+        assert_eq!(
+            d.loss_fn_inputs["advantages"].data,
+            vec![0.0, 0.0, 2.0, 2.0, 0.0, 0.0, 2.0]
+        );
+        assert_eq!(
+            d.loss_fn_inputs["logprobs"].data,
+            vec![0.0, 0.0, -0.5, -0.25, 0.0, 0.0, -1.0]
+        );
+        // A prompt that does not extend the sequence starts a new datum.
+        let data = trajectory_data(&[(&[1, 2, 3], &first), (&[1, 2, 9, 4, 5], &second)], 2.0);
+        assert_eq!(data.len(), 2);
+        assert_eq!(data[1], rl_datum(&[1, 2, 9, 4, 5], &second, 2.0));
+    }
 
     #[test]
     fn max_tokens_shrink_to_fit_the_context() {

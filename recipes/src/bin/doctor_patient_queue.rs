@@ -33,7 +33,7 @@ use lathe_recipes::clinic::{
 };
 use lathe_recipes::data::{cases, Case, DISEASES};
 use lathe_recipes::rollout::{
-    ratio_mean, rl_datum, sample_prompts, submit_step, Generation, Sample,
+    ratio_mean, rl_datum, sample_prompts, submit_step, trajectory_data, Generation, Sample,
 };
 use lathe_recipes::run::{mean, progress, Curves, RunDir};
 use lathe_recipes::setup::{connect, init_tracing, save_final, AgentSessions, CommonArgs};
@@ -87,14 +87,14 @@ const TURN_TOKENS: usize = 16;
 fn doctor_header() -> String {
     let names: Vec<&str> = DISEASES.iter().map(|d| d.name).collect();
     format!(
-        "You are a doctor. Possible diagnoses: {}. Ask one yes/no question per turn as 'Question: Do you have <symptom>?', or give 'Diagnosis: <one possible diagnosis>'.\n",
+        "You are a doctor. Diagnoses: {}. Each turn, ask 'Question: Do you have <symptom>?' or answer 'Diagnosis: <diagnosis>'.\n",
         names.join(", ")
     )
 }
 
 fn patient_header(case: &Case) -> String {
     format!(
-        "You are a patient talking to a doctor. Answer each question in one short sentence about your symptoms only, never a diagnosis. If a question is unrelated to your symptoms, say '{SORRY}'\nYour chief complaint: {}. Your self-report: I have {}.\n",
+        "You are a patient. Answer the doctor in one short sentence about your symptoms only; if a question is not about symptoms, say '{SORRY}'\nComplaint: {}. Symptoms: {}.\n",
         case.complaint,
         case.symptoms.join(", ")
     )
@@ -109,7 +109,6 @@ struct Dialogue {
     diagnosis: Option<String>,
     /// The doctor's samples with their prompts, one per turn.
     doctor_samples: Vec<(Vec<i64>, Sample)>,
-    /// The patient's samples with their prompts, one per reply.
     /// The patient's samples with their prompts and the patient update that sampled
     /// them, one per reply.
     patient_samples: Vec<(Vec<i64>, Sample, u64)>,
@@ -561,12 +560,9 @@ async fn main() -> anyhow::Result<()> {
             let group_rewards = &rewards[case * args.group.max(1)..][..chunk.len()];
             for ((_, d), adv) in chunk.iter().zip(group_normalised(group_rewards)) {
                 if adv != 0.0 {
-                    data.extend(
-                        d.doctor_samples
-                            .iter()
-                            .filter(|(_, s)| !s.tokens.is_empty())
-                            .map(|(p, s)| rl_datum(p, s, adv)),
-                    );
+                    let turns: Vec<(&[i64], &Sample)> =
+                        d.doctor_samples.iter().map(|(p, s)| (&p[..], s)).collect();
+                    data.extend(trajectory_data(&turns, adv));
                 }
             }
         }
@@ -611,6 +607,8 @@ async fn main() -> anyhow::Result<()> {
                 "accuracy": mean(&correct),
                 "loss": loss,
                 "datums": data.len(),
+                // Doctor turns sampled; a dialogue's turns merge into one datum.
+                "turns": dialogues.iter().map(|(_, d)| d.doctor_samples.len()).sum::<usize>(),
                 "ratio_mean": ratio,
                 "patient_reward_mean": mean(&patient_rewards),
             }},
@@ -726,7 +724,7 @@ mod tests {
         assert!(p.ends_with("Patient: Yes.\nDoctor: Diagnosis:"));
         assert!(p.contains("Patient: I have fever.\n"));
         let p = d.patient_prompt(&case, "Question: Do you have a cough?");
-        assert!(p.contains("Your self-report: I have fever, cough, chills."));
+        assert!(p.contains("Symptoms: fever, cough, chills."));
         assert!(p.ends_with("Doctor: Question: Do you have a cough?\nPatient:"));
     }
 }
