@@ -168,12 +168,12 @@ pub fn rl_datum(prompt: &[i64], sample: &Sample, advantage: f64) -> Datum {
     }
 }
 
-/// The RL datums of one multi-turn trajectory whose every completion carries
-/// `advantage`: a turn joins the previous datum when its prompt extends the previous
+/// The RL datums of one multi-turn trajectory, each turn `(prompt, completion,
+/// advantage)`: a turn joins the previous datum when its prompt extends the previous
 /// prompt plus completion token for token (the observation in between gets zeros), and
 /// starts a new datum otherwise — the Tinker cookbook's rule. One datum instead of one
-/// per turn trains each shared prefix once.
-pub fn trajectory_data(turns: &[(&[i64], &Sample)], advantage: f64) -> Vec<Datum> {
+/// per turn trains each shared prefix once; the loss is the same.
+pub fn trajectory_data(turns: &[(&[i64], &Sample, f64)]) -> Vec<Datum> {
     // Per position of the full sequence: the token, its sampler logprob and advantage
     // (zeros on observation tokens).
     struct Seq {
@@ -203,7 +203,7 @@ pub fn trajectory_data(turns: &[(&[i64], &Sample)], advantage: f64) -> Vec<Datum
     }
     let mut out = Vec::new();
     let mut current: Option<Seq> = None;
-    for (prompt, sample) in turns {
+    for &(prompt, sample, advantage) in turns {
         if sample.tokens.is_empty() || prompt.is_empty() {
             continue;
         }
@@ -330,7 +330,7 @@ mod tests {
     fn one_turn_trajectories_equal_rl_datums() {
         let s = sample(&[4, 5], &[-0.5, -0.25]);
         assert_eq!(
-            trajectory_data(&[(&[1, 2, 3], &s)], 0.75),
+            trajectory_data(&[(&[1, 2, 3], &s, 0.75)]),
             vec![rl_datum(&[1, 2, 3], &s, 0.75)]
         );
     }
@@ -340,10 +340,10 @@ mod tests {
         let first = sample(&[4, 5], &[-0.5, -0.25]);
         let second = sample(&[8], &[-1.0]);
         // Turn 2's prompt = turn 1's prompt + completion + observation [6, 7].
-        let data = trajectory_data(
-            &[(&[1, 2, 3], &first), (&[1, 2, 3, 4, 5, 6, 7], &second)],
-            2.0,
-        );
+        let data = trajectory_data(&[
+            (&[1, 2, 3], &first, 2.0),
+            (&[1, 2, 3, 4, 5, 6, 7], &second, 3.0),
+        ]);
         assert_eq!(data.len(), 1);
         let d = &data[0];
         assert_eq!(d.model_input.to_ints().unwrap(), vec![1, 2, 3, 4, 5, 6, 7]);
@@ -353,14 +353,14 @@ mod tests {
         );
         assert_eq!(
             d.loss_fn_inputs["advantages"].data,
-            vec![0.0, 0.0, 2.0, 2.0, 0.0, 0.0, 2.0]
+            vec![0.0, 0.0, 2.0, 2.0, 0.0, 0.0, 3.0]
         );
         assert_eq!(
             d.loss_fn_inputs["logprobs"].data,
             vec![0.0, 0.0, -0.5, -0.25, 0.0, 0.0, -1.0]
         );
         // A prompt that does not extend the sequence starts a new datum.
-        let data = trajectory_data(&[(&[1, 2, 3], &first), (&[1, 2, 9, 4, 5], &second)], 2.0);
+        let data = trajectory_data(&[(&[1, 2, 3], &first, 2.0), (&[1, 2, 9, 4, 5], &second, 2.0)]);
         assert_eq!(data.len(), 2);
         assert_eq!(data[1], rl_datum(&[1, 2, 9, 4, 5], &second, 2.0));
     }

@@ -40,6 +40,18 @@ impl RunDir {
         Ok(())
     }
 
+    /// Appends one JSON line to `samples.jsonl`: example rollouts, for reading what the
+    /// agents actually say.
+    pub fn sample(&self, record: &Value) -> anyhow::Result<()> {
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.path.join("samples.jsonl"))?;
+        serde_json::to_writer(&mut f, record)?;
+        f.write_all(b"\n")?;
+        Ok(())
+    }
+
     /// Writes `summary.json`.
     pub fn summary(&self, summary: &Value) -> anyhow::Result<()> {
         std::fs::write(

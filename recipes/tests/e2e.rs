@@ -7,6 +7,18 @@ use std::process::Command;
 use lathe_server::model::tiny::write_hf_dir;
 use lathe_server::model::Arch;
 
+/// A tiny random model whose context (1024 tokens; its tokenizer is byte-level) holds the
+/// recipes' longest prompts.
+fn tiny_model(dir: &Path) -> std::path::PathBuf {
+    write_hf_dir(dir, Arch::Llama, 4).unwrap();
+    let path = dir.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config["max_position_embeddings"] = 1024.into();
+    std::fs::write(&path, config.to_string()).unwrap();
+    dir.to_path_buf()
+}
+
 fn run_recipe(bin: &str, model: &Path, out: &Path, extra: &[&str]) -> serde_json::Value {
     let status = Command::new(bin)
         .args([
@@ -53,8 +65,7 @@ fn run_recipe(bin: &str, model: &Path, out: &Path, extra: &[&str]) -> serde_json
 #[test]
 fn multi_agent_math_runs_in_every_mode() {
     let root = std::env::temp_dir().join(format!("lathe-recipes-{}", std::process::id()));
-    let model = root.join("model");
-    write_hf_dir(&model, Arch::Llama, 4).unwrap();
+    let model = tiny_model(&root.join("model"));
     let bin = env!("CARGO_BIN_EXE_multi_agent_math");
     let s = run_recipe(bin, &model, &root.join("two"), &[]);
     assert_eq!(s["mode"], "two-agent");
@@ -81,8 +92,7 @@ fn multi_agent_math_runs_in_every_mode() {
 #[test]
 fn actor_verifier_runs_with_two_agents_alone_and_in_fallback() {
     let root = std::env::temp_dir().join(format!("lathe-recipes-av-{}", std::process::id()));
-    let model = root.join("model");
-    write_hf_dir(&model, Arch::Llama, 4).unwrap();
+    let model = tiny_model(&root.join("model"));
     let bin = env!("CARGO_BIN_EXE_actor_verifier");
     let s = run_recipe(bin, &model, &root.join("two"), &["--group", "2"]);
     assert_eq!(s["mode"], "two-agent");
@@ -107,8 +117,7 @@ fn actor_verifier_runs_with_two_agents_alone_and_in_fallback() {
 #[test]
 fn solve_rewrite_select_runs() {
     let root = std::env::temp_dir().join(format!("lathe-recipes-srs-{}", std::process::id()));
-    let model = root.join("model");
-    write_hf_dir(&model, Arch::Llama, 4).unwrap();
+    let model = tiny_model(&root.join("model"));
     let bin = env!("CARGO_BIN_EXE_solve_rewrite_select");
     let s = run_recipe(bin, &model, &root.join("run"), &["--num-parallel", "2"]);
     assert_eq!(s["mode"], "shared-policy");
@@ -119,8 +128,7 @@ fn solve_rewrite_select_runs() {
 #[test]
 fn doctor_patient_queue_terminates_cleanly_in_both_modes() {
     let root = std::env::temp_dir().join(format!("lathe-recipes-dpq-{}", std::process::id()));
-    let model = root.join("model");
-    write_hf_dir(&model, Arch::Llama, 4).unwrap();
+    let model = tiny_model(&root.join("model"));
     let bin = env!("CARGO_BIN_EXE_doctor_patient_queue");
     let flags = ["--group", "2", "--patient-batch", "3", "--max-turns", "2"];
     for (dir, extra, mode) in [
@@ -131,7 +139,7 @@ fn doctor_patient_queue_terminates_cleanly_in_both_modes() {
         args.extend(extra);
         let s = run_recipe(bin, &model, &root.join(dir), &args);
         assert_eq!(s["mode"], mode);
-        // Every reply the doctor sent was either trained on or dropped as stale.
+        // Every dialogue the doctor queued was either trained on or dropped as stale.
         let metrics = std::fs::read_to_string(root.join(dir).join("metrics.jsonl")).unwrap();
         let patient_lines: Vec<serde_json::Value> = metrics
             .lines()
@@ -146,7 +154,7 @@ fn doctor_patient_queue_terminates_cleanly_in_both_modes() {
             .iter()
             .map(|v| v["queue/received"].as_u64().unwrap())
             .sum();
-        assert_eq!(received, s["patient_replies_sent"].as_u64().unwrap());
+        assert_eq!(received, s["patient_dialogues_sent"].as_u64().unwrap());
         for v in &patient_lines {
             assert!(v["queue/depth"].as_u64().unwrap() <= v["queue/capacity"].as_u64().unwrap());
         }

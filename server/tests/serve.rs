@@ -187,7 +187,7 @@ fn whole_flow_over_http() {
 }
 
 #[test]
-fn old_snapshots_are_freed_and_work_keeps_a_session_alive() {
+fn least_recently_used_snapshots_are_freed_and_work_keeps_a_session_alive() {
     let dir = temp_dir("snap");
     let srv = TestServer::start(&dir, |cfg| {
         cfg.engine.session_timeout = Duration::from_secs(2)
@@ -195,6 +195,14 @@ fn old_snapshots_are_freed_and_work_keeps_a_session_alive() {
     let c = srv.client(KEY_A);
     let session = c.session();
     let mut t = Trainer::new(&c, &session, 0, 1);
+    let sample = |id: &str| {
+        c.post(
+            "/api/v1/asample",
+            &json!({"prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
+                    "sampling_params": {"max_tokens": 2}, "sampling_session_id": id}),
+        )
+        .0
+    };
     let mut samplers = Vec::new();
     for i in 0..=lathe_server::engine::MAX_SNAPSHOTS_PER_RUN {
         // Training without heartbeats for longer than the timeout keeps the session.
@@ -208,16 +216,15 @@ fn old_snapshots_are_freed_and_work_keeps_a_session_alive() {
             )
             .unwrap();
         samplers.push(v["sampling_session_id"].as_str().unwrap().to_string());
+        // The first snapshot stays in use, as a recipe's long-lived sampler does.
+        assert_eq!(sample(&samplers[0]), 200);
     }
-    let sample = |id: &str| {
-        c.post(
-            "/api/v1/asample",
-            &json!({"prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
-                    "sampling_params": {"max_tokens": 2}, "sampling_session_id": id}),
-        )
-        .0
-    };
-    assert_eq!(sample(&samplers[0]), 404, "the oldest snapshot was freed");
+    assert_eq!(sample(&samplers[0]), 200, "a snapshot in use is kept");
+    assert_eq!(
+        sample(&samplers[1]),
+        404,
+        "the least recently used snapshot was freed"
+    );
     assert_eq!(sample(samplers.last().unwrap()), 200);
     srv.stop();
 }

@@ -2,9 +2,9 @@
 //! sessions with their own train/sample loops running concurrently, connected by a bounded
 //! in-process queue. The doctor loop plays dialogues against the patient's newest sampler
 //! (the doctor asks one question per turn or diagnoses), trains the doctor, and pushes each
-//! patient reply onto the queue; the patient loop trains off-policy from the queue, drops
-//! replies older than `--max-staleness` patient updates, and publishes a fresh sampler
-//! after every update. Rewards are rules over the synthetic case table (`data::DISEASES`)
+//! dialogue's patient replies onto the queue; the patient loop trains off-policy from the
+//! queue, drops dialogues older than `--max-staleness` patient updates, and publishes a
+//! fresh sampler after every update. Rewards are rules over the synthetic case table (`data::DISEASES`)
 //! in place of MrlX's reference F1 and LLM judge:
 //!
 //! * doctor = 5 × token F1 of the diagnosis with the reference, + 1 per answered question,
@@ -33,7 +33,7 @@ use lathe_recipes::clinic::{
 };
 use lathe_recipes::data::{cases, Case, DISEASES};
 use lathe_recipes::rollout::{
-    ratio_mean, rl_datum, sample_prompts, submit_step, trajectory_data, Generation, Sample,
+    ratio_mean, sample_prompts, submit_step, trajectory_data, Generation, Sample,
 };
 use lathe_recipes::run::{mean, progress, Curves, RunDir};
 use lathe_recipes::setup::{connect, init_tracing, save_final, AgentSessions, CommonArgs};
@@ -58,15 +58,14 @@ struct Args {
     /// Doctor turns per dialogue; the last one must diagnose.
     #[arg(long, default_value_t = 3)]
     max_turns: usize,
-    /// Queue capacity in patient replies; a full queue makes the doctor wait.
-    #[arg(long, default_value_t = 256)]
+    /// Queue capacity in dialogues; a full queue makes the doctor wait.
+    #[arg(long, default_value_t = 128)]
     queue_capacity: usize,
-    /// Patient replies per patient update (fewer when the doctor has finished); default
-    /// one doctor step's worth (batch × group × (max turns − 1)), so the patient keeps
-    /// pace.
+    /// Dialogues per patient update (fewer when the doctor has finished); default one
+    /// doctor step's worth (batch × group), so the patient keeps pace.
     #[arg(long)]
     patient_batch: Option<usize>,
-    /// Replies sampled more than this many patient updates ago are dropped.
+    /// Dialogues sampled more than this many patient updates ago are dropped.
     #[arg(long, default_value_t = 2)]
     max_staleness: u64,
     /// Evaluate on held-out cases every this many doctor steps.
@@ -83,11 +82,13 @@ struct Args {
 const DOCTOR: usize = 0;
 const PATIENT: usize = 1;
 const TURN_TOKENS: usize = 16;
+/// Held-out dialogues written to `samples.jsonl` per evaluation.
+const EXAMPLES: usize = 4;
 
 fn doctor_header() -> String {
     let names: Vec<&str> = DISEASES.iter().map(|d| d.name).collect();
     format!(
-        "You are a doctor. Diagnoses: {}. Each turn, ask 'Question: Do you have <symptom>?' or answer 'Diagnosis: <diagnosis>'.\n",
+        "You are a doctor. Diagnoses: {}. Each turn, ask 'Question: Do you have <symptom>?' or answer 'Diagnosis: <diagnosis>'.\nExample:\nPatient: I have a rash.\nDoctor: Question: Do you have itchy eyes?\nPatient: Yes.\nDoctor: Diagnosis: allergy.\nA new patient:\n",
         names.join(", ")
     )
 }
@@ -181,6 +182,11 @@ async fn examine_patient(
     Ok((mean(&rewards), mean(&perfect)))
 }
 
+/// A turn's text without the other speaker's label it was stopped at.
+fn one_line(text: &str, other: &str) -> String {
+    text.trim().trim_end_matches(other).trim().to_string()
+}
+
 /// The patient's newest sampler and its update count, published by the patient loop.
 type LatestPatient = watch::Receiver<(u64, SamplingClient)>;
 
@@ -210,16 +216,19 @@ async fn play(
             .iter()
             .map(|&i| dialogues[i].1.doctor_prompt(&cases[dialogues[i].0], last))
             .collect();
+        // A line ends a turn; a small model that writes the patient's line too is cut
+        // there.
         let doctor_gen = Generation {
             max_tokens: TURN_TOKENS,
             seed: generation.seed.wrapping_add(turn as u64 * 31),
             ..generation.clone()
-        };
+        }
+        .stop_at(&["\n", "Patient:"]);
         let lines = sample_prompts(doctor, tok, &prompts, 1, &doctor_gen).await?;
         let mut questions = Vec::new();
         for (&i, r) in open.iter().zip(lines) {
             let sample = r.samples.into_iter().next().unwrap_or_default();
-            let line = sample.text.trim().to_string();
+            let line = one_line(&sample.text, "Patient:");
             let d = &mut dialogues[i].1;
             d.doctor_samples.push((r.prompt, sample));
             if last {
@@ -243,27 +252,27 @@ async fn play(
         let patient_gen = Generation {
             seed: doctor_gen.seed.wrapping_add(17),
             ..doctor_gen.clone()
-        };
+        }
+        .stop_at(&["\n", "Doctor:"]);
         // The patient's newest weights, as MrlX's doctor queries the patient's router.
         let (version, sampler) = patient.borrow().clone();
         let replies = sample_prompts(&sampler, tok, &prompts, 1, &patient_gen).await?;
         for ((i, q), r) in questions.into_iter().zip(replies) {
             let sample = r.samples.into_iter().next().unwrap_or_default();
             let d = &mut dialogues[i].1;
-            d.turns.push((q, sample.text.trim().to_string()));
+            d.turns.push((q, one_line(&sample.text, "Doctor:")));
             d.patient_samples.push((r.prompt, sample, version));
         }
     }
     Ok(dialogues)
 }
 
-/// A patient reply on the queue.
+/// One dialogue's patient side on the queue.
 #[derive(Debug, Clone)]
 struct QueueItem {
-    prompt: Vec<i64>,
-    sample: Sample,
-    reward: f64,
-    /// The patient update the reply was sampled from.
+    /// Per reply: its prompt, the sample and its reward.
+    replies: Vec<(Vec<i64>, Sample, f64)>,
+    /// The oldest patient update any of the replies was sampled from.
     version: u64,
 }
 
@@ -332,20 +341,32 @@ async fn patient_loop(
             .collect();
         let (items, dropped) = drop_stale(items, version, max_staleness);
         dropped_total += dropped;
-        let rewards: Vec<f64> = items.iter().map(|it| it.reward).collect();
+        let rewards: Vec<f64> = items
+            .iter()
+            .flat_map(|it| it.replies.iter().map(|r| r.2))
+            .collect();
         // The agreement check on replies from the current weights (older ones are off
         // policy by design).
         let fresh: Vec<(&[i64], &Sample)> = items
             .iter()
             .filter(|it| it.version == version)
-            .map(|it| (&it.prompt[..], &it.sample))
+            .flat_map(|it| it.replies.iter().map(|(p, s, _)| (&p[..], s)))
             .collect();
         let ratio = ratio_mean(&trainer, &fresh).await?;
+        // Advantages over the whole batch; each dialogue's replies merge into one datum.
+        let mut advantages = group_normalised(&rewards).into_iter();
         let data: Vec<Datum> = items
             .iter()
-            .zip(group_normalised(&rewards))
-            .filter(|(it, adv)| *adv != 0.0 && !it.sample.tokens.is_empty())
-            .map(|(it, adv)| rl_datum(&it.prompt, &it.sample, adv))
+            .flat_map(|it| {
+                let turns: Vec<(&[i64], &Sample, f64)> = it
+                    .replies
+                    .iter()
+                    .zip(advantages.by_ref())
+                    .filter(|(_, adv)| *adv != 0.0)
+                    .map(|((p, s, _), adv)| (&p[..], s, adv))
+                    .collect();
+                trajectory_data(&turns)
+            })
             .collect();
         let loss = match locked_step(&lock, &trainer, &data, adam).await? {
             Some(step) => {
@@ -389,6 +410,8 @@ struct Eval {
     /// The patient's exam: mean reward, and the fraction of replies with full marks.
     exam_reward: f64,
     exam_correct: f64,
+    /// The first few dialogues, for `samples.jsonl`.
+    examples: Vec<Value>,
 }
 
 impl Eval {
@@ -413,6 +436,18 @@ async fn evaluate(
 ) -> anyhow::Result<Eval> {
     let dialogues = play(doctor, patient, tok, held_out, 1, max_turns, greedy).await?;
     let (correct, doctor_rewards, patient_rewards) = score(&dialogues, held_out);
+    let examples = dialogues
+        .iter()
+        .take(EXAMPLES)
+        .map(|(c, d)| {
+            json!({
+                "disease": held_out[*c].disease.name,
+                "complaint": held_out[*c].complaint,
+                "turns": d.turns,
+                "diagnosis": d.diagnosis,
+            })
+        })
+        .collect();
     let latest = patient.borrow().1.clone();
     let (exam_reward, exam_correct) = examine_patient(&latest, tok, held_out, greedy).await?;
     Ok(Eval {
@@ -421,6 +456,7 @@ async fn evaluate(
         patient_reward: mean(&patient_rewards),
         exam_reward,
         exam_correct,
+        examples,
     })
 }
 
@@ -488,9 +524,7 @@ async fn main() -> anyhow::Result<()> {
         queue_rx,
         publish,
         records_tx,
-        args.patient_batch
-            .unwrap_or(args.batch * args.group * args.max_turns.saturating_sub(1))
-            .max(1),
+        args.patient_batch.unwrap_or(args.batch * args.group).max(1),
         args.max_staleness,
         adam,
         args.queue_capacity,
@@ -523,6 +557,7 @@ async fn main() -> anyhow::Result<()> {
             run.log(
                 &json!({"step": step, "patient_version": patient_version, "eval": e.to_json()}),
             )?;
+            run.sample(&json!({"step": step, "dialogues": e.examples}))?;
             bar.set_message(format!(
                 "held-out diagnosis {:.2}, patient exam {:.2}",
                 e.diagnosis_accuracy, e.exam_correct
@@ -560,9 +595,12 @@ async fn main() -> anyhow::Result<()> {
             let group_rewards = &rewards[case * args.group.max(1)..][..chunk.len()];
             for ((_, d), adv) in chunk.iter().zip(group_normalised(group_rewards)) {
                 if adv != 0.0 {
-                    let turns: Vec<(&[i64], &Sample)> =
-                        d.doctor_samples.iter().map(|(p, s)| (&p[..], s)).collect();
-                    data.extend(trajectory_data(&turns, adv));
+                    let turns: Vec<(&[i64], &Sample, f64)> = d
+                        .doctor_samples
+                        .iter()
+                        .map(|(p, s)| (&p[..], s, adv))
+                        .collect();
+                    data.extend(trajectory_data(&turns));
                 }
             }
         }
@@ -574,24 +612,34 @@ async fn main() -> anyhow::Result<()> {
         let ratio = ratio_mean(&doctor, &firsts).await?;
         let step_future = locked_step(&doctor_lock, &doctor, &data, adam).await?;
 
-        // Patient replies go onto the queue while the doctor trains.
-        let mut replies = 0;
+        // The dialogues' patient sides go onto the queue while the doctor trains.
+        let mut queued = 0;
         for (c_idx, d) in &dialogues {
-            for ((prompt, sample, version), (q, a)) in d.patient_samples.iter().zip(&d.turns) {
-                let item = QueueItem {
-                    prompt: prompt.clone(),
-                    sample: sample.clone(),
-                    reward: patient_reward(q, a, &batch[*c_idx]),
-                    version: *version,
-                };
-                queue_tx
-                    .send(item)
-                    .await
-                    .map_err(|_| anyhow::anyhow!("the patient loop stopped early"))?;
-                replies += 1;
+            if d.patient_samples.is_empty() {
+                continue;
             }
+            let item = QueueItem {
+                replies: d
+                    .patient_samples
+                    .iter()
+                    .zip(&d.turns)
+                    .map(|((prompt, sample, _), (q, a))| {
+                        (
+                            prompt.clone(),
+                            sample.clone(),
+                            patient_reward(q, a, &batch[*c_idx]),
+                        )
+                    })
+                    .collect(),
+                version: d.patient_samples.iter().map(|p| p.2).min().unwrap_or(0),
+            };
+            queue_tx
+                .send(item)
+                .await
+                .map_err(|_| anyhow::anyhow!("the patient loop stopped early"))?;
+            queued += 1;
         }
-        sent += replies;
+        sent += queued;
         let loss = match step_future {
             Some(s) => Some(s.finish().await?),
             None => None,
@@ -600,7 +648,7 @@ async fn main() -> anyhow::Result<()> {
             "step": step + 1,
             "mode": mode,
             "patient_version": patient_version,
-            "queue/sent": replies,
+            "queue/sent": queued,
             "queue/depth": args.queue_capacity - queue_tx.capacity(),
             "agents": {"doctor": {
                 "reward_mean": mean(&rewards),
@@ -620,7 +668,9 @@ async fn main() -> anyhow::Result<()> {
     // Clean termination: closing the queue ends the patient loop once it has trained on
     // what is left.
     drop(queue_tx);
-    eprintln!("doctor finished; waiting for the patient to drain the queue ({sent} replies sent)");
+    eprintln!(
+        "doctor finished; waiting for the patient to drain the queue ({sent} dialogues sent)"
+    );
     tokio::time::timeout(Duration::from_secs(600), patient_task)
         .await
         .map_err(|_| anyhow::anyhow!("the patient loop did not finish within 10 minutes"))???;
@@ -641,6 +691,7 @@ async fn main() -> anyhow::Result<()> {
     curves.push("doctor diagnosis accuracy", c.steps, e.diagnosis_accuracy);
     curves.push("patient exam correct", c.steps, e.exam_correct);
     run.log(&json!({"step": c.steps, "final": true, "eval": e.to_json()}))?;
+    run.sample(&json!({"step": c.steps, "final": true, "dialogues": e.examples}))?;
 
     let mut checkpoints = serde_json::Map::new();
     if sessions.distinct() == 2 {
@@ -667,7 +718,7 @@ async fn main() -> anyhow::Result<()> {
         "mode": mode,
         "fallback_reason": sessions.fallback_reason,
         "steps": c.steps,
-        "patient_replies_sent": sent,
+        "patient_dialogues_sent": sent,
         "base_model": conn.base_model,
         "held_out": curves.to_json(),
         "criterion": criterion,
@@ -703,14 +754,25 @@ mod tests {
     #[test]
     fn stale_replies_are_dropped() {
         let item = |version| QueueItem {
-            prompt: vec![1],
-            sample: Sample::default(),
-            reward: 0.0,
+            replies: vec![(vec![1], Sample::default(), 0.0)],
             version,
         };
         let (kept, dropped) = drop_stale(vec![item(0), item(3), item(5)], 5, 2);
         assert_eq!((kept.len(), dropped), (2, 1));
         assert!(kept.iter().all(|it| it.version >= 3));
+    }
+
+    #[test]
+    fn turns_lose_the_label_they_stopped_at() {
+        assert_eq!(
+            one_line(" Question: Cough?\n", "Patient:"),
+            "Question: Cough?"
+        );
+        assert_eq!(
+            one_line(" Question: Cough? Patient:", "Patient:"),
+            "Question: Cough?"
+        );
+        assert_eq!(one_line(" Yes. Doctor:", "Doctor:"), "Yes.");
     }
 
     #[test]

@@ -17,8 +17,9 @@ use crate::worker::{RunOp, SamplerSource};
 use super::state::{now_unix, After, Inflight, Queued, Run};
 use super::{Engine, EngineError};
 
-/// In-memory sampler snapshots (`save_weights_and_get_sampling_client`) kept per run; an
-/// older one is freed when a newer one is taken, and its sampling session is closed.
+/// In-memory sampler snapshots (`save_weights_and_get_sampling_client`) kept per run;
+/// taking one more frees the least recently used (by `asample`) and closes its sampling
+/// session.
 pub const MAX_SNAPSHOTS_PER_RUN: usize = 4;
 
 /// A validated `create_model`.
@@ -259,7 +260,7 @@ impl Engine {
         )?;
         let source = SamplerSource::Snapshot(sampler_id.clone());
         self.register_sampler(owner, &session_id, sampler_id.clone(), source, None);
-        // Each snapshot holds a full adapter in memory; keep the newest few per run.
+        // Each snapshot holds a full adapter in memory; keep the most recently used few.
         let run = self.runs.get_mut(run_id).expect("loaded above");
         run.snapshots.push_back(sampler_id);
         let mut evicted = Vec::new();

@@ -90,6 +90,18 @@ impl Engine {
         })
     }
 
+    /// Marks a snapshot as just used, so the next eviction of its run spares it.
+    fn touch_snapshot(&mut self, sampler_id: &str) {
+        for run in self.runs.values_mut() {
+            if let Some(at) = run.snapshots.iter().position(|s| s == sampler_id) {
+                if let Some(id) = run.snapshots.remove(at) {
+                    run.snapshots.push_back(id);
+                }
+                return;
+            }
+        }
+    }
+
     /// `asample`: queues a sampling request.
     pub fn sample(
         &mut self,
@@ -110,6 +122,9 @@ impl Engine {
                 SamplerSource::Checkpoint(self.resolve_checkpoint(owner, &uri)?.1)
             }
         };
+        if let SamplerSource::Snapshot(id) = &source {
+            self.touch_snapshot(id);
+        }
         let request_id = uuid::Uuid::new_v4().to_string();
         let sample_sequence_ids = (0..job.num_samples)
             .map(|_| uuid::Uuid::new_v4().to_string())

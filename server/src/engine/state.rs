@@ -90,7 +90,7 @@ pub(super) struct Run {
     pub last_submit: Instant,
     /// `seq_id`s whose submissions were rejected: nothing will come for them.
     pub skipped: BTreeSet<u64>,
-    /// In-memory sampler snapshots taken from this run, oldest first.
+    /// In-memory sampler snapshots taken from this run, least recently used first.
     pub snapshots: VecDeque<String>,
 }
 
