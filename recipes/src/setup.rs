@@ -20,9 +20,10 @@ pub struct CommonArgs {
     /// LoRA rank.
     #[arg(long, default_value_t = 16)]
     pub rank: usize,
-    /// Adam learning rate.
-    #[arg(long, default_value_t = 5e-4)]
-    pub lr: f64,
+    /// Adam learning rate (default: the recipe's own, 5e-4 unless its help says
+    /// otherwise).
+    #[arg(long)]
+    pub lr: Option<f64>,
     /// Output directory (default `runs/<recipe>-<unix time>/`).
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -36,6 +37,13 @@ pub struct CommonArgs {
     /// Limit of LoRA sessions of the embedded server (1 exercises the fallback).
     #[arg(long, default_value_t = 8)]
     pub max_sessions: usize,
+}
+
+impl CommonArgs {
+    /// `--lr`, or the recipe's default.
+    pub fn lr_or(&self, default: f64) -> f64 {
+        self.lr.unwrap_or(default)
+    }
 }
 
 /// A connection and the embedded server behind it, if any.

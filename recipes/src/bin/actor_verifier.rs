@@ -297,7 +297,7 @@ async fn main() -> anyhow::Result<()> {
     let mode = sessions.mode();
     let (train, held_out) = addition(1, args.max_operand, c.seed, args.eval_size);
     let adam = AdamParams {
-        learning_rate: c.lr,
+        learning_rate: c.lr_or(5e-4),
         ..Default::default()
     };
     let loss_fn = match args.loss {

@@ -139,7 +139,7 @@ async fn main() -> anyhow::Result<()> {
     // Two-digit sums stay well below 0.9 at step 0 for small models.
     let (train, held_out) = addition(10, 49, c.seed, args.eval_size);
     let adam = AdamParams {
-        learning_rate: c.lr,
+        learning_rate: c.lr_or(5e-4),
         ..Default::default()
     };
     let mut curves: [Vec<(usize, f64)>; 2] = [Vec::new(), Vec::new()];

@@ -331,7 +331,7 @@ async fn main() -> anyhow::Result<()> {
         .await?;
     let (train, held_out) = addition(1, args.max_operand, c.seed, args.eval_size);
     let adam = AdamParams {
-        learning_rate: c.lr,
+        learning_rate: c.lr_or(5e-4),
         ..Default::default()
     };
     let mut curves = Curves::new(&["raw reward", "team correct", "selector pick", "random pick"]);
