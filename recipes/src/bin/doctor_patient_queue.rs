@@ -546,7 +546,8 @@ async fn main() -> anyhow::Result<()> {
         }
         let doctor_sampler = doctor.save_weights_and_get_sampling_client().await?;
         let patient_version = latest_patient.borrow().0;
-        if step % args.eval_every.max(1) == 0 {
+        // The last point is taken after the patient has drained the queue, below.
+        if step % args.eval_every.max(1) == 0 && step < c.steps {
             let e = evaluate(
                 &doctor_sampler,
                 &latest_patient,
