@@ -29,6 +29,16 @@ pub fn addition(lo: u32, hi: u32, seed: u64, held_out: usize) -> (Vec<Problem>, 
     (train, all)
 }
 
+/// The `size` items of training step `step`, walking `items` round and round.
+pub fn batch_at<T: Clone>(items: &[T], step: usize, size: usize) -> Vec<T> {
+    if items.is_empty() {
+        return Vec::new();
+    }
+    (0..size)
+        .map(|i| items[(step * size + i) % items.len()].clone())
+        .collect()
+}
+
 /// A disease of the synthetic case table: its symptoms and what a doctor should say.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Disease {
@@ -146,6 +156,14 @@ mod tests {
             .map(|n| n.parse().unwrap())
             .collect();
         assert_eq!((nums[0] + nums[1]).to_string(), p.answer);
+    }
+
+    #[test]
+    fn batches_walk_the_items_round_and_round() {
+        let items = [1, 2, 3, 4, 5];
+        assert_eq!(batch_at(&items, 0, 2), vec![1, 2]);
+        assert_eq!(batch_at(&items, 2, 2), vec![5, 1]);
+        assert!(batch_at::<u8>(&[], 3, 2).is_empty());
     }
 
     #[test]

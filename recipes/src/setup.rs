@@ -44,6 +44,42 @@ impl CommonArgs {
     pub fn lr_or(&self, default: f64) -> f64 {
         self.lr.unwrap_or(default)
     }
+
+    /// The LoRA config of agent `i` (its own adapter seed).
+    pub fn lora(&self, i: usize) -> LoraConfig {
+        LoraConfig {
+            rank: self.rank,
+            seed: Some(self.seed + i as u64),
+            ..Default::default()
+        }
+    }
+
+    /// The sampling seed of training step `step`.
+    pub fn step_seed(&self, step: usize) -> u64 {
+        self.seed * 1_000_003 + step as u64 * 101
+    }
+}
+
+/// What every recipe starts with: its output directory, the connection and the base
+/// model's tokenizer.
+pub struct Start {
+    /// Where the run writes.
+    pub run: crate::run::RunDir,
+    /// The service.
+    pub conn: Connection,
+    /// The base model's tokenizer.
+    pub tok: lathe::Tokenizer,
+}
+
+/// Creates the run directory, connects (or embeds a server) and fetches the tokenizer,
+/// saying where each is on stderr.
+pub async fn start(recipe: &str, args: &CommonArgs) -> anyhow::Result<Start> {
+    let run = crate::run::RunDir::create(recipe, args.out.as_deref())?;
+    eprintln!("{recipe}: output in {}", run.path.display());
+    let conn = connect(args, &run.path).await?;
+    eprintln!("endpoint {}, base model {}", conn.endpoint, conn.base_model);
+    let tok = conn.service.get_tokenizer(&conn.base_model).await?;
+    Ok(Start { run, conn, tok })
 }
 
 /// A connection and the embedded server behind it, if any.

@@ -13,16 +13,16 @@
 //! verifier's prompt ends with the opening `<verify>` tag so its verdict is its first word.
 
 use clap::{Parser, ValueEnum};
-use lathe::types::{AdamParams, Datum, LoraConfig, LossFn};
+use lathe::types::{AdamParams, Datum, LossFn};
 use lathe::{SamplingClient, Tokenizer};
 use lathe_recipes::advantages::group_normalised;
-use lathe_recipes::data::{addition, Problem};
+use lathe_recipes::data::{addition, batch_at, Problem};
 use lathe_recipes::grade::{last_integer_reward, verdict};
 use lathe_recipes::rollout::{
     ratio_mean, rl_datum, sample_prompts, submit_step, Generation, Rollout, Sample,
 };
-use lathe_recipes::run::{mean, progress, Curves, RunDir};
-use lathe_recipes::setup::{connect, init_tracing, save_final, AgentSessions, CommonArgs};
+use lathe_recipes::run::{mean, progress, Curves};
+use lathe_recipes::setup::{init_tracing, save_final, start, AgentSessions, CommonArgs, Start};
 use serde_json::json;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -277,18 +277,9 @@ async fn main() -> anyhow::Result<()> {
     init_tracing();
     let args = Args::parse();
     let c = &args.common;
-    let mut run = RunDir::create("actor_verifier", c.out.as_deref())?;
-    eprintln!("actor_verifier: output in {}", run.path.display());
-    let conn = connect(c, &run.path).await?;
-    eprintln!("endpoint {}, base model {}", conn.endpoint, conn.base_model);
-    let tok = conn.service.get_tokenizer(&conn.base_model).await?;
+    let Start { mut run, conn, tok } = start("actor_verifier", c).await?;
     let roles = if args.single_agent { 1 } else { 2 };
-    let sessions = AgentSessions::open(&conn, roles, args.force_fallback, |i| LoraConfig {
-        rank: c.rank,
-        seed: Some(c.seed + i as u64),
-        ..Default::default()
-    })
-    .await?;
+    let sessions = AgentSessions::open(&conn, roles, args.force_fallback, |i| c.lora(i)).await?;
     let verify = !args.single_agent;
     let trainers = [
         sessions.trainer(SOLVER).clone(),
@@ -315,7 +306,6 @@ async fn main() -> anyhow::Result<()> {
     };
     let bar = progress(c.steps);
     bar.set_prefix(mode);
-    let mut cursor = 0;
     for step in 0..=c.steps {
         let solver = trainers[SOLVER]
             .save_weights_and_get_sampling_client()
@@ -348,16 +338,9 @@ async fn main() -> anyhow::Result<()> {
         if step == c.steps {
             break;
         }
-        let problems: Vec<Problem> = (0..args.batch)
-            .map(|i| train[(cursor + i) % train.len()].clone())
-            .collect();
-        cursor += args.batch;
-        let generation = Generation::sampled(
-            SOLVER_TOKENS,
-            args.temperature,
-            c.seed * 1_000_003 + step as u64 * 101,
-        )
-        .within(conn.max_context);
+        let problems: Vec<Problem> = batch_at(&train, step, args.batch);
+        let generation = Generation::sampled(SOLVER_TOKENS, args.temperature, c.step_seed(step))
+            .within(conn.max_context);
         let chains = run_chains(
             &samplers,
             &tok,

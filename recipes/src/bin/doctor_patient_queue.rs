@@ -25,18 +25,18 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
-use lathe::types::{AdamParams, Datum, LoraConfig, LossFn};
+use lathe::types::{AdamParams, Datum, LossFn};
 use lathe::{SamplingClient, Tokenizer, TrainingClient};
 use lathe_recipes::advantages::group_normalised;
 use lathe_recipes::clinic::{
     diagnosis_correct, doctor_reward, patient_exam, patient_reward, SORRY,
 };
-use lathe_recipes::data::{cases, Case, DISEASES};
+use lathe_recipes::data::{batch_at, cases, Case, DISEASES};
 use lathe_recipes::rollout::{
     ratio_mean, sample_prompts, submit_step, trajectory_data, Generation, Sample,
 };
-use lathe_recipes::run::{mean, progress, Curves, RunDir};
-use lathe_recipes::setup::{connect, init_tracing, save_final, AgentSessions, CommonArgs};
+use lathe_recipes::run::{mean, progress, Curves};
+use lathe_recipes::setup::{init_tracing, save_final, start, AgentSessions, CommonArgs, Start};
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, watch, Mutex};
 
@@ -492,17 +492,8 @@ async fn main() -> anyhow::Result<()> {
     init_tracing();
     let args = Args::parse();
     let c = &args.common;
-    let mut run = RunDir::create("doctor_patient_queue", c.out.as_deref())?;
-    eprintln!("doctor_patient_queue: output in {}", run.path.display());
-    let conn = connect(c, &run.path).await?;
-    eprintln!("endpoint {}, base model {}", conn.endpoint, conn.base_model);
-    let tok = conn.service.get_tokenizer(&conn.base_model).await?;
-    let sessions = AgentSessions::open(&conn, 2, args.force_fallback, |i| LoraConfig {
-        rank: c.rank,
-        seed: Some(c.seed + i as u64),
-        ..Default::default()
-    })
-    .await?;
+    let Start { mut run, conn, tok } = start("doctor_patient_queue", c).await?;
+    let sessions = AgentSessions::open(&conn, 2, args.force_fallback, |i| c.lora(i)).await?;
     let mode = sessions.mode();
     let doctor = sessions.trainer(DOCTOR).clone();
     let patient = sessions.trainer(PATIENT).clone();
@@ -538,7 +529,6 @@ async fn main() -> anyhow::Result<()> {
     let mut curves = Curves::new(&["doctor diagnosis accuracy", "patient exam correct"]);
     let bar = progress(c.steps);
     bar.set_prefix(mode);
-    let mut cursor = 0;
     let mut sent = 0usize;
     for step in 0..=c.steps {
         while let Ok(record) = records_rx.try_recv() {
@@ -571,16 +561,9 @@ async fn main() -> anyhow::Result<()> {
         if step == c.steps {
             break;
         }
-        let batch: Vec<Case> = (0..args.batch)
-            .map(|i| train[(cursor + i) % train.len()].clone())
-            .collect();
-        cursor += args.batch;
-        let generation = Generation::sampled(
-            TURN_TOKENS,
-            args.temperature,
-            c.seed * 1_000_003 + step as u64 * 101,
-        )
-        .within(conn.max_context);
+        let batch: Vec<Case> = batch_at(&train, step, args.batch);
+        let generation = Generation::sampled(TURN_TOKENS, args.temperature, c.step_seed(step))
+            .within(conn.max_context);
         let dialogues = play(
             &doctor_sampler,
             &latest_patient,

@@ -6,16 +6,16 @@
 //! `--force-fallback`) one session plays both roles.
 
 use clap::{Parser, ValueEnum};
-use lathe::types::{AdamParams, Datum, LoraConfig, LossFn};
+use lathe::types::{AdamParams, Datum, LossFn};
 use lathe::{SamplingClient, Tokenizer};
 use lathe_recipes::advantages::group_centred;
-use lathe_recipes::data::{addition, Problem};
+use lathe_recipes::data::{addition, batch_at, Problem};
 use lathe_recipes::grade::{first_number_correct, math_reward};
 use lathe_recipes::rollout::{
     ratio_mean, rl_datum, sample_prompts, submit_step, Generation, Rollout,
 };
-use lathe_recipes::run::{progress, RunDir};
-use lathe_recipes::setup::{connect, AgentSessions, CommonArgs};
+use lathe_recipes::run::progress;
+use lathe_recipes::setup::{init_tracing, start, AgentSessions, CommonArgs, Start};
 use serde_json::json;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -112,25 +112,11 @@ async fn evaluate(
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    init_tracing();
     let args = Args::parse();
     let c = &args.common;
-    let mut run = RunDir::create("multi_agent_math", c.out.as_deref())?;
-    eprintln!("multi_agent_math: output in {}", run.path.display());
-    let conn = connect(c, &run.path).await?;
-    eprintln!("endpoint {}, base model {}", conn.endpoint, conn.base_model);
-    let tok = conn.service.get_tokenizer(&conn.base_model).await?;
-    let sessions = AgentSessions::open(&conn, 2, args.force_fallback, |i| LoraConfig {
-        rank: c.rank,
-        seed: Some(c.seed + i as u64),
-        ..Default::default()
-    })
-    .await?;
+    let Start { mut run, conn, tok } = start("multi_agent_math", c).await?;
+    let sessions = AgentSessions::open(&conn, 2, args.force_fallback, |i| c.lora(i)).await?;
     let trainers = [sessions.trainer(0).clone(), sessions.trainer(1).clone()];
     let mode_name = sessions.mode();
     let fallback_reason = sessions.fallback_reason.clone();
@@ -145,7 +131,6 @@ async fn main() -> anyhow::Result<()> {
     let mut curves: [Vec<(usize, f64)>; 2] = [Vec::new(), Vec::new()];
     let bar = progress(c.steps);
     bar.set_prefix(format!("{mode_name} {:?}", args.objective).to_lowercase());
-    let mut cursor = 0;
     for step in 0..=c.steps {
         let samplers = [
             trainers[0].save_weights_and_get_sampling_client().await?,
@@ -166,16 +151,13 @@ async fn main() -> anyhow::Result<()> {
         if step == c.steps {
             break;
         }
-        let problems: Vec<Problem> = (0..args.batch)
-            .map(|i| train[(cursor + i) % train.len()].clone())
-            .collect();
-        cursor += args.batch;
+        let problems: Vec<Problem> = batch_at(&train, step, args.batch);
         let n = if args.objective == Objective::Rl {
             args.group.max(2)
         } else {
             1
         };
-        let seed = c.seed * 1_000_003 + step as u64 * 101;
+        let seed = c.step_seed(step);
         let a_prompts: Vec<String> = problems.iter().map(|p| prompt("A", p, None)).collect();
         let generation =
             |seed| Generation::sampled(MAX_TOKENS, args.temperature, seed).within(conn.max_context);

@@ -11,16 +11,16 @@
 //! selector's prompt ends with `Judgment:` so its pick is its first word.
 
 use clap::Parser;
-use lathe::types::{AdamParams, Datum, LoraConfig, LossFn};
+use lathe::types::{AdamParams, Datum, LossFn};
 use lathe::{SamplingClient, Tokenizer};
 use lathe_recipes::advantages::group_normalised;
-use lathe_recipes::data::{addition, Problem};
+use lathe_recipes::data::{addition, batch_at, Problem};
 use lathe_recipes::grade::{judgment, last_integer_reward};
 use lathe_recipes::rollout::{
     ratio_mean, rl_datum, sample_prompts, submit_step, Generation, Rollout, Sample,
 };
-use lathe_recipes::run::{mean, progress, Curves, RunDir};
-use lathe_recipes::setup::{connect, init_tracing, save_final, CommonArgs};
+use lathe_recipes::run::{mean, progress, Curves};
+use lathe_recipes::setup::{init_tracing, save_final, start, CommonArgs, Start};
 use serde_json::json;
 
 /// Solvers, rewriters and a selector on one policy, trained on the pooled samples.
@@ -313,21 +313,10 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let c = &args.common;
     let n = args.num_parallel.max(1);
-    let mut run = RunDir::create("solve_rewrite_select", c.out.as_deref())?;
-    eprintln!("solve_rewrite_select: output in {}", run.path.display());
-    let conn = connect(c, &run.path).await?;
-    eprintln!("endpoint {}, base model {}", conn.endpoint, conn.base_model);
-    let tok = conn.service.get_tokenizer(&conn.base_model).await?;
+    let Start { mut run, conn, tok } = start("solve_rewrite_select", c).await?;
     let trainer = conn
         .service
-        .create_lora_training_client(
-            &conn.base_model,
-            LoraConfig {
-                rank: c.rank,
-                seed: Some(c.seed),
-                ..Default::default()
-            },
-        )
+        .create_lora_training_client(&conn.base_model, c.lora(0))
         .await?;
     let (train, held_out) = addition(1, args.max_operand, c.seed, args.eval_size);
     let adam = AdamParams {
@@ -337,7 +326,6 @@ async fn main() -> anyhow::Result<()> {
     let mut curves = Curves::new(&["raw reward", "team correct", "selector pick", "random pick"]);
     let bar = progress(c.steps);
     bar.set_prefix("shared policy");
-    let mut cursor = 0;
     for step in 0..=c.steps {
         let sampler = trainer.save_weights_and_get_sampling_client().await?;
         if step % args.eval_every.max(1) == 0 || step == c.steps {
@@ -365,16 +353,9 @@ async fn main() -> anyhow::Result<()> {
         if step == c.steps {
             break;
         }
-        let problems: Vec<Problem> = (0..args.batch)
-            .map(|i| train[(cursor + i) % train.len()].clone())
-            .collect();
-        cursor += args.batch;
-        let generation = Generation::sampled(
-            ANSWER_TOKENS,
-            args.temperature,
-            c.seed * 1_000_003 + step as u64 * 101,
-        )
-        .within(conn.max_context);
+        let problems: Vec<Problem> = batch_at(&train, step, args.batch);
+        let generation = Generation::sampled(ANSWER_TOKENS, args.temperature, c.step_seed(step))
+            .within(conn.max_context);
         let passes = run_pipeline(&sampler, &tok, &problems, n, &generation).await?;
         let firsts: Vec<(&[i64], &Sample)> = passes
             .iter()
