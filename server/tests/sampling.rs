@@ -263,3 +263,91 @@ fn too_long_requests_are_rejected() {
     .unwrap_err();
     assert!(err.to_string().contains("context limit"), "{err}");
 }
+
+#[test]
+fn host_decode_steps_equal_the_tensor_decode_path() {
+    use lathe_server::model::host_decode::{HostDecoder, StepRow};
+    use lathe_server::model::KvCache;
+    // Llama, Qwen2 (q/k/v biases) and Qwen3 (q/k norms); a batch mixing two adapters, the
+    // base model and prompts of different lengths, over several steps.
+    for (arch, quantized) in [
+        (Arch::Llama, true),
+        (Arch::Qwen2, true),
+        (Arch::Qwen3, true),
+        (Arch::Qwen2, false),
+    ] {
+        let model = tiny(arch);
+        let t = &model.transformer;
+        let a = random_adapter(&model, full_spec(4), 1);
+        let b = random_adapter(&model, full_spec(2), 2);
+        let adapters = [&a, &b];
+        let prompts = [tokens(1, 7, 256), tokens(2, 4, 256), tokens(3, 9, 256)];
+        let which = [Some(0), Some(1), None];
+        let seqs: Vec<(&[u32], Option<usize>, usize)> = prompts
+            .iter()
+            .zip(which)
+            .map(|(p, ad)| (p.as_slice(), ad, 0))
+            .collect();
+        let batch = PackedBatch::new(&seqs, &Device::Cpu).unwrap();
+        let mut caches = vec![KvCache::default(); 3];
+        let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
+        t.forward_cached(&batch, &adapters, &mut refs, false)
+            .unwrap();
+        let mut host_caches = caches.clone();
+        let host = HostDecoder::new(t, &adapters, quantized)
+            .unwrap()
+            .expect("CPU f32 model");
+        for step in 0..4u32 {
+            let toks: Vec<[u32; 1]> = (0..3).map(|i| [(step * 31 + i * 7) % 256]).collect();
+            let seqs: Vec<(&[u32], Option<usize>, usize)> = toks
+                .iter()
+                .zip(which)
+                .zip(&caches)
+                .map(|((tok, ad), c)| (tok.as_slice(), ad, c.len()))
+                .collect();
+            let batch = PackedBatch::new(&seqs, &Device::Cpu).unwrap();
+            let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
+            let want: Vec<f32> = t
+                .forward_cached(&batch, &adapters, &mut refs, quantized)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let rows: Vec<StepRow> = toks
+                .iter()
+                .zip(which)
+                .zip(&host_caches)
+                .map(|((tok, ad), c)| StepRow {
+                    token: tok[0],
+                    adapter: ad,
+                    position: c.len(),
+                })
+                .collect();
+            let mut refs: Vec<&mut KvCache> = host_caches.iter_mut().collect();
+            let got = host.step(&rows, &mut refs).unwrap();
+            assert_eq!(got.len(), want.len());
+            let diff = got
+                .iter()
+                .zip(&want)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max);
+            assert!(
+                diff < 1e-4,
+                "{arch:?} {quantized}: step {step}: max diff {diff}"
+            );
+            assert!(caches
+                .iter()
+                .zip(&host_caches)
+                .all(|(x, y)| x.len() == y.len()));
+        }
+        // Bad rows are refused, not a panic.
+        let mut refs: Vec<&mut KvCache> = host_caches.iter_mut().take(1).collect();
+        let bad = StepRow {
+            token: 100_000,
+            adapter: None,
+            position: 0,
+        };
+        assert!(host.step(&[bad], &mut refs).is_err());
+    }
+}

@@ -9,7 +9,7 @@ use candle_core::{DType, Device, Tensor};
 use clap::{Args, Subcommand};
 use lathe_sdk::types::AdamParams;
 use lathe_server::model::{Adapter, LoadedModel, LoraSpec};
-use lathe_server::sample::{sample, DecodeMode, Picker, SampleJob};
+use lathe_server::sample::{sample_timed, DecodeMode, Picker, SampleJob, SampleTimings};
 use lathe_server::train::adamw::{self, AdamState};
 use lathe_server::train::{forward_backward, DatumJob, Loss, TokenInputs};
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -294,24 +294,26 @@ fn bench_sample(a: SampleArgs) -> anyhow::Result<serde_json::Value> {
         seed: Some(0),
         prompt_logprobs: false,
     };
-    let run = |jobs: &[SampleJob]| -> anyhow::Result<f64> {
+    // Tokens/s end to end (prefill, decode and rescoring), and the phases' seconds.
+    let run = |jobs: &[SampleJob]| -> anyhow::Result<(f64, SampleTimings)> {
         let t0 = Instant::now();
-        let out = sample(t, &model.tokenizer, &refs, jobs, a.mode.into())?;
+        let (out, phases) = sample_timed(t, &model.tokenizer, &refs, jobs, a.mode.into())?;
         let n: usize = out
             .iter()
             .flat_map(|o| &o.sequences)
             .map(|s| s.tokens.len())
             .sum();
-        Ok(n as f64 / t0.elapsed().as_secs_f64())
+        Ok((n as f64 / t0.elapsed().as_secs_f64(), phases))
     };
     let single = vec![job(&mut rng, 0)];
     let multi: Vec<SampleJob> = (0..a.streams)
         .map(|i| job(&mut rng, i % adapters.len()))
         .collect();
     let (mut single_rates, mut multi_rates, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut single_phases, mut multi_phases) = (Vec::new(), Vec::new());
     for i in 0..=a.iters {
-        let s = run(&single)?;
-        let m = run(&multi)?;
+        let (s, sp) = run(&single)?;
+        let (m, mp) = run(&multi)?;
         eprintln!(
             "iteration {i}{}: single {s:.1} tokens/s, {} streams {m:.1} tokens/s",
             if i == 0 { " (warm-up)" } else { "" },
@@ -321,8 +323,22 @@ fn bench_sample(a: SampleArgs) -> anyhow::Result<serde_json::Value> {
             single_rates.push(s);
             multi_rates.push(m);
             ratios.push(m / s);
+            single_phases.push(sp);
+            multi_phases.push(mp);
         }
     }
+    // Per phase: median seconds, and for decoding the tokens/s of that phase alone.
+    let steps = a.new_tokens.saturating_sub(1).max(1) as f64;
+    let phases = |p: &[SampleTimings], streams: usize| {
+        let med = |f: &dyn Fn(&SampleTimings) -> f64| stats(p.iter().map(f).collect()).median;
+        let decode = med(&|t| t.decode.as_secs_f64());
+        json!({
+            "prefill_s_median": round(med(&|t| t.prefill.as_secs_f64())),
+            "decode_s_median": round(decode),
+            "rescore_s_median": round(med(&|t| t.rescore.as_secs_f64())),
+            "decode_only_tokens_per_s": round(steps * streams as f64 / decode),
+        })
+    };
     let (s, m, r) = (stats(single_rates), stats(multi_rates), stats(ratios));
     Ok(json!({
         "bench": "sample",
@@ -338,6 +354,8 @@ fn bench_sample(a: SampleArgs) -> anyhow::Result<serde_json::Value> {
         "batched_tokens_per_s_min": round(m.min),
         "batched_tokens_per_s_max": round(m.max),
         "batched_over_single_ratio_median": round(r.median),
+        "single_stream_phases": phases(&single_phases, 1),
+        "batched_phases": phases(&multi_phases, a.streams),
         "peak_rss_mib": round(peak_rss_mib()),
     }))
 }

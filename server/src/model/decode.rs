@@ -51,6 +51,26 @@ impl DecodeLinear {
     }
 }
 
+impl DecodeLinear {
+    /// [`DecodeLinear::forward`] over a plain `(m, in)` buffer; returns `(m, out)`.
+    pub fn forward_host(&self, x: &[f32], m: usize) -> candle_core::Result<Vec<f32>> {
+        let mut y = match &self.q8 {
+            Some(q) if m <= kernels::FEW_ROWS => q.matmul_t_host(x, m)?,
+            _ if m <= kernels::FEW_ROWS => kernels::matmul_t_few_rows_host(x, m, &self.f32.weight)?,
+            _ => {
+                let k = x.len() / m.max(1);
+                let xt = Tensor::from_slice(x, (m, k), self.f32.weight.device())?;
+                matmul_t(&xt, &self.f32.weight)?.flatten_all()?.to_vec1()?
+            }
+        };
+        if let Some(b) = &self.f32.bias {
+            let b: Vec<f32> = b.to_dtype(DType::F32)?.to_vec1()?;
+            super::host_decode::add_bias(&mut y, &b);
+        }
+        Ok(y)
+    }
+}
+
 /// The seven projections of one block, in [`super::Proj::ALL`] order.
 pub type DecodeLayer = [DecodeLinear; 7];
 

@@ -328,18 +328,31 @@ pub const FEW_ROWS: usize = 16;
 pub fn matmul_t_few_rows(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let (m, k) = x.dims2()?;
     let n = w.dims2()?.0;
-    let yt = with::<f32, _>(x, |xs| {
-        with::<f32, _>(w, |ws| {
-            let mut yt = vec![0f32; n * m];
-            const BLOCK: usize = 64;
-            yt.par_chunks_mut(BLOCK * m)
-                .zip(ws.par_chunks(BLOCK * k))
-                .with_min_len(grain(BLOCK * k))
-                .for_each(|(out, wrows)| dot_block(xs, m, k, wrows, out));
-            Ok(yt)
-        })
-    })?;
+    let yt = with::<f32, _>(x, |xs| with::<f32, _>(w, |ws| Ok(few_rows_t(xs, m, k, ws))))?;
     from_transposed(yt, n, m)
+}
+
+/// [`matmul_t_few_rows`] over plain buffers: `xs` is `(m, k)`, `w` a tensor `(n, k)`.
+/// Returns `(m, n)` row-major.
+pub fn matmul_t_few_rows_host(xs: &[f32], m: usize, w: &Tensor) -> Result<Vec<f32>> {
+    let (n, k) = w.dims2()?;
+    if xs.len() != m * k {
+        candle_core::bail!("few-rows matmul: {} inputs for {m} rows of {k}", xs.len());
+    }
+    let yt = with::<f32, _>(w, |ws| Ok(few_rows_t(xs, m, k, ws)))?;
+    Ok(transpose(yt, n, m))
+}
+
+/// `(n, m)`: every weight row's outputs for all `m` rows together.
+fn few_rows_t(xs: &[f32], m: usize, k: usize, ws: &[f32]) -> Vec<f32> {
+    let n = ws.len() / k;
+    let mut yt = vec![0f32; n * m];
+    const BLOCK: usize = 64;
+    yt.par_chunks_mut(BLOCK * m)
+        .zip(ws.par_chunks(BLOCK * k))
+        .with_min_len(grain(BLOCK * k))
+        .for_each(|(out, wrows)| dot_block(xs, m, k, wrows, out));
+    yt
 }
 
 /// The few-rows kernels write `(n, m)` (one weight row's outputs together); callers want
@@ -351,6 +364,20 @@ fn from_transposed(yt: Vec<f32>, n: usize, m: usize) -> Result<Tensor> {
     } else {
         yt.t()?.contiguous()
     }
+}
+
+/// `(n, m)` to `(m, n)`, row-major.
+fn transpose(yt: Vec<f32>, n: usize, m: usize) -> Vec<f32> {
+    if m == 1 {
+        return yt;
+    }
+    let mut y = vec![0f32; n * m];
+    for (o, row) in yt.chunks_exact(m).enumerate() {
+        for (i, &v) in row.iter().enumerate() {
+            y[i * n + o] = v;
+        }
+    }
+    y
 }
 
 fn dot_block(xs: &[f32], m: usize, k: usize, wrows: &[f32], out: &mut [f32]) {
@@ -420,8 +447,9 @@ fn dot_block_generic(xs: &[f32], m: usize, k: usize, wrows: &[f32], out: &mut [f
     }
 }
 
+/// Dot product of two equal-length rows, vectorised.
 #[inline(always)]
-fn dot(w: &[f32], x: &[f32]) -> f32 {
+pub fn dot(w: &[f32], x: &[f32]) -> f32 {
     const L: usize = 16;
     let mut acc = [0f32; L];
     let (wc, xc) = (w.chunks_exact(L), x.chunks_exact(L));
@@ -433,7 +461,7 @@ fn dot(w: &[f32], x: &[f32]) -> f32 {
         .sum();
     for (a, b) in wc.zip(xc) {
         for l in 0..L {
-            acc[l] = a[l].mul_add(b[l], acc[l]);
+            acc[l] += a[l] * b[l];
         }
     }
     acc.iter().sum::<f32>() + tail
@@ -488,22 +516,37 @@ impl Q8Matrix {
         if k != self.cols {
             candle_core::bail!("Q8 matmul: input has {k} columns, weight {}", self.cols);
         }
-        let n = self.rows;
+        let yt = with::<f32, _>(x, |xs| Ok(self.product_t(xs, m)))?;
+        from_transposed(yt, self.rows, m)
+    }
+
+    /// [`Q8Matrix::matmul_t`] over a plain `(m, cols)` buffer; returns `(m, rows)`.
+    pub fn matmul_t_host(&self, xs: &[f32], m: usize) -> Result<Vec<f32>> {
+        if xs.len() != m * self.cols {
+            candle_core::bail!(
+                "Q8 matmul: {} inputs for {m} rows of {}",
+                xs.len(),
+                self.cols
+            );
+        }
+        Ok(transpose(self.product_t(xs, m), self.rows, m))
+    }
+
+    /// `(rows, m)`: the products, one weight row's outputs together.
+    fn product_t(&self, xs: &[f32], m: usize) -> Vec<f32> {
+        let (n, k) = (self.rows, self.cols);
         let nb = k / Q8_BLOCK;
-        let yt = with::<f32, _>(x, |xs| {
-            let mut yt = vec![0f32; n * m];
-            const BLOCK: usize = 64;
-            yt.par_chunks_mut(BLOCK * m)
-                .zip(
-                    self.quants
-                        .par_chunks(BLOCK * k)
-                        .zip(self.scales.par_chunks(BLOCK * nb)),
-                )
-                .with_min_len(grain(BLOCK * k))
-                .for_each(|(out, (q, s))| q8_block(xs, m, k, q, s, out));
-            Ok(yt)
-        })?;
-        from_transposed(yt, n, m)
+        let mut yt = vec![0f32; n * m];
+        const BLOCK: usize = 64;
+        yt.par_chunks_mut(BLOCK * m)
+            .zip(
+                self.quants
+                    .par_chunks(BLOCK * k)
+                    .zip(self.scales.par_chunks(BLOCK * nb)),
+            )
+            .with_min_len(grain(BLOCK * k))
+            .for_each(|(out, (q, s))| q8_block(xs, m, k, q, s, out));
+        yt
     }
 }
 
@@ -522,40 +565,46 @@ fn q8_block(xs: &[f32], m: usize, k: usize, q: &[i8], s: &[f32], out: &mut [f32]
     q8_block_generic(xs, m, k, q, s, out)
 }
 
-/// AVX-512 version: each block of 32 weights is widened to f32 once and multiplied into
-/// up to four activation rows.
+/// AVX-512 version. Each block of 32 weights is widened to f32 and scaled once, then
+/// multiplied into up to eight activation rows with two independent accumulators per
+/// row. With several rows (batched decoding) the product is compute-bound, and this
+/// keeps the FMA units busy instead of waiting on one accumulator chain per row.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn q8_block_avx512(xs: &[f32], m: usize, k: usize, q: &[i8], s: &[f32], out: &mut [f32]) {
     use std::arch::x86_64::*;
+    const ROWS: usize = 8;
     let nb = k / Q8_BLOCK;
     for (o, (qr, sr)) in q.chunks_exact(k).zip(s.chunks_exact(nb)).enumerate() {
         let mut mi = 0;
         while mi < m {
-            let r = (m - mi).min(4);
-            let mut acc = [_mm512_setzero_ps(); 4];
+            let r = (m - mi).min(ROWS);
+            let mut lo_acc = [_mm512_setzero_ps(); ROWS];
+            let mut hi_acc = [_mm512_setzero_ps(); ROWS];
             for (b, &scale) in sr.iter().enumerate() {
                 let c = b * Q8_BLOCK;
-                // SAFETY: c + 32 <= k, the length of `qr` and of each x row.
-                let lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                    qr.as_ptr().add(c) as *const __m128i,
-                )));
-                let hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                    qr.as_ptr().add(c + 16) as *const __m128i,
-                )));
                 let sv = _mm512_set1_ps(scale);
-                for (j, a) in acc.iter_mut().enumerate().take(r) {
+                // SAFETY: c + 32 <= k, the length of `qr` and of each x row.
+                let lo = _mm512_mul_ps(
+                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                        qr.as_ptr().add(c) as *const __m128i
+                    ))),
+                    sv,
+                );
+                let hi = _mm512_mul_ps(
+                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                        qr.as_ptr().add(c + 16) as *const __m128i,
+                    ))),
+                    sv,
+                );
+                for j in 0..r {
                     let x = xs.as_ptr().add((mi + j) * k + c);
-                    let part = _mm512_fmadd_ps(
-                        hi,
-                        _mm512_loadu_ps(x.add(16)),
-                        _mm512_mul_ps(lo, _mm512_loadu_ps(x)),
-                    );
-                    *a = _mm512_fmadd_ps(part, sv, *a);
+                    lo_acc[j] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x), lo_acc[j]);
+                    hi_acc[j] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x.add(16)), hi_acc[j]);
                 }
             }
-            for (j, a) in acc.iter().enumerate().take(r) {
-                out[o * m + mi + j] = _mm512_reduce_add_ps(*a);
+            for j in 0..r {
+                out[o * m + mi + j] = _mm512_reduce_add_ps(_mm512_add_ps(lo_acc[j], hi_acc[j]));
             }
             mi += r;
         }

@@ -102,16 +102,65 @@ fn host_attention(
 ) -> candle_core::Result<Tensor> {
     let (rows, qd) = q.dims2()?;
     let kv_dim = k.dims()[1];
-    let hd = qd / heads;
-    let group = heads / kv_heads;
-    let scale = 1.0 / (hd as f32).sqrt();
     let qv: Vec<f32> = q.flatten_all()?.to_vec1()?;
     let kv: Vec<f32> = k.flatten_all()?.to_vec1()?;
     let vv: Vec<f32> = v.flatten_all()?.to_vec1()?;
     let mut out = vec![0f32; rows * qd];
+    attend_host(
+        index,
+        HostQkv {
+            q: &qv,
+            k: &kv,
+            v: &vv,
+            kv_dim,
+        },
+        seqs,
+        caches,
+        heads,
+        kv_heads,
+        &mut out,
+    )?;
+    Tensor::from_vec(out, (rows, qd), &Device::Cpu)
+}
+
+/// New rows' queries `(rows, heads*hd)` and keys and values `(rows, kv_dim)`, row-major.
+pub struct HostQkv<'a> {
+    /// Queries, after RoPE.
+    pub q: &'a [f32],
+    /// Keys, after RoPE.
+    pub k: &'a [f32],
+    /// Values.
+    pub v: &'a [f32],
+    /// Width of a key or value row.
+    pub kv_dim: usize,
+}
+
+/// [`cached_attention`] over plain buffers on the CPU: appends each sequence's new keys
+/// and values to its host cache for layer `index` and writes the attention output of
+/// every new row into `out`, `(rows, heads*hd)`.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_host(
+    index: usize,
+    new: HostQkv<'_>,
+    seqs: &[SeqSpan],
+    caches: &mut [&mut KvCache],
+    heads: usize,
+    kv_heads: usize,
+    out: &mut [f32],
+) -> candle_core::Result<()> {
+    let HostQkv {
+        q: qv,
+        k: kv,
+        v: vv,
+        kv_dim,
+    } = new;
+    let qd = out.len() / seqs.iter().map(|s| s.len).sum::<usize>().max(1);
+    let hd = qd / heads;
+    let group = heads / kv_heads;
+    let scale = 1.0 / (hd as f32).sqrt();
     // Split the output rows by sequence so each sequence's work owns its slice.
     let mut chunks: Vec<&mut [f32]> = Vec::with_capacity(seqs.len());
-    let mut rest = out.as_mut_slice();
+    let mut rest = out;
     for s in seqs {
         let (head, tail) = rest.split_at_mut(s.len * qd);
         chunks.push(head);
@@ -171,5 +220,5 @@ fn host_attention(
                 });
             Ok(())
         })?;
-    Tensor::from_vec(out, (rows, qd), &Device::Cpu)
+    Ok(())
 }

@@ -6,6 +6,7 @@ pub mod config;
 pub mod decode;
 pub mod gguf;
 pub mod hf;
+pub mod host_decode;
 pub mod kernels;
 pub mod kv;
 pub mod lora;

@@ -288,6 +288,16 @@ impl Transformer {
         Self::new(self.config.clone(), self.weights.to_dtype(dtype)?)
     }
 
+    /// The RoPE `(cos, sin)` rows of `positions`, each `(n, head_dim / 2)` row-major.
+    pub fn rope_rows(&self, positions: &[u32]) -> Result<(Vec<f32>, Vec<f32>), ModelError> {
+        let idx = Tensor::new(positions, self.device())?;
+        let (cos, sin) = self.rope.gather(&idx)?;
+        let host = |t: Tensor| -> candle_core::Result<Vec<f32>> {
+            t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()
+        };
+        Ok((host(cos)?, host(sin)?))
+    }
+
     /// Longest sequence (prompt plus generation) the model accepts.
     pub fn max_seq_len(&self) -> usize {
         self.rope.max_len()

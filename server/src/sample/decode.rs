@@ -2,10 +2,13 @@
 //! copy of the cache, and all live sequences — whatever their adapters — advance together
 //! in one forward step per token.
 
+use std::time::{Duration, Instant};
+
 use candle_core::{DType, Tensor};
 use rand::{rngs::StdRng, SeedableRng};
 
 use super::logits::{token_logprob, Picker};
+use crate::model::host_decode::{HostDecoder, StepRow};
 use crate::model::{Adapter, KvCache, ModelError, PackedBatch, TextTokenizer, Transformer};
 
 /// New tokens generated when a request sets no `max_tokens`.
@@ -86,6 +89,17 @@ struct Stream {
     done: bool,
 }
 
+/// Wall time of each phase of a [`sample`] call, for benchmarks.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SampleTimings {
+    /// Prompts through the f32 weights, filling the KV caches.
+    pub prefill: Duration,
+    /// Token-by-token decoding.
+    pub decode: Duration,
+    /// Fast mode's f32 rescoring of the sampled tokens (zero in exact mode).
+    pub rescore: Duration,
+}
+
 /// Runs all jobs to completion, decoding their samples together.
 pub fn sample(
     model: &Transformer,
@@ -94,6 +108,17 @@ pub fn sample(
     jobs: &[SampleJob],
     mode: DecodeMode,
 ) -> Result<Vec<SampleOutput>, ModelError> {
+    sample_timed(model, tokenizer, adapters, jobs, mode).map(|(out, _)| out)
+}
+
+/// [`sample`], also returning how long each phase took.
+pub fn sample_timed(
+    model: &Transformer,
+    tokenizer: &TextTokenizer,
+    adapters: &[&Adapter],
+    jobs: &[SampleJob],
+    mode: DecodeMode,
+) -> Result<(Vec<SampleOutput>, SampleTimings), ModelError> {
     let dev = model.device();
     let quantized = mode == DecodeMode::Fast;
     for (i, j) in jobs.iter().enumerate() {
@@ -115,6 +140,7 @@ pub fn sample(
         .iter()
         .map(|j| (j.prompt.as_slice(), j.adapter, 0))
         .collect();
+    let start = Instant::now();
     let batch = PackedBatch::new(&seqs, dev)?;
     // Prompts are prefilled with the f32 weights: the product is compute-bound, and each
     // prompt's KV cache is then exact whatever the batch looks like. When prompt
@@ -139,6 +165,7 @@ pub fn sample(
     };
     drop(refs);
     let first: Vec<Vec<f32>> = first.to_dtype(DType::F32)?.to_vec2()?;
+    let prefilled = Instant::now();
     let mut streams = Vec::new();
     for (ji, job) in jobs.iter().enumerate() {
         for s in 0..job.num_samples {
@@ -160,6 +187,8 @@ pub fn sample(
             });
         }
     }
+    // On the CPU, decode steps run over plain buffers (see `model::host_decode`).
+    let host = HostDecoder::new(model, adapters, quantized)?;
     // Grouped by adapter once, so every decode step's batch has one segment per adapter.
     // The sort is stable: the samples of a request keep their order.
     streams.sort_by_key(|st| jobs[st.job].adapter);
@@ -184,6 +213,24 @@ pub fn sample(
         if live.is_empty() {
             break;
         }
+        if let Some(host) = &host {
+            let rows: Vec<StepRow> = live
+                .iter()
+                .map(|st| StepRow {
+                    token: *st.out.tokens.last().expect("a token"),
+                    adapter: jobs[st.job].adapter,
+                    position: st.cache.len(),
+                })
+                .collect();
+            let mut refs: Vec<&mut KvCache> = live.iter_mut().map(|st| &mut st.cache).collect();
+            let logits = host.step(&rows, &mut refs)?;
+            let vocab = logits.len() / rows.len();
+            for (st, row) in live.iter_mut().zip(logits.chunks_exact(vocab)) {
+                st.logits.clear();
+                st.logits.extend_from_slice(row);
+            }
+            continue;
+        }
         let last: Vec<[u32; 1]> = live
             .iter()
             .map(|st| [*st.out.tokens.last().expect("a token")])
@@ -201,9 +248,15 @@ pub fn sample(
             st.logits = row;
         }
     }
+    let decoded = Instant::now();
     if quantized {
         rescore(model, adapters, jobs, &caches, &mut streams)?;
     }
+    let timings = SampleTimings {
+        prefill: prefilled.duration_since(start),
+        decode: decoded.duration_since(prefilled),
+        rescore: decoded.elapsed(),
+    };
     let mut outputs: Vec<SampleOutput> = Vec::with_capacity(jobs.len());
     let mut offset = 0;
     for job in jobs {
@@ -225,7 +278,7 @@ pub fn sample(
     for st in streams {
         outputs[st.job].sequences.push(st.out);
     }
-    Ok(outputs)
+    Ok((outputs, timings))
 }
 
 /// Replaces each stream's log-probabilities with the f32 trainer's. The first token was

@@ -5,6 +5,7 @@ pub mod decode;
 pub mod logits;
 
 pub use decode::{
-    sample, DecodeMode, Generated, SampleJob, SampleOutput, Stop, DEFAULT_MAX_TOKENS,
+    sample, sample_timed, DecodeMode, Generated, SampleJob, SampleOutput, SampleTimings, Stop,
+    DEFAULT_MAX_TOKENS,
 };
 pub use logits::Picker;

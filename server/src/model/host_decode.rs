@@ -1,0 +1,369 @@
+//! One decode step on the CPU over plain `f32` buffers.
+//!
+//! A decode step advances every live sequence by one token. Each projection is then a
+//! product of a few rows with a weight matrix, and all other work is on vectors of the
+//! hidden width. Run through candle, such a step is several hundred small tensor ops per
+//! layer group. Each op allocates, and each LoRA segment narrows, multiplies and
+//! concatenates. That overhead cost more than the weight reads themselves: about 18 of
+//! the 30 ms a token took on SmolLM2-135M.
+//!
+//! Here the step is straight loops over `Vec<f32>`:
+//! - the frozen projections go through the decode weights' few-rows kernels (the only
+//!   parallel part);
+//! - each row gets its own adapter's `B (A x)`;
+//! - RMSNorm, RoPE, SwiGLU and the residual adds are plain loops on the row;
+//! - attention appends to the same host KV caches that the prefill filled.
+//!
+//! The arithmetic matches [`Transformer::forward_cached`] with the decode weights, up to
+//! float summation order; tests check the two agree.
+
+use candle_core::{DType, Tensor};
+
+use super::decode::DecodeWeights;
+use super::kernels::{dot, matmul_t_few_rows_host};
+use super::kv::{self, HostQkv, KvCache};
+use super::lora::{Adapter, Proj, Target};
+use super::transformer::{SeqSpan, Transformer};
+use super::weights::{FrozenLinear, LayerWeights};
+use super::ModelError;
+
+/// One adapted projection in host form: `y += scale * B (A x)`.
+struct HostLora {
+    /// `(r, in)`, row-major.
+    a: Vec<f32>,
+    /// `B^T`, `(r, out)`: row `j` is added to `y` with weight `u_j`, a vectorised axpy.
+    bt: Vec<f32>,
+    rank: usize,
+    scale: f32,
+}
+
+impl HostLora {
+    fn new(a: &Tensor, b: &Tensor, scale: f64) -> candle_core::Result<Self> {
+        Ok(Self {
+            a: a.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?,
+            bt: b.to_dtype(DType::F32)?.t()?.flatten_all()?.to_vec1()?,
+            rank: a.dims()[0],
+            scale: scale as f32,
+        })
+    }
+
+    /// Adds the adapter's delta for input row `x` to output row `y`.
+    fn apply(&self, x: &[f32], y: &mut [f32]) {
+        let k = x.len();
+        for j in 0..self.rank {
+            let u = dot(&self.a[j * k..(j + 1) * k], x) * self.scale;
+            let row = &self.bt[j * y.len()..(j + 1) * y.len()];
+            for (o, &b) in y.iter_mut().zip(row) {
+                *o += u * b;
+            }
+        }
+    }
+}
+
+/// An adapter's factors in host form, by layer and projection.
+struct HostAdapter {
+    layers: Vec<[Option<HostLora>; 7]>,
+    head: Option<HostLora>,
+}
+
+impl HostAdapter {
+    fn new(a: &Adapter, layers: usize) -> candle_core::Result<Self> {
+        let scale = a.scale();
+        let pair = |t: Target| -> candle_core::Result<Option<HostLora>> {
+            a.pairs
+                .get(&t)
+                .map(|p| HostLora::new(&p.a, &p.b, scale))
+                .transpose()
+        };
+        let layers = (0..layers)
+            .map(|l| {
+                let mut out: [Option<HostLora>; 7] = Default::default();
+                for p in Proj::ALL {
+                    out[p as usize] = pair(Target::Layer(l, p))?;
+                }
+                Ok(out)
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(Self {
+            layers,
+            head: pair(Target::LmHead)?,
+        })
+    }
+}
+
+/// Per-block vectors of the base model in host form.
+struct HostNorms {
+    input: Vec<f32>,
+    post: Vec<f32>,
+    q: Option<Vec<f32>>,
+    k: Option<Vec<f32>>,
+}
+
+fn host(t: &Tensor) -> candle_core::Result<Vec<f32>> {
+    t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()
+}
+
+/// A model and a set of adapters, ready for host decode steps. Building one copies the
+/// adapters' factors and the norm weights (a few MB), so build it once per sampling call.
+pub struct HostDecoder<'m> {
+    model: &'m Transformer,
+    /// The 8-bit decode weights; `None` decodes with the f32 weights.
+    dec: Option<&'m DecodeWeights>,
+    adapters: Vec<HostAdapter>,
+    norms: Vec<HostNorms>,
+    final_norm: Vec<f32>,
+}
+
+/// One row of a decode step: the sequence's newest token, its adapter and its position.
+#[derive(Debug, Clone, Copy)]
+pub struct StepRow {
+    /// Token id.
+    pub token: u32,
+    /// Index into the decoder's adapters; `None` is the base model.
+    pub adapter: Option<usize>,
+    /// Position of the token in its sequence (the cache's length).
+    pub position: usize,
+}
+
+impl<'m> HostDecoder<'m> {
+    /// A decoder for `model` with `adapters`, using the 8-bit decode weights when
+    /// `quantized` and the f32 weights otherwise; `None` when the model is not on the CPU
+    /// in `f32` (callers then use [`Transformer::forward_cached`]).
+    pub fn new(
+        model: &'m Transformer,
+        adapters: &[&Adapter],
+        quantized: bool,
+    ) -> Result<Option<Self>, ModelError> {
+        let w = &model.weights;
+        if !model.device().is_cpu() || w.dtype() != DType::F32 {
+            return Ok(None);
+        }
+        let layers = model.config.num_hidden_layers;
+        let adapters = adapters
+            .iter()
+            .map(|a| HostAdapter::new(a, layers))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let norms = w
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(HostNorms {
+                    input: host(&l.input_layernorm)?,
+                    post: host(&l.post_attention_layernorm)?,
+                    q: l.q_norm.as_ref().map(host).transpose()?,
+                    k: l.k_norm.as_ref().map(host).transpose()?,
+                })
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(Some(Self {
+            model,
+            dec: if quantized {
+                Some(model.decode_weights()?)
+            } else {
+                None
+            },
+            adapters,
+            norms,
+            final_norm: host(&w.norm)?,
+        }))
+    }
+
+    /// Advances every row's sequence by its token, appending to `caches` (one per row,
+    /// prefilled on the host), and returns the next-token logits, `(rows, vocab)`.
+    pub fn step(
+        &self,
+        rows: &[StepRow],
+        caches: &mut [&mut KvCache],
+    ) -> Result<Vec<f32>, ModelError> {
+        let cfg = &self.model.config;
+        let m = rows.len();
+        if m == 0 || caches.len() != m {
+            return Err(ModelError::Input(
+                "a decode step needs one KV cache per row".into(),
+            ));
+        }
+        for r in rows {
+            if r.token as usize >= cfg.vocab_size {
+                return Err(ModelError::Input(format!(
+                    "token id {} is out of range for a vocabulary of {}",
+                    r.token, cfg.vocab_size
+                )));
+            }
+            if r.position >= self.model.max_seq_len() {
+                return Err(ModelError::Input(format!(
+                    "sequence of {} tokens exceeds the context limit of {}",
+                    r.position + 1,
+                    self.model.max_seq_len()
+                )));
+            }
+            if r.adapter.is_some_and(|a| a >= self.adapters.len()) {
+                return Err(ModelError::Input("adapter index out of range".into()));
+            }
+        }
+        let (d, hq, hkv, hd) = (
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        );
+        let eps = cfg.rms_norm_eps as f32;
+        let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
+        let positions: Vec<u32> = rows.iter().map(|r| r.position as u32).collect();
+        let mut h = host(
+            &self
+                .model
+                .weights
+                .embed_tokens
+                .index_select(&Tensor::new(tokens.as_slice(), self.model.device())?, 0)?,
+        )?;
+        let (cos, sin) = self.model.rope_rows(&positions)?;
+        let spans: Vec<SeqSpan> = rows
+            .iter()
+            .enumerate()
+            .map(|(i, r)| SeqSpan {
+                start: i,
+                len: 1,
+                adapter: r.adapter,
+            })
+            .collect();
+        let mut attn = vec![0f32; m * hq * hd];
+        for (li, norms) in self.norms.iter().enumerate() {
+            let x1 = rms_rows(&h, d, &norms.input, eps);
+            let mut q = self.project(&x1, rows, li, Proj::Q)?;
+            let mut k = self.project(&x1, rows, li, Proj::K)?;
+            let v = self.project(&x1, rows, li, Proj::V)?;
+            if let (Some(qn), Some(kn)) = (&norms.q, &norms.k) {
+                q = rms_rows(&q, hd, qn, eps);
+                k = rms_rows(&k, hd, kn, eps);
+            }
+            rope_rows(&mut q, hq, hd, &cos, &sin);
+            rope_rows(&mut k, hkv, hd, &cos, &sin);
+            let new = HostQkv {
+                q: &q,
+                k: &k,
+                v: &v,
+                kv_dim: hkv * hd,
+            };
+            kv::attend_host(li, new, &spans, caches, hq, hkv, &mut attn)?;
+            let o = self.project(&attn, rows, li, Proj::O)?;
+            add_into(&mut h, &o);
+            let x2 = rms_rows(&h, d, &norms.post, eps);
+            let gate = self.project(&x2, rows, li, Proj::Gate)?;
+            let up = self.project(&x2, rows, li, Proj::Up)?;
+            let act: Vec<f32> = gate
+                .iter()
+                .zip(&up)
+                .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
+                .collect();
+            let down = self.project(&act, rows, li, Proj::Down)?;
+            add_into(&mut h, &down);
+        }
+        let xf = rms_rows(&h, d, &self.final_norm, eps);
+        let mut logits = match self.dec {
+            Some(dec) => dec.lm_head.forward_host(&xf, m)?,
+            None => matmul_t_few_rows_host(&xf, m, self.model.weights.lm_head())?,
+        };
+        let vocab = logits.len() / m;
+        for (i, r) in rows.iter().enumerate() {
+            if let Some(l) = r.adapter.and_then(|a| self.adapters[a].head.as_ref()) {
+                l.apply(
+                    &xf[i * d..(i + 1) * d],
+                    &mut logits[i * vocab..(i + 1) * vocab],
+                );
+            }
+        }
+        Ok(logits)
+    }
+
+    /// `x W^T (+ b)` with the frozen weights of projection `p` of block `layer`, plus
+    /// each row's own adapter delta.
+    fn project(
+        &self,
+        x: &[f32],
+        rows: &[StepRow],
+        layer: usize,
+        p: Proj,
+    ) -> Result<Vec<f32>, ModelError> {
+        let m = rows.len();
+        let mut y = match self.dec {
+            Some(dec) => dec.layers[layer][p as usize].forward_host(x, m)?,
+            None => {
+                let lin = frozen(&self.model.weights.layers[layer], p);
+                let mut y = matmul_t_few_rows_host(x, m, &lin.weight)?;
+                if let Some(b) = &lin.bias {
+                    add_bias(&mut y, &host(b)?);
+                }
+                y
+            }
+        };
+        let (k, n) = (x.len() / m, y.len() / m);
+        for (i, r) in rows.iter().enumerate() {
+            if let Some(l) = r
+                .adapter
+                .and_then(|a| self.adapters[a].layers[layer][p as usize].as_ref())
+            {
+                l.apply(&x[i * k..(i + 1) * k], &mut y[i * n..(i + 1) * n]);
+            }
+        }
+        Ok(y)
+    }
+}
+
+/// RMSNorm of each `width`-long piece of `x` with weight `w`.
+fn rms_rows(x: &[f32], width: usize, w: &[f32], eps: f32) -> Vec<f32> {
+    let mut y = vec![0f32; x.len()];
+    for (yr, xr) in y.chunks_exact_mut(width).zip(x.chunks_exact(width)) {
+        let ms = dot(xr, xr) / width as f32;
+        let r = 1.0 / (ms + eps).sqrt();
+        for ((o, &v), &g) in yr.iter_mut().zip(xr).zip(w) {
+            *o = v * r * g;
+        }
+    }
+    y
+}
+
+/// Rotate-half RoPE in place on `x`, `(rows, heads, hd)`, with each row's `(cos, sin)`
+/// of `hd / 2` entries.
+fn rope_rows(x: &mut [f32], heads: usize, hd: usize, cos: &[f32], sin: &[f32]) {
+    let half = hd / 2;
+    for (i, row) in x.chunks_exact_mut(heads * hd).enumerate() {
+        let (c, s) = (
+            &cos[i * half..(i + 1) * half],
+            &sin[i * half..(i + 1) * half],
+        );
+        for head in row.chunks_exact_mut(hd) {
+            let (x1, x2) = head.split_at_mut(half);
+            for j in 0..half {
+                let (a, b) = (x1[j], x2[j]);
+                x1[j] = a * c[j] - b * s[j];
+                x2[j] = b * c[j] + a * s[j];
+            }
+        }
+    }
+}
+
+/// The f32 weights of projection `p`.
+fn frozen(l: &LayerWeights, p: Proj) -> &FrozenLinear {
+    match p {
+        Proj::Q => &l.q_proj,
+        Proj::K => &l.k_proj,
+        Proj::V => &l.v_proj,
+        Proj::O => &l.o_proj,
+        Proj::Gate => &l.gate_proj,
+        Proj::Up => &l.up_proj,
+        Proj::Down => &l.down_proj,
+    }
+}
+
+/// Adds `b` to every row of `y`.
+pub(crate) fn add_bias(y: &mut [f32], b: &[f32]) {
+    for row in y.chunks_exact_mut(b.len()) {
+        add_into(row, b);
+    }
+}
+
+fn add_into(h: &mut [f32], x: &[f32]) {
+    for (a, &b) in h.iter_mut().zip(x) {
+        *a += b;
+    }
+}
