@@ -120,6 +120,23 @@ async fn whole_flow_with_pipelining_and_exact_resume() {
         .unwrap();
     assert_eq!(lps.len(), 3);
     assert!(lps[0].is_none() && lps[1].is_some());
+    let topk = sampler
+        .compute_topk_logprobs(&prompt, 4)
+        .await
+        .unwrap()
+        .result()
+        .await
+        .unwrap();
+    assert_eq!(topk.len(), 3);
+    assert!(topk[0].is_none());
+    for (row, lp) in topk[1..].iter().zip(&lps[1..]) {
+        let row = row.as_ref().unwrap();
+        assert_eq!(row.len(), 4);
+        assert!(row.windows(2).all(|w| w[0].1 >= w[1].1));
+        // The prompt's own token is no more likely than the best alternative.
+        assert!(row[0].1 >= lp.unwrap() - 1e-5);
+    }
+    assert!(sampler.compute_topk_logprobs(&prompt, 0).await.is_err());
 
     let state = trainer
         .save_state("s1")

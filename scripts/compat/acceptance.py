@@ -120,6 +120,17 @@ def main():
     plp = sampler.compute_logprobs(prompt).result()
     check(len(plp) == len(prompt.to_ints()) and plp[0] is None, "prompt logprobs shape")
     check(all(x is not None and x <= 0 for x in plp[1:]), "prompt logprobs values")
+    topk = sampler.sample(
+        prompt=prompt, num_samples=1, sampling_params=types.SamplingParams(max_tokens=1),
+        include_prompt_logprobs=True, topk_prompt_logprobs=3,
+    ).result()
+    alts = topk.topk_prompt_logprobs
+    check(alts is not None and len(alts) == len(prompt.to_ints()) and alts[0] is None,
+          "topk prompt logprobs shape")
+    for i, row in enumerate(alts[1:], start=1):
+        check(len(row) == 3 and all(a[1] >= b[1] for a, b in zip(row, row[1:])),
+              f"topk row {i} sorted")
+        check(row[0][1] >= topk.prompt_logprobs[i] - 1e-5, f"topk row {i} holds the best token")
 
     state_path = tc.save_state("accept-state").result().path
     check(state_path.startswith("tinker://") and "/weights/accept-state" in state_path, state_path)

@@ -259,6 +259,15 @@ fn bad_requests(
             sample(json!({"max_tokens": 2, "top_p": 1.5}), 1),
         ),
         (
+            "topk_prompt_logprobs above the limit",
+            "/api/v1/asample".into(),
+            {
+                let mut body = sample(json!({"max_tokens": 2}), 1);
+                body["topk_prompt_logprobs"] = json!(100_000);
+                body
+            },
+        ),
+        (
             "missing field",
             "/api/v1/create_model".into(),
             json!({"session_id": session}),

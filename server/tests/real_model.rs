@@ -118,6 +118,7 @@ fn greedy_answer_to_two_plus_three_contains_five() {
         stop_tokens: vec![],
         seed: Some(0),
         prompt_logprobs: false,
+        topk_prompt_logprobs: 0,
     };
     let out = sample(
         &model.transformer,

@@ -19,6 +19,7 @@ fn job(prompt: Vec<u32>, adapter: Option<usize>, n: usize, seed: u64) -> SampleJ
         stop_tokens: vec![],
         seed: Some(seed),
         prompt_logprobs: false,
+        topk_prompt_logprobs: 0,
     }
 }
 
@@ -199,6 +200,7 @@ fn prompt_logprobs_start_with_none_and_match_the_trainer() {
     let prompt = tokens(10, 6, 256);
     let j = SampleJob {
         prompt_logprobs: true,
+        topk_prompt_logprobs: 0,
         max_tokens: 1,
         ..job(prompt.clone(), None, 1, 0)
     };
@@ -220,6 +222,7 @@ fn prompt_logprobs_start_with_none_and_match_the_trainer() {
     let other = job(tokens(11, 4, 256), None, 1, 0);
     let scored = SampleJob {
         prompt_logprobs: true,
+        topk_prompt_logprobs: 0,
         max_tokens: 1,
         ..job(prompt.clone(), Some(0), 1, 0)
     };
@@ -349,5 +352,59 @@ fn host_decode_steps_equal_the_tensor_decode_path() {
             position: 0,
         };
         assert!(host.step(&[bad], &mut refs).is_err());
+    }
+}
+
+#[test]
+fn topk_prompt_logprobs_are_the_trainers_most_likely_tokens() {
+    let model = tiny(Arch::Llama);
+    let vocab = model.transformer.config.vocab_size;
+    let a = random_adapter(&model, full_spec(2), 5);
+    let prompt = tokens(12, 7, 256);
+    let k = 5;
+    // Batched with a request that asks for nothing, which must get nothing.
+    let jobs = [
+        job(tokens(13, 3, 256), None, 1, 0),
+        SampleJob {
+            topk_prompt_logprobs: k,
+            max_tokens: 1,
+            ..job(prompt.clone(), Some(0), 1, 0)
+        },
+    ];
+    let out = sample(
+        &model.transformer,
+        &model.tokenizer,
+        &[&a],
+        &jobs,
+        DecodeMode::Fast,
+    )
+    .unwrap();
+    assert!(out[0].topk_prompt_logprobs.is_none() && out[1].prompt_logprobs.is_none());
+    let topk = out[1].topk_prompt_logprobs.as_ref().unwrap();
+    assert_eq!(topk.len(), prompt.len());
+    assert!(topk[0].is_none());
+    // Reference: every token's log-probability at every position from the training
+    // forward, sorted.
+    let inputs = &prompt[..prompt.len() - 1];
+    let rows = inputs.len();
+    let batch = PackedBatch::new(&[(inputs, Some(0), 0)], &Device::Cpu).unwrap();
+    let all: Vec<u32> = (0..rows).flat_map(|_| 0..vocab as u32).collect();
+    let targets = Tensor::from_vec(all, (rows, vocab), &Device::Cpu).unwrap();
+    let (lp, _) = model
+        .transformer
+        .forward_logprobs(&batch, &[&a], &targets, false)
+        .unwrap();
+    let lp: Vec<Vec<f32>> = lp.to_vec2().unwrap();
+    for (pos, got) in topk[1..].iter().enumerate() {
+        let got = got.as_ref().unwrap();
+        assert_eq!(got.len(), k);
+        let mut want: Vec<(usize, f32)> = lp[pos].iter().copied().enumerate().collect();
+        want.sort_by(|x, y| y.1.total_cmp(&x.1));
+        for ((tok, l), (wtok, wl)) in got.iter().zip(&want) {
+            assert!((l - wl).abs() < 1e-4, "position {}: {l} vs {wl}", pos + 1);
+            // Near-ties may swap order; the token's own score must still match.
+            assert!(*tok as usize == *wtok || (lp[pos][*tok as usize] - l).abs() < 1e-4);
+        }
+        assert!(got.windows(2).all(|w| w[0].1 >= w[1].1));
     }
 }

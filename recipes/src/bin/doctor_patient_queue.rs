@@ -18,8 +18,9 @@
 //! what is left and stops. When the second session cannot be created (or with
 //! `--force-fallback`) one session plays both roles, still through the queue.
 //!
-//! Adapted to a small model: prompts are raw text, one line per turn, and at the turn cap
-//! the doctor's line starts with `Diagnosis:`.
+//! Adapted to a small model: prompts are raw text, one line per turn; the doctor's header
+//! holds the case table's diseases and symptoms (the medical knowledge a 135M model lacks)
+//! and a one-shot example; at the turn cap the doctor's line starts with `Diagnosis:`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -89,11 +90,16 @@ const TURN_TOKENS: usize = 16;
 /// Held-out dialogues written to `samples.jsonl` per evaluation.
 const EXAMPLES: usize = 4;
 
+/// The doctor's instructions. A 32B doctor knows medicine; a 135M one knows none of the
+/// synthetic table, so the header gives it the table as its textbook.
 fn doctor_header() -> String {
-    let names: Vec<&str> = DISEASES.iter().map(|d| d.name).collect();
+    let table: Vec<String> = DISEASES
+        .iter()
+        .map(|d| format!("{}: {}.\n", d.name, d.symptoms.join(", ")))
+        .collect();
     format!(
-        "You are a doctor. Diagnoses: {}. Each turn, ask 'Question: Do you have <symptom>?' or answer 'Diagnosis: <diagnosis>'.\nExample:\nPatient: I have a rash.\nDoctor: Question: Do you have itchy eyes?\nPatient: Yes.\nDoctor: Diagnosis: allergy.\nA new patient:\n",
-        names.join(", ")
+        "You are a doctor. Diseases and their symptoms:\n{}Each turn, ask 'Question: Do you have <symptom>?' or answer 'Diagnosis: <disease>'.\nExample:\nPatient: I have a rash.\nDoctor: Question: Do you have itchy eyes?\nPatient: Yes.\nDoctor: Diagnosis: allergy.\nA new patient:\n",
+        table.concat()
     )
 }
 
@@ -774,6 +780,9 @@ mod tests {
         let p = d.doctor_prompt(&case, true);
         assert!(p.ends_with("Patient: Yes.\nDoctor: Diagnosis:"));
         assert!(p.contains("Patient: I have fever.\n"));
+        // The doctor's textbook: every disease with its symptoms.
+        assert!(p.contains("flu: fever, cough, body aches, chills.\n"));
+        assert!(p.contains("strep throat: sore throat, fever, swollen glands, headache.\n"));
         let p = d.patient_prompt(&case, "Question: Do you have a cough?");
         assert!(p.contains("Symptoms: fever, cough, chills."));
         assert!(p.ends_with("Doctor: Question: Do you have a cough?\nPatient:"));

@@ -6,7 +6,7 @@ use serde_json::json;
 use super::error::{Error, Result};
 use super::future::{decode, single, ApiFuture};
 use super::service::ServiceClient;
-use crate::types::{ModelInput, SampleResponse, SamplingParams, UntypedApiFuture};
+use crate::types::{ModelInput, SampleResponse, SamplingParams, TopkEntry, UntypedApiFuture};
 
 /// A sampling session on the server. Cheap to clone; requests need no ordering and run
 /// batched with other sessions' requests.
@@ -66,6 +66,7 @@ impl SamplingClient {
         num_samples: usize,
         params: &SamplingParams,
         prompt_logprobs: bool,
+        topk_prompt_logprobs: usize,
     ) -> Result<String> {
         if prompt.length() == 0 {
             return Err(Error::InvalidInput("the prompt is empty".into()));
@@ -73,7 +74,7 @@ impl SamplingClient {
         check(num_samples, params)?;
         let body = json!({"prompt": prompt, "num_samples": num_samples, "sampling_params": params,
                           "sampling_session_id": self.sampler_id, "prompt_logprobs": prompt_logprobs,
-                          "topk_prompt_logprobs": 0, "type": "sample"});
+                          "topk_prompt_logprobs": topk_prompt_logprobs, "type": "sample"});
         let fut: UntypedApiFuture = self
             .service
             .transport()
@@ -92,7 +93,7 @@ impl SamplingClient {
         num_samples: usize,
         params: &SamplingParams,
     ) -> Result<ApiFuture<SampleResponse>> {
-        let id = self.submit(prompt, num_samples, params, false).await?;
+        let id = self.submit(prompt, num_samples, params, false, 0).await?;
         Ok(ApiFuture::new(
             self.service.transport().clone(),
             vec![id],
@@ -110,7 +111,7 @@ impl SamplingClient {
             max_tokens: Some(1),
             ..Default::default()
         };
-        let id = self.submit(prompt, 1, &params, true).await?;
+        let id = self.submit(prompt, 1, &params, true, 0).await?;
         Ok(ApiFuture::new(
             self.service.transport().clone(),
             vec![id],
@@ -118,6 +119,33 @@ impl SamplingClient {
                 let resp: SampleResponse = single(values)?;
                 resp.prompt_logprobs
                     .ok_or_else(|| Error::decode("no prompt_logprobs", "sample response"))
+            },
+        ))
+    }
+
+    /// The `k` most likely tokens at every prompt position given the tokens before it,
+    /// as `(token id, logprob)` pairs, most likely first (the first position is `None`).
+    /// The server allows `k` up to 64.
+    pub async fn compute_topk_logprobs(
+        &self,
+        prompt: &ModelInput,
+        k: usize,
+    ) -> Result<ApiFuture<Vec<Option<Vec<TopkEntry>>>>> {
+        if k == 0 {
+            return Err(Error::InvalidInput("k must be at least 1".into()));
+        }
+        let params = SamplingParams {
+            max_tokens: Some(1),
+            ..Default::default()
+        };
+        let id = self.submit(prompt, 1, &params, false, k).await?;
+        Ok(ApiFuture::new(
+            self.service.transport().clone(),
+            vec![id],
+            |values| {
+                let resp: SampleResponse = single(values)?;
+                resp.topk_prompt_logprobs
+                    .ok_or_else(|| Error::decode("no topk_prompt_logprobs", "sample response"))
             },
         ))
     }

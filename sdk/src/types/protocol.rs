@@ -472,7 +472,8 @@ pub struct SampleResponse {
     /// Per prompt token (first `None`), when requested.
     #[serde(default)]
     pub prompt_logprobs: Option<Vec<Option<f64>>>,
-    /// Top-k prompt alternatives (always `None`).
+    /// Per prompt position (first `None`), the requested number of most likely tokens,
+    /// when `topk_prompt_logprobs` > 0.
     #[serde(default)]
     pub topk_prompt_logprobs: Option<Vec<Option<Vec<TopkEntry>>>>,
 }

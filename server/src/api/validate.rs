@@ -17,6 +17,8 @@ use crate::train::{DatumJob, Loss, TokenInputs};
 
 /// Most samples one `asample` may ask for.
 pub const MAX_NUM_SAMPLES: usize = 64;
+/// Most alternatives per prompt position `topk_prompt_logprobs` may ask for.
+pub const MAX_TOPK_PROMPT_LOGPROBS: usize = 64;
 
 fn bad(msg: impl Into<String>) -> ApiError {
     ApiError::bad_request(msg)
@@ -261,8 +263,11 @@ pub fn sample_job(model: &ModelInfo, req: &SampleRequest) -> Result<SampleJob, A
             req.num_samples
         )));
     }
-    if req.topk_prompt_logprobs > 0 {
-        return Err(bad("topk_prompt_logprobs is not supported; send 0"));
+    if req.topk_prompt_logprobs > MAX_TOPK_PROMPT_LOGPROBS {
+        return Err(bad(format!(
+            "topk_prompt_logprobs must be at most {MAX_TOPK_PROMPT_LOGPROBS}, got {}",
+            req.topk_prompt_logprobs
+        )));
     }
     let p = &req.sampling_params;
     let room = model.max_seq_len.saturating_sub(prompt.len());
@@ -331,6 +336,7 @@ pub fn sample_job(model: &ModelInfo, req: &SampleRequest) -> Result<SampleJob, A
         stop_tokens,
         seed: p.seed,
         prompt_logprobs: req.prompt_logprobs,
+        topk_prompt_logprobs: req.topk_prompt_logprobs,
     })
 }
 

@@ -293,6 +293,7 @@ fn bench_sample(a: SampleArgs) -> anyhow::Result<serde_json::Value> {
         stop_tokens: vec![],
         seed: Some(0),
         prompt_logprobs: false,
+        topk_prompt_logprobs: 0,
     };
     // Tokens/s end to end (prefill, decode and rescoring), and the phases' seconds.
     let run = |jobs: &[SampleJob]| -> anyhow::Result<(f64, SampleTimings)> {

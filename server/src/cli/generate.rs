@@ -71,6 +71,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         stop_tokens: vec![],
         seed: args.seed,
         prompt_logprobs: false,
+        topk_prompt_logprobs: 0,
     };
     let adapters: Vec<_> = adapter.iter().collect();
     let out = sample(

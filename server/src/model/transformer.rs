@@ -107,6 +107,23 @@ fn stacked_backward<const N: usize>(
     Ok(dx)
 }
 
+/// A row's most likely next tokens with their log-probabilities, most likely first.
+pub type TopK = Vec<(u32, f32)>;
+
+/// The `k` largest entries of `row` as `(token, logit - lse)`, largest first, ties by
+/// token id.
+fn top_k(row: &[f32], lse: f32, k: usize) -> TopK {
+    let order = |a: &usize, b: &usize| row[*b].total_cmp(&row[*a]).then(a.cmp(b));
+    let mut idx: Vec<usize> = (0..row.len()).collect();
+    let k = k.min(row.len());
+    if k < idx.len() {
+        idx.select_nth_unstable_by(k, order);
+        idx.truncate(k);
+    }
+    idx.sort_unstable_by(order);
+    idx.into_iter().map(|i| (i as u32, row[i] - lse)).collect()
+}
+
 /// One sequence of a packed batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SeqSpan {
@@ -331,7 +348,8 @@ impl Transformer {
         }
         let (xf, norm) = ops::rms_norm(&h, &self.weights.norm, self.config.rms_norm_eps)?;
         drop(h);
-        let (lp, head) = self.head_logprobs(&xf, batch, adapters, targets, keep_tape)?;
+        let (lp, head) =
+            self.head_logprobs(&xf, batch, adapters, targets, keep_tape, 0, &mut Vec::new())?;
         let tape = keep_tape.then(|| Tape {
             layers: tapes,
             norm,
@@ -377,11 +395,27 @@ impl Transformer {
         caches: &mut [&mut KvCache],
         targets: &Tensor,
     ) -> Result<(Tensor, Tensor), ModelError> {
+        let (logits, lp, _) = self.forward_cached_topk(batch, adapters, caches, targets, 0)?;
+        Ok((logits, lp))
+    }
+
+    /// [`Transformer::forward_cached_logprobs`], also returning the `k` most likely next
+    /// tokens of every row with their log-probabilities, most likely first (empty rows
+    /// when `k` is 0).
+    pub fn forward_cached_topk(
+        &self,
+        batch: &PackedBatch,
+        adapters: &[&Adapter],
+        caches: &mut [&mut KvCache],
+        targets: &Tensor,
+        k: usize,
+    ) -> Result<(Tensor, Tensor, Vec<TopK>), ModelError> {
         let h = self.cached_hidden(batch, adapters, caches, None)?;
         let logits = self.last_row_logits(&h, batch, adapters, None)?;
         let (xf, _) = ops::rms_norm(&h, &self.weights.norm, self.config.rms_norm_eps)?;
-        let (lp, _) = self.head_logprobs(&xf, batch, adapters, targets, false)?;
-        Ok((logits, lp))
+        let mut topk = Vec::new();
+        let (lp, _) = self.head_logprobs(&xf, batch, adapters, targets, false, k, &mut topk)?;
+        Ok((logits, lp, topk))
     }
 
     /// Next-token logits of each sequence's last row, `(seqs, vocab)`: one head matmul
@@ -617,6 +651,8 @@ impl Transformer {
 
     /// Target log-probabilities, computed in row chunks that never cross an adapter
     /// boundary so the `(rows, vocab)` logits stay bounded.
+    /// With `k > 0`, also appends each row's `k` most likely tokens to `topk`.
+    #[allow(clippy::too_many_arguments)]
     fn head_logprobs(
         &self,
         xf: &Tensor,
@@ -624,6 +660,8 @@ impl Transformer {
         adapters: &[&Adapter],
         targets: &Tensor,
         keep: bool,
+        k: usize,
+        topk: &mut Vec<TopK>,
     ) -> Result<(Tensor, Vec<HeadChunk>), ModelError> {
         let w = self.weights.lm_head();
         let mut lps = Vec::new();
@@ -642,6 +680,11 @@ impl Transformer {
                     lora_forward(&x, x.matmul(&w.t()?)?, Target::LmHead, &local, adapters)?;
                 let t = targets.narrow(0, start, len)?.contiguous()?;
                 let (lp, lse) = ops::logprobs_at(&logits, &t)?;
+                if k > 0 {
+                    let rows: Vec<Vec<f32>> = logits.to_dtype(DType::F32)?.to_vec2()?;
+                    let lse: Vec<f32> = lse.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+                    topk.extend(rows.iter().zip(lse).map(|(row, z)| top_k(row, z, k)));
+                }
                 lps.push(lp);
                 if keep {
                     chunks.push(HeadChunk {

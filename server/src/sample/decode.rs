@@ -9,6 +9,7 @@ use rand::{rngs::StdRng, SeedableRng};
 
 use super::logits::{token_logprob, Picker};
 use crate::model::host_decode::{HostDecoder, StepRow};
+use crate::model::transformer::TopK;
 use crate::model::{Adapter, KvCache, ModelError, PackedBatch, TextTokenizer, Transformer};
 
 /// New tokens generated when a request sets no `max_tokens`.
@@ -49,6 +50,9 @@ pub struct SampleJob {
     pub seed: Option<u64>,
     /// Also return the log-probability of every prompt token after the first.
     pub prompt_logprobs: bool,
+    /// Also return this many most likely tokens at every prompt position after the first
+    /// (0: none).
+    pub topk_prompt_logprobs: usize,
 }
 
 /// Why a sequence ended.
@@ -78,6 +82,9 @@ pub struct SampleOutput {
     pub sequences: Vec<Generated>,
     /// Prompt log-probabilities (first entry `None`), when requested.
     pub prompt_logprobs: Option<Vec<Option<f32>>>,
+    /// The `topk_prompt_logprobs` most likely tokens at every prompt position (first
+    /// entry `None`) with their log-probabilities, most likely first, when requested.
+    pub topk_prompt_logprobs: Option<Vec<Option<TopK>>>,
 }
 
 struct Stream {
@@ -146,7 +153,12 @@ pub fn sample_timed(
     // prompt's KV cache is then exact whatever the batch looks like. When prompt
     // log-probabilities are asked for, the same pass scores the prompts.
     let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
-    let (first, prompt_lp) = if jobs.iter().any(|j| j.prompt_logprobs) {
+    let topk = jobs
+        .iter()
+        .map(|j| j.topk_prompt_logprobs)
+        .max()
+        .unwrap_or(0);
+    let (first, prompt_lp, prompt_topk) = if topk > 0 || jobs.iter().any(|j| j.prompt_logprobs) {
         // Row i of a prompt predicts token i+1; the last row's target is a placeholder.
         let targets: Vec<u32> = jobs
             .iter()
@@ -154,13 +166,15 @@ pub fn sample_timed(
             .collect();
         let rows = targets.len();
         let targets = Tensor::from_vec(targets, (rows, 1), dev)?;
-        let (logits, lp) = model.forward_cached_logprobs(&batch, adapters, &mut refs, &targets)?;
+        let (logits, lp, alternatives) =
+            model.forward_cached_topk(&batch, adapters, &mut refs, &targets, topk)?;
         let lp: Vec<f32> = lp.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
-        (logits, Some(lp))
+        (logits, Some(lp), alternatives)
     } else {
         (
             model.forward_cached(&batch, adapters, &mut refs, false)?,
             None,
+            Vec::new(),
         )
     };
     drop(refs);
@@ -269,10 +283,20 @@ pub fn sample_timed(
             ),
             _ => None,
         };
+        // Position i's alternatives come from row i - 1, like its log-probability.
+        let topk_prompt_logprobs =
+            (job.topk_prompt_logprobs > 0).then(|| {
+                std::iter::once(None)
+                    .chain(prompt_topk[offset..offset + n - 1].iter().map(|row| {
+                        Some(row.iter().take(job.topk_prompt_logprobs).copied().collect())
+                    }))
+                    .collect()
+            });
         offset += n;
         outputs.push(SampleOutput {
             sequences: Vec::with_capacity(job.num_samples),
             prompt_logprobs,
+            topk_prompt_logprobs,
         });
     }
     for st in streams {

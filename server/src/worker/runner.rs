@@ -451,6 +451,6 @@ fn sample_output(out: SampleOutput) -> serde_json::Value {
         "type": "sample",
         "sequences": sequences,
         "prompt_logprobs": out.prompt_logprobs,
-        "topk_prompt_logprobs": null,
+        "topk_prompt_logprobs": out.topk_prompt_logprobs,
     })
 }
