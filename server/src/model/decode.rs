@@ -11,6 +11,7 @@
 use candle_core::{DType, Tensor};
 
 use super::kernels::{self, Q8Matrix, Q8_BLOCK};
+use super::transformer::StackedWeights;
 use super::weights::{matmul_t, BaseWeights, FrozenLinear};
 use super::ModelError;
 
@@ -71,8 +72,19 @@ impl DecodeLinear {
     }
 }
 
-/// The seven projections of one block, in [`super::Proj::ALL`] order.
-pub type DecodeLayer = [DecodeLinear; 7];
+/// One block's decode projections, stacked as the trainer stacks them so a decode step
+/// makes four weight passes per block, not seven.
+#[derive(Debug, Clone)]
+pub struct DecodeLayer {
+    /// q, k and v, stacked by rows.
+    pub qkv: DecodeLinear,
+    /// Attention output.
+    pub o: DecodeLinear,
+    /// gate and up, stacked by rows.
+    pub gate_up: DecodeLinear,
+    /// MLP down.
+    pub down: DecodeLinear,
+}
 
 /// Quantized weights of the whole model.
 #[derive(Debug, Clone)]
@@ -84,27 +96,29 @@ pub struct DecodeWeights {
 }
 
 impl DecodeWeights {
-    /// Quantizes `w` (about a quarter of its f32 size).
-    pub fn new(w: &BaseWeights) -> Result<Self, ModelError> {
+    /// Quantizes `w`, whose blocks' stacked projections are `stacks` (about a quarter of
+    /// their f32 size).
+    pub fn new(w: &BaseWeights, stacks: &[StackedWeights<'_>]) -> Result<Self, ModelError> {
+        let linear = |weight: &Tensor, bias: Option<&Tensor>| {
+            DecodeLinear::new(&FrozenLinear {
+                weight: weight.clone(),
+                bias: bias.cloned(),
+            })
+        };
         let layers = w
             .layers
             .iter()
-            .map(|l| {
-                Ok([
-                    DecodeLinear::new(&l.q_proj)?,
-                    DecodeLinear::new(&l.k_proj)?,
-                    DecodeLinear::new(&l.v_proj)?,
-                    DecodeLinear::new(&l.o_proj)?,
-                    DecodeLinear::new(&l.gate_proj)?,
-                    DecodeLinear::new(&l.up_proj)?,
-                    DecodeLinear::new(&l.down_proj)?,
-                ])
+            .zip(stacks)
+            .map(|(l, st)| {
+                Ok(DecodeLayer {
+                    qkv: linear(st.qkv, st.qkv_bias)?,
+                    o: DecodeLinear::new(&l.o_proj)?,
+                    gate_up: linear(st.gate_up, None)?,
+                    down: DecodeLinear::new(&l.down_proj)?,
+                })
             })
             .collect::<Result<Vec<_>, ModelError>>()?;
-        let lm_head = DecodeLinear::new(&FrozenLinear {
-            weight: w.lm_head().clone(),
-            bias: None,
-        })?;
+        let lm_head = linear(w.lm_head(), None)?;
         Ok(Self { layers, lm_head })
     }
 }

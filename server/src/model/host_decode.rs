@@ -24,7 +24,6 @@ use super::kernels::{dot, matmul_t_few_rows_host};
 use super::kv::{self, HostQkv, KvCache};
 use super::lora::{Adapter, Proj, Target};
 use super::transformer::{SeqSpan, Transformer};
-use super::weights::{FrozenLinear, LayerWeights};
 use super::ModelError;
 
 /// One adapted projection in host form: `y += scale * B (A x)`.
@@ -229,9 +228,12 @@ impl<'m> HostDecoder<'m> {
         let mut attn = vec![0f32; m * hq * hd];
         for (li, norms) in self.norms.iter().enumerate() {
             let x1 = rms_rows(&h, d, &norms.input, eps);
-            let mut q = self.project(&x1, rows, li, Proj::Q)?;
-            let mut k = self.project(&x1, rows, li, Proj::K)?;
-            let v = self.project(&x1, rows, li, Proj::V)?;
+            let [mut q, mut k, v] = self.stacked(
+                &x1,
+                rows,
+                li,
+                [(Proj::Q, hq * hd), (Proj::K, hkv * hd), (Proj::V, hkv * hd)],
+            )?;
             if let (Some(qn), Some(kn)) = (&norms.q, &norms.k) {
                 q = rms_rows(&q, hd, qn, eps);
                 k = rms_rows(&k, hd, kn, eps);
@@ -248,8 +250,8 @@ impl<'m> HostDecoder<'m> {
             let o = self.project(&attn, rows, li, Proj::O)?;
             add_into(&mut h, &o);
             let x2 = rms_rows(&h, d, &norms.post, eps);
-            let gate = self.project(&x2, rows, li, Proj::Gate)?;
-            let up = self.project(&x2, rows, li, Proj::Up)?;
+            let f = cfg.intermediate_size;
+            let [gate, up] = self.stacked(&x2, rows, li, [(Proj::Gate, f), (Proj::Up, f)])?;
             let act: Vec<f32> = gate
                 .iter()
                 .zip(&up)
@@ -275,7 +277,54 @@ impl<'m> HostDecoder<'m> {
         Ok(logits)
     }
 
-    /// `x W^T (+ b)` with the frozen weights of projection `p` of block `layer`, plus
+    /// `x` through block `layer`'s stacked projections (`parts` in row order with their
+    /// widths: q/k/v or gate/up) in one weight pass, split into the parts, each with
+    /// every row's own adapter delta.
+    fn stacked<const N: usize>(
+        &self,
+        x: &[f32],
+        rows: &[StepRow],
+        layer: usize,
+        parts: [(Proj, usize); N],
+    ) -> Result<[Vec<f32>; N], ModelError> {
+        let m = rows.len();
+        let gate_up = parts[0].0 == Proj::Gate;
+        let y = match self.dec {
+            Some(dec) => {
+                let l = &dec.layers[layer];
+                if gate_up { &l.gate_up } else { &l.qkv }.forward_host(x, m)?
+            }
+            None => {
+                let st = self.model.stacked(layer);
+                let w = if gate_up { st.gate_up } else { st.qkv };
+                let mut y = matmul_t_few_rows_host(x, m, w)?;
+                if let (false, Some(b)) = (gate_up, st.qkv_bias) {
+                    add_bias(&mut y, &host(b)?);
+                }
+                y
+            }
+        };
+        let width: usize = parts.iter().map(|(_, w)| w).sum();
+        let k = x.len() / m;
+        let mut out: [Vec<f32>; N] = std::array::from_fn(|i| Vec::with_capacity(m * parts[i].1));
+        for (i, (yr, r)) in y.chunks_exact(width).zip(rows).enumerate() {
+            let mut start = 0;
+            for ((p, w), o) in parts.iter().zip(out.iter_mut()) {
+                let begin = o.len();
+                o.extend_from_slice(&yr[start..start + w]);
+                if let Some(l) = r
+                    .adapter
+                    .and_then(|a| self.adapters[a].layers[layer][*p as usize].as_ref())
+                {
+                    l.apply(&x[i * k..(i + 1) * k], &mut o[begin..]);
+                }
+                start += w;
+            }
+        }
+        Ok(out)
+    }
+
+    /// `x W^T` with the frozen weights of block `layer`'s `o` or `down` projection, plus
     /// each row's own adapter delta.
     fn project(
         &self,
@@ -286,14 +335,18 @@ impl<'m> HostDecoder<'m> {
     ) -> Result<Vec<f32>, ModelError> {
         let m = rows.len();
         let mut y = match self.dec {
-            Some(dec) => dec.layers[layer][p as usize].forward_host(x, m)?,
+            Some(dec) => {
+                let l = &dec.layers[layer];
+                if p == Proj::O { &l.o } else { &l.down }.forward_host(x, m)?
+            }
             None => {
-                let lin = frozen(&self.model.weights.layers[layer], p);
-                let mut y = matmul_t_few_rows_host(x, m, &lin.weight)?;
-                if let Some(b) = &lin.bias {
-                    add_bias(&mut y, &host(b)?);
-                }
-                y
+                let l = &self.model.weights.layers[layer];
+                let w = if p == Proj::O {
+                    &l.o_proj
+                } else {
+                    &l.down_proj
+                };
+                matmul_t_few_rows_host(x, m, &w.weight)?
             }
         };
         let (k, n) = (x.len() / m, y.len() / m);
@@ -339,19 +392,6 @@ fn rope_rows(x: &mut [f32], heads: usize, hd: usize, cos: &[f32], sin: &[f32]) {
                 x2[j] = b * c[j] + a * s[j];
             }
         }
-    }
-}
-
-/// The f32 weights of projection `p`.
-fn frozen(l: &LayerWeights, p: Proj) -> &FrozenLinear {
-    match p {
-        Proj::Q => &l.q_proj,
-        Proj::K => &l.k_proj,
-        Proj::V => &l.v_proj,
-        Proj::O => &l.o_proj,
-        Proj::Gate => &l.gate_proj,
-        Proj::Up => &l.up_proj,
-        Proj::Down => &l.down_proj,
     }
 }
 

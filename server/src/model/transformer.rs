@@ -51,21 +51,16 @@ fn stack_projections(
     Ok(out)
 }
 
-/// `x` through stacked projections (`parts` in row order, with their widths) in one
-/// matmul; each part then gets its adapters' deltas.
+/// The output `y` of stacked projections (`parts` in row order, with their widths), one
+/// matmul over `x`, split into its parts, each with its adapters' deltas.
 fn stacked_forward<const N: usize>(
     x: &Tensor,
-    stacked: &Tensor,
-    bias: Option<&Tensor>,
+    y: Tensor,
     parts: [(Proj, usize); N],
     layer: usize,
     segs: &[Segment],
     adapters: &[&Adapter],
 ) -> candle_core::Result<[(Tensor, LoraCache); N]> {
-    let mut y = matmul_t(x, stacked)?;
-    if let Some(b) = bias {
-        y = y.broadcast_add(b)?;
-    }
     let mut start = 0;
     let mut out = Vec::with_capacity(N);
     for (p, width) in parts {
@@ -224,6 +219,27 @@ struct FusedLayer {
     gate_up: Tensor,
 }
 
+impl FusedLayer {
+    fn view(&self) -> StackedWeights<'_> {
+        StackedWeights {
+            qkv: &self.qkv,
+            qkv_bias: self.qkv_bias.as_ref(),
+            gate_up: &self.gate_up,
+        }
+    }
+}
+
+/// A block's stacked projections: q/k/v `(q_dim + 2 kv_dim, hidden)` with its bias, and
+/// gate/up `(2 intermediate, hidden)`.
+pub struct StackedWeights<'a> {
+    /// q, k and v, stacked by rows.
+    pub qkv: &'a Tensor,
+    /// Their stacked biases (Qwen2).
+    pub qkv_bias: Option<&'a Tensor>,
+    /// gate and up, stacked by rows.
+    pub gate_up: &'a Tensor,
+}
+
 struct LayerTape {
     norm1: RmsSaved,
     x1: Tensor,
@@ -296,13 +312,19 @@ impl Transformer {
         if let Some(d) = self.decode.get() {
             return Ok(d);
         }
-        let built = DecodeWeights::new(&self.weights)?;
+        let stacks: Vec<StackedWeights<'_>> = self.fused.iter().map(FusedLayer::view).collect();
+        let built = DecodeWeights::new(&self.weights, &stacks)?;
         Ok(self.decode.get_or_init(|| built))
     }
 
     /// A copy in another dtype (f64 for gradient checks).
     pub fn to_dtype(&self, dtype: DType) -> Result<Self, ModelError> {
         Self::new(self.config.clone(), self.weights.to_dtype(dtype)?)
+    }
+
+    /// Block `layer`'s stacked projections (the f32 weights the trainer uses).
+    pub fn stacked(&self, layer: usize) -> StackedWeights<'_> {
+        self.fused[layer].view()
     }
 
     /// The RoPE `(cos, sin)` rows of `positions`, each `(n, head_dim / 2)` row-major.
@@ -532,9 +554,11 @@ impl Transformer {
         let segs = &batch.segments;
         let lin =
             |x: &Tensor, l: &FrozenLinear, p: Proj| -> candle_core::Result<(Tensor, LoraCache)> {
-                let base = match dec {
-                    Some(d) => d[p as usize].forward(x)?,
-                    None => l.forward(x)?,
+                let base = match (dec, p) {
+                    (Some(d), Proj::O) => d.o.forward(x)?,
+                    // `lin` serves the two unstacked projections, o and down.
+                    (Some(d), _) => d.down.forward(x)?,
+                    (None, _) => l.forward(x)?,
                 };
                 lora_forward(x, base, Target::Layer(index, p), segs, adapters)
             };
@@ -545,27 +569,26 @@ impl Transformer {
             cfg.head_dim,
         );
         let (x1, norm1) = ops::rms_norm(h, &w.input_layernorm, cfg.rms_norm_eps)?;
-        let ((q, lq), (k, lk), (v, lv)) = match dec {
-            Some(_) => (
-                lin(&x1, &w.q_proj, Proj::Q)?,
-                lin(&x1, &w.k_proj, Proj::K)?,
-                lin(&x1, &w.v_proj, Proj::V)?,
-            ),
+        let f = &self.fused[index];
+        let qkv = match dec {
+            Some(d) => d.qkv.forward(&x1)?,
             None => {
-                let f = &self.fused[index];
-                let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
-                let [q, k, v] = stacked_forward(
-                    &x1,
-                    &f.qkv,
-                    f.qkv_bias.as_ref(),
-                    [(Proj::Q, qd), (Proj::K, kvd), (Proj::V, kvd)],
-                    index,
-                    segs,
-                    adapters,
-                )?;
-                (q, k, v)
+                let y = matmul_t(&x1, &f.qkv)?;
+                match &f.qkv_bias {
+                    Some(b) => y.broadcast_add(b)?,
+                    None => y,
+                }
             }
         };
+        let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
+        let [(q, lq), (k, lk), (v, lv)] = stacked_forward(
+            &x1,
+            qkv,
+            [(Proj::Q, qd), (Proj::K, kvd), (Proj::V, kvd)],
+            index,
+            segs,
+            adapters,
+        )?;
         let mut q = q.reshape((n, hq, hd))?;
         let mut k = k.reshape((n, hkv, hd))?;
         let (mut q_norm, mut k_norm) = (None, None);
@@ -602,25 +625,19 @@ impl Transformer {
         let (o, lo) = lin(&attn_out, &w.o_proj, Proj::O)?;
         let h2 = (h + o)?;
         let (x2, norm2) = ops::rms_norm(&h2, &w.post_attention_layernorm, cfg.rms_norm_eps)?;
-        let ((gate, lgate), (up, lup)) = match dec {
-            Some(_) => (
-                lin(&x2, &w.gate_proj, Proj::Gate)?,
-                lin(&x2, &w.up_proj, Proj::Up)?,
-            ),
-            None => {
-                let f = cfg.intermediate_size;
-                let [gate, up] = stacked_forward(
-                    &x2,
-                    &self.fused[index].gate_up,
-                    None,
-                    [(Proj::Gate, f), (Proj::Up, f)],
-                    index,
-                    segs,
-                    adapters,
-                )?;
-                (gate, up)
-            }
+        let gate_up = match dec {
+            Some(d) => d.gate_up.forward(&x2)?,
+            None => matmul_t(&x2, &f.gate_up)?,
         };
+        let width = cfg.intermediate_size;
+        let [(gate, lgate), (up, lup)] = stacked_forward(
+            &x2,
+            gate_up,
+            [(Proj::Gate, width), (Proj::Up, width)],
+            index,
+            segs,
+            adapters,
+        )?;
         let act = ops::swiglu(&gate, &up)?;
         let (down, ldown) = lin(&act, &w.down_proj, Proj::Down)?;
         let h3 = (h2 + down)?;
