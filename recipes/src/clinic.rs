@@ -66,18 +66,30 @@ pub fn is_sorry(reply: &str) -> bool {
     reply.to_lowercase().contains("sorry")
 }
 
-/// The doctor's reward for a finished dialogue: its `diagnosis` (if any), the patient's
-/// `replies`, and how many of its turns held two or more questions.
+/// The doctor's reward for a finished dialogue: its `diagnosis` (if any), its `turns` as
+/// `(question, patient reply)`, and how many of its turns held two or more questions.
+///
+/// MrlX's rubric, with one rule standing in for a patient that a small model cannot be
+/// trusted to be: a question about no symptom at all scores as the refusal the patient
+/// prompt prescribes for it (−2), whatever the patient said. MrlX's capable patient
+/// refuses such questions; a 135M patient answers them, and the doctor then learned to
+/// ask anything ("What is your name?") for +1 a turn.
 pub fn doctor_reward<'a>(
     diagnosis: Option<&str>,
-    replies: impl IntoIterator<Item = &'a str>,
+    turns: impl IntoIterator<Item = (&'a str, &'a str)>,
     multi_questions: usize,
     case: &Case,
 ) -> f64 {
     let accuracy = diagnosis.map_or(0.0, |t| 5.0 * token_f1(t, case.disease.name));
-    let information: f64 = replies
+    let information: f64 = turns
         .into_iter()
-        .map(|reply| if is_sorry(reply) { -2.0 } else { 1.0 })
+        .map(|(question, reply)| {
+            if is_sorry(reply) || mentioned(question).is_empty() {
+                -2.0
+            } else {
+                1.0
+            }
+        })
         .sum();
     let missing = diagnosis.is_none_or(|t| t.trim().is_empty());
     let compliance = -2.0 * multi_questions as f64 - if missing { 5.0 } else { 0.0 };
@@ -181,21 +193,33 @@ mod tests {
     #[test]
     fn doctor_rewards_fix_mrlx_precedence() {
         let case = flu_case();
-        assert_eq!(doctor_reward(Some(" flu"), ["Yes."], 0, &case), 5.0 + 1.0);
+        let asked = "Question: Do you have chills?";
+        assert_eq!(
+            doctor_reward(Some(" flu"), [(asked, "Yes.")], 0, &case),
+            5.0 + 1.0
+        );
         assert!(diagnosis_correct(" flu", &case));
         assert!(!diagnosis_correct("flu or allergy", &case));
-        let replies = ["Yes.", SORRY];
+        let turns = [(asked, "Yes."), (asked, SORRY)];
         assert_eq!(
-            doctor_reward(Some(" flu"), replies, 1, &case),
+            doctor_reward(Some(" flu"), turns, 1, &case),
             5.0 + 1.0 - 2.0 - 2.0
         );
-        assert_eq!(
-            doctor_reward(None, replies, 1, &case),
-            1.0 - 2.0 - 2.0 - 5.0
-        );
+        assert_eq!(doctor_reward(None, turns, 1, &case), 1.0 - 2.0 - 2.0 - 5.0);
         // A recommendation never costs anything (MrlX's precedence bug did that).
         assert_eq!(doctor_reward(Some(" "), [], 0, &case), -5.0);
         assert!((token_f1("common flu", "flu") - 2.0 / 3.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn off_topic_questions_score_as_the_prescribed_refusal() {
+        let case = flu_case();
+        // The patient answered, but the question is about no symptom: the prescribed
+        // refusal's −2, not +1.
+        let name = ("Question: What is your name?", "John.");
+        assert_eq!(doctor_reward(Some("flu"), [name], 0, &case), 5.0 - 2.0);
+        let symptom = ("Question: Do you have a rash?", "No.");
+        assert_eq!(doctor_reward(Some("flu"), [symptom], 0, &case), 5.0 + 1.0);
     }
 
     #[test]

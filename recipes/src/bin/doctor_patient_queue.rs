@@ -8,8 +8,10 @@
 //! in place of MrlX's reference F1 and LLM judge:
 //!
 //! * doctor = 5 × token F1 of the diagnosis with the reference, + 1 per answered question,
-//!   − 2 per "sorry" reply, − 2 per doctor turn with two or more `?`, − 5 when no diagnosis
-//!   is given (MrlX's precedence bug, which penalised a *present* recommendation, is fixed);
+//!   − 2 per "sorry" reply or question about no symptom (the refusal the patient prompt
+//!   prescribes), − 2 per doctor turn with two or more `?`, − 5 when no diagnosis is given
+//!   (MrlX's precedence bug, which penalised a *present* recommendation, is fixed); see
+//!   `clinic::doctor_reward`;
 //! * patient, per reply = mean of information control (1 − 0.2 × symptoms volunteered that
 //!   were not asked), completeness (1 − 0.2 × asked symptoms the patient has but did not
 //!   confirm) and consistency (1 − 0.2 × statements contradicting the case).
@@ -484,7 +486,9 @@ fn score(dialogues: &[(usize, Dialogue)], cases: &[Case]) -> (Vec<f64>, Vec<f64>
         )));
         doctor.push(doctor_reward(
             d.diagnosis.as_deref(),
-            d.turns.iter().map(|(_, reply)| reply.as_str()),
+            d.turns
+                .iter()
+                .map(|(q, reply)| (q.as_str(), reply.as_str())),
             d.multi_questions,
             case,
         ));

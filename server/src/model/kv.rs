@@ -138,7 +138,6 @@ pub struct HostQkv<'a> {
 /// [`cached_attention`] over plain buffers on the CPU: appends each sequence's new keys
 /// and values to its host cache for layer `index` and writes the attention output of
 /// every new row into `out`, `(rows, heads*hd)`.
-#[allow(clippy::too_many_arguments)]
 pub fn attend_host(
     index: usize,
     new: HostQkv<'_>,
