@@ -408,3 +408,35 @@ fn topk_prompt_logprobs_are_the_trainers_most_likely_tokens() {
         assert!(got.windows(2).all(|w| w[0].1 >= w[1].1));
     }
 }
+
+#[test]
+fn more_rows_than_the_few_rows_kernels_take_decode_the_same_as_one() {
+    // 18 samples of one request step together (past the few-rows limit of 16, so the
+    // host step's products go through gemm); each equals its seed's sample drawn alone.
+    let model = tiny(Arch::Qwen2);
+    let a = random_adapter(&model, full_spec(2), 6);
+    let prompt = tokens(14, 5, 256);
+    let together = sample(
+        &model.transformer,
+        &model.tokenizer,
+        &[&a],
+        &[job(prompt.clone(), Some(0), 18, 100)],
+        DecodeMode::Exact,
+    )
+    .unwrap();
+    for (i, got) in together[0].sequences.iter().enumerate() {
+        let alone = sample(
+            &model.transformer,
+            &model.tokenizer,
+            &[&a],
+            &[job(prompt.clone(), Some(0), 1, 100 + i as u64)],
+            DecodeMode::Exact,
+        )
+        .unwrap();
+        let want = &alone[0].sequences[0];
+        assert_eq!(got.tokens, want.tokens, "sample {i}");
+        for (x, y) in got.logprobs.iter().zip(&want.logprobs) {
+            assert!((x - y).abs() < 1e-4, "sample {i}: {x} vs {y}");
+        }
+    }
+}

@@ -12,7 +12,7 @@ use candle_core::{DType, Tensor};
 
 use super::kernels::{self, Q8Matrix, Q8_BLOCK};
 use super::transformer::StackedWeights;
-use super::weights::{matmul_t, BaseWeights, FrozenLinear};
+use super::weights::{matmul_t, matmul_t_host, BaseWeights, FrozenLinear};
 use super::ModelError;
 
 /// A projection for decoding: 8-bit when its shape allows, else the f32 weight. Many
@@ -57,12 +57,7 @@ impl DecodeLinear {
     pub fn forward_host(&self, x: &[f32], m: usize) -> candle_core::Result<Vec<f32>> {
         let mut y = match &self.q8 {
             Some(q) if m <= kernels::FEW_ROWS => q.matmul_t_host(x, m)?,
-            _ if m <= kernels::FEW_ROWS => kernels::matmul_t_few_rows_host(x, m, &self.f32.weight)?,
-            _ => {
-                let k = x.len() / m.max(1);
-                let xt = Tensor::from_slice(x, (m, k), self.f32.weight.device())?;
-                matmul_t(&xt, &self.f32.weight)?.flatten_all()?.to_vec1()?
-            }
+            _ => matmul_t_host(x, m, &self.f32.weight)?,
         };
         if let Some(b) = &self.f32.bias {
             let b: Vec<f32> = b.to_dtype(DType::F32)?.to_vec1()?;

@@ -20,10 +20,11 @@
 use candle_core::{DType, Tensor};
 
 use super::decode::DecodeWeights;
-use super::kernels::{dot, matmul_t_few_rows_host};
+use super::kernels::dot;
 use super::kv::{self, HostQkv, KvCache};
 use super::lora::{Adapter, Proj, Target};
 use super::transformer::{SeqSpan, Transformer};
+use super::weights::matmul_t_host;
 use super::ModelError;
 
 /// One adapted projection in host form: `y += scale * B (A x)`.
@@ -263,7 +264,7 @@ impl<'m> HostDecoder<'m> {
         let xf = rms_rows(&h, d, &self.final_norm, eps);
         let mut logits = match self.dec {
             Some(dec) => dec.lm_head.forward_host(&xf, m)?,
-            None => matmul_t_few_rows_host(&xf, m, self.model.weights.lm_head())?,
+            None => matmul_t_host(&xf, m, self.model.weights.lm_head())?,
         };
         let vocab = logits.len() / m;
         for (i, r) in rows.iter().enumerate() {
@@ -297,7 +298,7 @@ impl<'m> HostDecoder<'m> {
             None => {
                 let st = self.model.stacked(layer);
                 let w = if gate_up { st.gate_up } else { st.qkv };
-                let mut y = matmul_t_few_rows_host(x, m, w)?;
+                let mut y = matmul_t_host(x, m, w)?;
                 if let (false, Some(b)) = (gate_up, st.qkv_bias) {
                     add_bias(&mut y, &host(b)?);
                 }
@@ -346,7 +347,7 @@ impl<'m> HostDecoder<'m> {
                 } else {
                     &l.down_proj
                 };
-                matmul_t_few_rows_host(x, m, &w.weight)?
+                matmul_t_host(x, m, &w.weight)?
             }
         };
         let (k, n) = (x.len() / m, y.len() / m);

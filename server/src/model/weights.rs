@@ -19,6 +19,16 @@ pub fn matmul_t(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
     x.matmul(&w.t()?)
 }
 
+/// [`matmul_t`] for a plain `(m, in)` buffer on the CPU; returns `(m, out)` row-major.
+pub fn matmul_t_host(x: &[f32], m: usize, w: &Tensor) -> candle_core::Result<Vec<f32>> {
+    if m <= kernels::FEW_ROWS {
+        return kernels::matmul_t_few_rows_host(x, m, w);
+    }
+    let k = x.len() / m.max(1);
+    let xt = Tensor::from_slice(x, (m, k), w.device())?;
+    matmul_t(&xt, w)?.flatten_all()?.to_vec1()
+}
+
 /// One frozen projection `y = x W^T (+ b)`. It never receives a weight gradient.
 #[derive(Debug, Clone)]
 pub struct FrozenLinear {
