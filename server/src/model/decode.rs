@@ -22,6 +22,8 @@ use super::ModelError;
 pub struct DecodeLinear {
     q8: Option<Q8Matrix>,
     f32: FrozenLinear,
+    /// The bias as a plain buffer for [`DecodeLinear::forward_host`], copied once.
+    bias_host: Option<Vec<f32>>,
 }
 
 impl DecodeLinear {
@@ -36,6 +38,11 @@ impl DecodeLinear {
                 None
             },
             f32: l.clone(),
+            bias_host: l
+                .bias
+                .as_ref()
+                .map(|b| b.to_dtype(DType::F32)?.to_vec1())
+                .transpose()?,
         })
     }
 
@@ -50,18 +57,15 @@ impl DecodeLinear {
             None => Ok(y),
         }
     }
-}
 
-impl DecodeLinear {
     /// [`DecodeLinear::forward`] over a plain `(m, in)` buffer; returns `(m, out)`.
     pub fn forward_host(&self, x: &[f32], m: usize) -> candle_core::Result<Vec<f32>> {
         let mut y = match &self.q8 {
             Some(q) if m <= kernels::FEW_ROWS => q.matmul_t_host(x, m)?,
             _ => matmul_t_host(x, m, &self.f32.weight)?,
         };
-        if let Some(b) = &self.f32.bias {
-            let b: Vec<f32> = b.to_dtype(DType::F32)?.to_vec1()?;
-            super::host_decode::add_bias(&mut y, &b);
+        if let Some(b) = &self.bias_host {
+            super::host_decode::add_bias(&mut y, b);
         }
         Ok(y)
     }

@@ -91,12 +91,16 @@ impl HostAdapter {
     }
 }
 
-/// Per-block vectors of the base model in host form.
-struct HostNorms {
+/// Per-block vectors of the base model in host form, copied once per decoder.
+struct HostBlock {
+    /// RMSNorm weights before attention and before the MLP.
     input: Vec<f32>,
     post: Vec<f32>,
+    /// Qwen3's per-head q/k norm weights.
     q: Option<Vec<f32>>,
     k: Option<Vec<f32>>,
+    /// The stacked q/k/v bias (Qwen2), for f32 decoding.
+    qkv_bias: Option<Vec<f32>>,
 }
 
 fn host(t: &Tensor) -> candle_core::Result<Vec<f32>> {
@@ -110,7 +114,7 @@ pub struct HostDecoder<'m> {
     /// The 8-bit decode weights; `None` decodes with the f32 weights.
     dec: Option<&'m DecodeWeights>,
     adapters: Vec<HostAdapter>,
-    norms: Vec<HostNorms>,
+    blocks: Vec<HostBlock>,
     final_norm: Vec<f32>,
 }
 
@@ -143,11 +147,13 @@ impl<'m> HostDecoder<'m> {
             .iter()
             .map(|a| HostAdapter::new(a, layers))
             .collect::<candle_core::Result<Vec<_>>>()?;
-        let norms = w
+        let blocks = w
             .layers
             .iter()
-            .map(|l| {
-                Ok(HostNorms {
+            .enumerate()
+            .map(|(i, l)| {
+                Ok(HostBlock {
+                    qkv_bias: model.stacked(i).qkv_bias.map(host).transpose()?,
                     input: host(&l.input_layernorm)?,
                     post: host(&l.post_attention_layernorm)?,
                     q: l.q_norm.as_ref().map(host).transpose()?,
@@ -163,7 +169,7 @@ impl<'m> HostDecoder<'m> {
                 None
             },
             adapters,
-            norms,
+            blocks,
             final_norm: host(&w.norm)?,
         }))
     }
@@ -227,15 +233,15 @@ impl<'m> HostDecoder<'m> {
             })
             .collect();
         let mut attn = vec![0f32; m * hq * hd];
-        for (li, norms) in self.norms.iter().enumerate() {
-            let x1 = rms_rows(&h, d, &norms.input, eps);
+        for (li, block) in self.blocks.iter().enumerate() {
+            let x1 = rms_rows(&h, d, &block.input, eps);
             let [mut q, mut k, v] = self.stacked(
                 &x1,
                 rows,
                 li,
                 [(Proj::Q, hq * hd), (Proj::K, hkv * hd), (Proj::V, hkv * hd)],
             )?;
-            if let (Some(qn), Some(kn)) = (&norms.q, &norms.k) {
+            if let (Some(qn), Some(kn)) = (&block.q, &block.k) {
                 q = rms_rows(&q, hd, qn, eps);
                 k = rms_rows(&k, hd, kn, eps);
             }
@@ -250,7 +256,7 @@ impl<'m> HostDecoder<'m> {
             kv::attend_host(li, new, &spans, caches, hq, hkv, &mut attn)?;
             let o = self.project(&attn, rows, li, Proj::O)?;
             add_into(&mut h, &o);
-            let x2 = rms_rows(&h, d, &norms.post, eps);
+            let x2 = rms_rows(&h, d, &block.post, eps);
             let f = cfg.intermediate_size;
             let [gate, up] = self.stacked(&x2, rows, li, [(Proj::Gate, f), (Proj::Up, f)])?;
             let act: Vec<f32> = gate
@@ -299,8 +305,8 @@ impl<'m> HostDecoder<'m> {
                 let st = self.model.stacked(layer);
                 let w = if gate_up { st.gate_up } else { st.qkv };
                 let mut y = matmul_t_host(x, m, w)?;
-                if let (false, Some(b)) = (gate_up, st.qkv_bias) {
-                    add_bias(&mut y, &host(b)?);
+                if let (false, Some(b)) = (gate_up, &self.blocks[layer].qkv_bias) {
+                    add_bias(&mut y, b);
                 }
                 y
             }
