@@ -1,6 +1,7 @@
 //! The frozen base model: loading (GGUF, Hugging Face directories), the tokenizer and
 //! chat template, the decoder with its hand-written backward, and the LoRA seam.
 
+pub mod batch;
 pub mod chat_template;
 pub mod config;
 pub mod decode;

@@ -353,6 +353,23 @@ fn causal_mask(group: usize, tq: usize, tk: usize, dtype: DType, dev: &Device) -
     Tensor::from_vec(m, (group * tq, tk), dev)?.to_dtype(dtype)
 }
 
+/// A row's most likely next tokens with their log-probabilities, most likely first.
+pub type TopK = Vec<(u32, f32)>;
+
+/// The `k` largest entries of `row` as `(token, logit - lse)`, largest first, ties by
+/// token id.
+pub fn top_k(row: &[f32], lse: f32, k: usize) -> TopK {
+    let order = |a: &usize, b: &usize| row[*b].total_cmp(&row[*a]).then(a.cmp(b));
+    let mut idx: Vec<usize> = (0..row.len()).collect();
+    let k = k.min(row.len());
+    if k < idx.len() {
+        idx.select_nth_unstable_by(k, order);
+        idx.truncate(k);
+    }
+    idx.sort_unstable_by(order);
+    idx.into_iter().map(|i| (i as u32, row[i] - lse)).collect()
+}
+
 #[cfg(test)]
 mod tests {
     //! The fused CPU kernels against the composite candle versions they replace.

@@ -7,12 +7,14 @@
 
 use candle_core::{DType, Device, Tensor};
 
+pub use super::batch::{PackedBatch, SeqSpan};
 use super::config::ModelConfig;
 use super::decode::{DecodeLayer, DecodeWeights};
 use super::kv::{self, KvCache};
 use super::lora::{
     lora_backward, lora_forward, Adapter, AdapterGrads, LoraCache, Proj, Segment, Target,
 };
+pub use super::ops::TopK;
 use super::ops::{self, AttnSaved, RmsSaved, Rope};
 use super::weights::{matmul_t, BaseWeights, FrozenLinear, LayerWeights};
 use super::ModelError;
@@ -100,97 +102,6 @@ fn stacked_backward<const N: usize>(
         }
     }
     Ok(dx)
-}
-
-/// A row's most likely next tokens with their log-probabilities, most likely first.
-pub type TopK = Vec<(u32, f32)>;
-
-/// The `k` largest entries of `row` as `(token, logit - lse)`, largest first, ties by
-/// token id.
-fn top_k(row: &[f32], lse: f32, k: usize) -> TopK {
-    let order = |a: &usize, b: &usize| row[*b].total_cmp(&row[*a]).then(a.cmp(b));
-    let mut idx: Vec<usize> = (0..row.len()).collect();
-    let k = k.min(row.len());
-    if k < idx.len() {
-        idx.select_nth_unstable_by(k, order);
-        idx.truncate(k);
-    }
-    idx.sort_unstable_by(order);
-    idx.into_iter().map(|i| (i as u32, row[i] - lse)).collect()
-}
-
-/// One sequence of a packed batch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SeqSpan {
-    /// First row.
-    pub start: usize,
-    /// Number of rows.
-    pub len: usize,
-    /// Index of its adapter in the batch's adapter list (`None`: base model).
-    pub adapter: Option<usize>,
-}
-
-/// Several sequences packed into one `(rows, ...)` batch.
-#[derive(Debug, Clone)]
-pub struct PackedBatch {
-    /// Token ids, `(rows,)` u32.
-    pub tokens: Tensor,
-    /// Position of each row inside its sequence (offset by any cached prefix), `(rows,)`.
-    pub positions: Tensor,
-    /// The sequences, in row order.
-    pub seqs: Vec<SeqSpan>,
-    /// Runs of consecutive sequences that share an adapter.
-    pub segments: Vec<Segment>,
-}
-
-impl PackedBatch {
-    /// Packs sequences `(tokens, adapter, first_position)` in the given order. Callers
-    /// that want one segment per adapter order the sequences by adapter first.
-    pub fn new(
-        seqs: &[(&[u32], Option<usize>, usize)],
-        device: &Device,
-    ) -> Result<Self, ModelError> {
-        let mut tokens = Vec::new();
-        let mut positions = Vec::new();
-        let mut spans = Vec::with_capacity(seqs.len());
-        let mut segments: Vec<Segment> = Vec::new();
-        for &(toks, adapter, first_pos) in seqs {
-            if toks.is_empty() {
-                return Err(ModelError::Input("empty sequence".into()));
-            }
-            let start = tokens.len();
-            tokens.extend_from_slice(toks);
-            positions.extend((0..toks.len()).map(|i| (first_pos + i) as u32));
-            spans.push(SeqSpan {
-                start,
-                len: toks.len(),
-                adapter,
-            });
-            match segments.last_mut() {
-                Some(seg) if seg.adapter == adapter => seg.len += toks.len(),
-                _ => segments.push(Segment {
-                    start,
-                    len: toks.len(),
-                    adapter,
-                }),
-            }
-        }
-        if tokens.is_empty() {
-            return Err(ModelError::Input("empty batch".into()));
-        }
-        let n = tokens.len();
-        Ok(Self {
-            tokens: Tensor::from_vec(tokens, n, device)?,
-            positions: Tensor::from_vec(positions, n, device)?,
-            seqs: spans,
-            segments,
-        })
-    }
-
-    /// Total rows.
-    pub fn rows(&self) -> usize {
-        self.seqs.iter().map(|s| s.len).sum()
-    }
 }
 
 /// The frozen decoder.
@@ -700,7 +611,7 @@ impl Transformer {
                 if k > 0 {
                     let rows: Vec<Vec<f32>> = logits.to_dtype(DType::F32)?.to_vec2()?;
                     let lse: Vec<f32> = lse.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
-                    topk.extend(rows.iter().zip(lse).map(|(row, z)| top_k(row, z, k)));
+                    topk.extend(rows.iter().zip(lse).map(|(row, z)| ops::top_k(row, z, k)));
                 }
                 lps.push(lp);
                 if keep {
