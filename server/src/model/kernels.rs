@@ -11,9 +11,82 @@ use num_traits::Float;
 use rayon::prelude::*;
 
 /// Float types the kernels run on.
-pub trait Real: WithDType + Float + num_traits::NumAssign + Send + Sync {}
-impl Real for f32 {}
-impl Real for f64 {}
+pub trait Real: WithDType + Float + num_traits::NumAssign + Send + Sync {
+    /// `e^self`: for f32 a branch-free polynomial the compiler vectorises (libm's `expf`
+    /// is a call per element, and the softmaxes and SwiGLU run about 10^8 of them per
+    /// training step); f64, the finite-difference reference, keeps the exact `exp`.
+    fn fast_exp(self) -> Self;
+}
+
+impl Real for f32 {
+    #[inline(always)]
+    fn fast_exp(self) -> f32 {
+        exp_f32(self)
+    }
+}
+
+impl Real for f64 {
+    #[inline(always)]
+    fn fast_exp(self) -> f64 {
+        self.exp()
+    }
+}
+
+/// `e^x` within 2 ulp for `x` in `[-87.3, 88]` (clamped outside it, where the result
+/// under- or overflows anyway): `x = k ln 2 + r` with `|r| <= ln2 / 2`, Cephes' degree-5
+/// polynomial for `e^r`, and `2^k` assembled in the exponent bits. Only arithmetic and
+/// bit operations, so loops over it vectorise.
+#[inline(always)]
+pub fn exp_f32(x: f32) -> f32 {
+    const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
+    let x = x.clamp(-87.336_54, 88.0);
+    let t = x * std::f32::consts::LOG2_E + ROUND;
+    let k = t - ROUND;
+    let r = x - k * 0.693_359_4 - k * -2.121_944_4e-4;
+    let p = ((((1.987_569_1e-4 * r + 1.398_2e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
+        + 1.666_666_5e-1)
+        * r
+        + 0.5;
+    let e = p * r * r + r + 1.0;
+    let ki = t.to_bits().wrapping_sub(ROUND.to_bits()) as i32;
+    e * f32::from_bits(((ki + 127) as u32) << 23)
+}
+
+/// Lanes of the accumulators in [`row_max`] and [`sum_exp`]: independent partial results
+/// let the compiler vectorise a reduction it must otherwise keep in order.
+const LANES: usize = 16;
+
+/// The largest element of a row.
+fn row_max<T: Real>(row: &[T]) -> T {
+    let mut acc = [T::neg_infinity(); LANES];
+    let chunks = row.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a = if v > *a { v } else { *a };
+        }
+    }
+    let m = tail
+        .iter()
+        .fold(T::neg_infinity(), |m, &v| Float::max(m, v));
+    acc.iter().fold(m, |m, &v| Float::max(m, v))
+}
+
+/// `sum_i e^(row_i - shift)`.
+fn sum_exp<T: Real>(row: &[T], shift: T) -> T {
+    let mut acc = [T::zero(); LANES];
+    let chunks = row.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a += (v - shift).fast_exp();
+        }
+    }
+    let s = tail
+        .iter()
+        .fold(T::zero(), |s, &v| s + (v - shift).fast_exp());
+    acc.iter().fold(s, |s, &v| s + v)
+}
 
 /// Whether `t` can go through these kernels.
 pub fn supported(t: &Tensor) -> bool {
@@ -117,59 +190,53 @@ pub fn rms_norm_backward<T: Real>(
 }
 
 fn sigmoid<T: Real>(v: T) -> T {
-    T::one() / (T::one() + (-v).exp())
+    T::one() / (T::one() + (-v).fast_exp())
 }
 
-/// `silu(gate) * up`.
-pub fn swiglu<T: Real>(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-    let y = with::<T, _>(gate, |g| {
-        with::<T, _>(up, |u| {
-            let mut y = vec![T::zero(); g.len()];
-            y.par_chunks_mut(4096)
-                .zip(g.par_chunks(4096).zip(u.par_chunks(4096)))
-                .with_min_len(8)
-                .for_each(|(yc, (gc, uc))| {
-                    for ((o, &gv), &uv) in yc.iter_mut().zip(gc).zip(uc) {
-                        *o = gv * sigmoid(gv) * uv;
+/// `silu(gate) * up` for `gate_up = [gate | up]`, `(rows, 2f)`: the stacked projection's
+/// output is read in place, so the two halves are never copied apart.
+pub fn swiglu<T: Real>(gate_up: &Tensor) -> Result<Tensor> {
+    let f = cols(gate_up)? / 2;
+    let rows = gate_up.elem_count() / (2 * f).max(1);
+    let y = with::<T, _>(gate_up, |gu| {
+        let mut y = vec![T::zero(); rows * f];
+        y.par_chunks_mut(f)
+            .zip(gu.par_chunks(2 * f))
+            .with_min_len(grain(2 * f))
+            .for_each(|(yr, gur)| {
+                let (g, u) = gur.split_at(f);
+                for ((o, &gv), &uv) in yr.iter_mut().zip(g).zip(u) {
+                    *o = gv * sigmoid(gv) * uv;
+                }
+            });
+        Ok(y)
+    })?;
+    out(y, &[rows, f])
+}
+
+/// SwiGLU backward: the gradient of `gate_up`, `(rows, 2f)` = `[dgate | dup]`, laid out
+/// like the stacked projection it flows back into.
+pub fn swiglu_backward<T: Real>(dy: &Tensor, gate_up: &Tensor) -> Result<Tensor> {
+    let f = cols(gate_up)? / 2;
+    let d = with::<T, _>(dy, |d| {
+        with::<T, _>(gate_up, |gu| {
+            let mut dgu = vec![T::zero(); gu.len()];
+            dgu.par_chunks_mut(2 * f)
+                .zip(gu.par_chunks(2 * f).zip(d.par_chunks(f)))
+                .with_min_len(grain(2 * f))
+                .for_each(|(dr, (gur, dyr))| {
+                    let (g, u) = gur.split_at(f);
+                    let (dg, du) = dr.split_at_mut(f);
+                    for i in 0..f {
+                        let s = sigmoid(g[i]);
+                        du[i] = dyr[i] * g[i] * s;
+                        dg[i] = dyr[i] * u[i] * s * (T::one() + g[i] * (T::one() - s));
                     }
                 });
-            Ok(y)
+            Ok(dgu)
         })
     })?;
-    out(y, gate.dims())
-}
-
-/// SwiGLU backward: `(dgate, dup)`.
-pub fn swiglu_backward<T: Real>(
-    dy: &Tensor,
-    gate: &Tensor,
-    up: &Tensor,
-) -> Result<(Tensor, Tensor)> {
-    let (dg, du) = with::<T, _>(dy, |d| {
-        with::<T, _>(gate, |g| {
-            with::<T, _>(up, |u| {
-                let mut dg = vec![T::zero(); g.len()];
-                let mut du = vec![T::zero(); g.len()];
-                dg.par_chunks_mut(4096)
-                    .zip(du.par_chunks_mut(4096))
-                    .zip(
-                        d.par_chunks(4096)
-                            .zip(g.par_chunks(4096))
-                            .zip(u.par_chunks(4096)),
-                    )
-                    .with_min_len(8)
-                    .for_each(|((dgc, duc), ((dc, gc), uc))| {
-                        for i in 0..dgc.len() {
-                            let s = sigmoid(gc[i]);
-                            duc[i] = dc[i] * gc[i] * s;
-                            dgc[i] = dc[i] * uc[i] * s * (T::one() + gc[i] * (T::one() - s));
-                        }
-                    });
-                Ok((dg, du))
-            })
-        })
-    })?;
-    Ok((out(dg, gate.dims())?, out(du, gate.dims())?))
+    out(d, gate_up.dims())
 }
 
 /// Rotate-half RoPE on `(n, heads, hd)` with `cos`, `sin` of shape `(n, hd/2)`; `sign`
@@ -225,7 +292,7 @@ pub fn causal_softmax<T: Real>(scores: &Tensor, tq: usize, scale: f64) -> Result
                     * scale;
                 let mut sum = T::zero();
                 for (o, &v) in pr[..visible].iter_mut().zip(&sr[..visible]) {
-                    *o = (v * scale - max).exp();
+                    *o = (v * scale - max).fast_exp();
                     sum += *o;
                 }
                 let inv = T::one() / sum;
@@ -272,9 +339,8 @@ pub fn logprobs_at<T: Real>(logits: &Tensor, targets: &Tensor) -> Result<(Tensor
             .zip(lse.par_iter_mut())
             .zip(ls.par_chunks(v).zip(tg.par_chunks(k)))
             .for_each(|((lpr, l), (row, t))| {
-                let max = row.iter().fold(T::neg_infinity(), |m, &x| Float::max(m, x));
-                let sum = row.iter().fold(T::zero(), |a, &x| a + (x - max).exp());
-                *l = sum.ln() + max;
+                let max = row_max(row);
+                *l = sum_exp(row, max).ln() + max;
                 for (o, &ti) in lpr.iter_mut().zip(t) {
                     *o = row[ti as usize] - *l;
                 }
@@ -305,7 +371,7 @@ pub fn logprobs_at_backward<T: Real>(
                     .for_each(|((o, row), (&l, (dr, t)))| {
                         let total = dr.iter().fold(T::zero(), |a, &x| a + x);
                         for (ov, &x) in o.iter_mut().zip(row) {
-                            *ov = -(x - l).exp() * total;
+                            *ov = -(x - l).fast_exp() * total;
                         }
                         for (&ti, &dv) in t.iter().zip(dr) {
                             o[ti as usize] += dv;
@@ -659,6 +725,33 @@ mod tests {
 
     fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
         max_abs_diff(a, b)
+    }
+
+    #[test]
+    fn fast_exp_is_within_two_ulp_of_exp_over_its_range() {
+        let mut worst = 0f64;
+        for i in 0..=200_000 {
+            let x = -87.3 + 175.3 * i as f32 / 200_000.0;
+            let want = (x as f64).exp();
+            let rel = ((exp_f32(x) as f64 - want) / want).abs();
+            worst = worst.max(rel);
+        }
+        assert!(worst < 2.4e-7, "worst relative error {worst:e}");
+        assert_eq!(exp_f32(0.0), 1.0);
+        // Far outside the range it saturates instead of producing garbage.
+        assert!(exp_f32(-1000.0) < 1.2e-38 && exp_f32(1000.0) > 1e38);
+        assert!(exp_f32(1000.0).is_finite());
+    }
+
+    #[test]
+    fn vectorised_reductions_match_plain_folds() {
+        let row: Vec<f32> = (0..1003)
+            .map(|i| ((i * 37) % 101) as f32 * 0.13 - 6.0)
+            .collect();
+        let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        assert_eq!(row_max(&row), max);
+        let want: f64 = row.iter().map(|&v| ((v - max) as f64).exp()).sum();
+        assert!(((sum_exp(&row, max) as f64 - want) / want).abs() < 1e-6);
     }
 
     #[test]

@@ -1,10 +1,12 @@
 //! The frozen base model: loading (GGUF, Hugging Face directories), the tokenizer and
 //! chat template, the decoder with its hand-written backward, and the LoRA seam.
 
+pub mod adapted;
 pub mod batch;
 pub mod chat_template;
 pub mod config;
 pub mod decode;
+pub mod gemm;
 pub mod gguf;
 pub mod hf;
 pub mod host_decode;

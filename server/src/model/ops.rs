@@ -150,41 +150,45 @@ pub fn rope_backward(dy: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> 
     rope_composite(dy, cos, &sin.neg()?)
 }
 
-/// SwiGLU forward: `silu(gate) * up`.
-pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-    if kernels::supported(gate) {
-        return match gate.dtype() {
-            DType::F64 => kernels::swiglu::<f64>(gate, up),
-            _ => kernels::swiglu::<f32>(gate, up),
+/// SwiGLU forward: `silu(gate) * up` for the stacked `gate_up = [gate | up]`, `(n, 2f)`.
+pub fn swiglu(gate_up: &Tensor) -> Result<Tensor> {
+    if kernels::supported(gate_up) {
+        return match gate_up.dtype() {
+            DType::F64 => kernels::swiglu::<f64>(gate_up),
+            _ => kernels::swiglu::<f32>(gate_up),
         };
     }
+    let (gate, up) = halves(gate_up)?;
     gate.silu()? * up
 }
 
-/// SwiGLU backward: returns `(dgate, dup)`.
-pub fn swiglu_backward(dy: &Tensor, gate: &Tensor, up: &Tensor) -> Result<(Tensor, Tensor)> {
-    if kernels::supported(gate) {
-        return match gate.dtype() {
-            DType::F64 => kernels::swiglu_backward::<f64>(dy, gate, up),
-            _ => kernels::swiglu_backward::<f32>(dy, gate, up),
+/// SwiGLU backward: the gradient of the stacked `gate_up`, `[dgate | dup]`.
+pub fn swiglu_backward(dy: &Tensor, gate_up: &Tensor) -> Result<Tensor> {
+    if kernels::supported(gate_up) {
+        return match gate_up.dtype() {
+            DType::F64 => kernels::swiglu_backward::<f64>(dy, gate_up),
+            _ => kernels::swiglu_backward::<f32>(dy, gate_up),
         };
     }
-    swiglu_backward_composite(dy, gate, up)
+    swiglu_backward_composite(dy, gate_up)
+}
+
+/// The gate and up halves of a stacked `(n, 2f)` tensor.
+fn halves(gate_up: &Tensor) -> Result<(Tensor, Tensor)> {
+    let f = gate_up.dim(1)? / 2;
+    Ok((gate_up.narrow(1, 0, f)?, gate_up.narrow(1, f, f)?))
 }
 
 /// SwiGLU backward from candle ops; the reference for the fused kernel.
-pub fn swiglu_backward_composite(
-    dy: &Tensor,
-    gate: &Tensor,
-    up: &Tensor,
-) -> Result<(Tensor, Tensor)> {
+pub fn swiglu_backward_composite(dy: &Tensor, gate_up: &Tensor) -> Result<Tensor> {
+    let (gate, up) = halves(gate_up)?;
     let sig = (gate.neg()?.exp()? + 1.0)?.recip()?;
-    let silu = (gate * &sig)?;
+    let silu = (&gate * &sig)?;
     let dup = (dy * &silu)?;
     // d silu / dg = sig * (1 + g * (1 - sig))
-    let dsilu = (&sig * ((gate * sig.affine(-1.0, 1.0)?)? + 1.0)?)?;
+    let dsilu = (&sig * ((&gate * sig.affine(-1.0, 1.0)?)? + 1.0)?)?;
     let dgate = ((dy * up)? * dsilu)?;
-    Ok((dgate, dup))
+    Tensor::cat(&[dgate, dup], 1)
 }
 
 /// Causal grouped-query attention of one sequence.
@@ -409,12 +413,14 @@ mod tests {
 
     #[test]
     fn fused_swiglu_matches_composite() {
-        let (g, u, dy) = (rand(&[7, 9], 7), rand(&[7, 9], 8), rand(&[7, 9], 9));
+        let (gu, dy) = (rand(&[7, 18], 7), rand(&[7, 9], 9));
+        let (g, u) = (gu.narrow(1, 0, 9).unwrap(), gu.narrow(1, 9, 9).unwrap());
         let want = (g.silu().unwrap() * &u).unwrap();
-        assert!(diff(&swiglu(&g, &u).unwrap(), &want) < 1e-12);
-        let (a1, b1) = swiglu_backward(&dy, &g, &u).unwrap();
-        let (a2, b2) = swiglu_backward_composite(&dy, &g, &u).unwrap();
-        assert!(diff(&a1, &a2) < 1e-12 && diff(&b1, &b2) < 1e-12);
+        assert!(diff(&swiglu(&gu).unwrap(), &want) < 1e-12);
+        let fused = swiglu_backward(&dy, &gu).unwrap();
+        let composite = swiglu_backward_composite(&dy, &gu).unwrap();
+        assert_eq!(fused.dims(), &[7, 18]);
+        assert!(diff(&fused, &composite) < 1e-12);
     }
 
     #[test]

@@ -7,16 +7,17 @@
 
 use candle_core::{DType, Device, Tensor};
 
+use super::adapted::{self, Projection};
 pub use super::batch::{PackedBatch, SeqSpan};
 use super::config::ModelConfig;
-use super::decode::{DecodeLayer, DecodeWeights};
+use super::decode::{DecodeLayer, DecodeLinear, DecodeWeights};
 use super::kv::{self, KvCache};
 use super::lora::{
     lora_backward, lora_forward, Adapter, AdapterGrads, LoraCache, Proj, Segment, Target,
 };
 pub use super::ops::TopK;
 use super::ops::{self, AttnSaved, RmsSaved, Rope};
-use super::weights::{matmul_t, BaseWeights, FrozenLinear, LayerWeights};
+use super::weights::{matmul_t, BaseWeights, LayerWeights};
 use super::ModelError;
 
 /// Rows of the output head computed at once, bounding the `(rows, vocab)` logits buffer
@@ -53,55 +54,38 @@ fn stack_projections(
     Ok(out)
 }
 
-/// The output `y` of stacked projections (`parts` in row order, with their widths), one
-/// matmul over `x`, split into its parts, each with its adapters' deltas.
-fn stacked_forward<const N: usize>(
-    x: &Tensor,
-    y: Tensor,
-    parts: [(Proj, usize); N],
-    layer: usize,
-    segs: &[Segment],
-    adapters: &[&Adapter],
-) -> candle_core::Result<[(Tensor, LoraCache); N]> {
-    let mut start = 0;
-    let mut out = Vec::with_capacity(N);
-    for (p, width) in parts {
-        let base = y.narrow(1, start, width)?;
-        out.push(lora_forward(
-            x,
-            base,
-            Target::Layer(layer, p),
-            segs,
-            adapters,
-        )?);
-        start += width;
-    }
-    Ok(out
-        .try_into()
-        .unwrap_or_else(|_| unreachable!("one output per part")))
+/// The LoRA target and output width of each part of a block's projections.
+struct BlockTargets {
+    qkv: [(Target, usize); 3],
+    o: [(Target, usize); 1],
+    gate_up: [(Target, usize); 2],
+    down: [(Target, usize); 1],
 }
 
-/// Backward of [`stacked_forward`]: one matmul for the frozen part of the input gradient,
-/// plus each part's LoRA gradient.
-fn stacked_backward<const N: usize>(
-    x: &Tensor,
-    stacked: &Tensor,
-    parts: [(&Tensor, Proj, &LoraCache); N],
-    layer: usize,
-    segs: &[Segment],
-    adapters: &[&Adapter],
-    grads: &mut [AdapterGrads],
-) -> candle_core::Result<Tensor> {
-    let dys: Vec<&Tensor> = parts.iter().map(|(dy, _, _)| *dy).collect();
-    let mut dx = Tensor::cat(&dys, 1)?.matmul(stacked)?;
-    for (dy, p, cache) in parts {
-        if let Some(extra) =
-            lora_backward(x, dy, Target::Layer(layer, p), segs, adapters, cache, grads)?
-        {
-            dx = (dx + extra)?;
+impl BlockTargets {
+    fn new(cfg: &ModelConfig, layer: usize) -> Self {
+        let part = |p: Proj, width: usize| (Target::Layer(layer, p), width);
+        let (qd, kvd, d, f) = (
+            cfg.q_dim(),
+            cfg.kv_dim(),
+            cfg.hidden_size,
+            cfg.intermediate_size,
+        );
+        Self {
+            qkv: [part(Proj::Q, qd), part(Proj::K, kvd), part(Proj::V, kvd)],
+            o: [part(Proj::O, d)],
+            gate_up: [part(Proj::Gate, f), part(Proj::Up, f)],
+            down: [part(Proj::Down, d)],
         }
     }
-    Ok(dx)
+}
+
+/// A block's four frozen projections (q/k/v and gate/up stacked) with their targets.
+struct BlockProjections<'a> {
+    qkv: Projection<'a>,
+    o: Projection<'a>,
+    gate_up: Projection<'a>,
+    down: Projection<'a>,
 }
 
 /// The frozen decoder.
@@ -151,25 +135,25 @@ pub struct StackedWeights<'a> {
     pub gate_up: &'a Tensor,
 }
 
+/// One LoRA cache per part of a projection (see [`adapted::forward`]).
+type PartCaches = Vec<LoraCache>;
+
 struct LayerTape {
     norm1: RmsSaved,
     x1: Tensor,
-    lq: LoraCache,
-    lk: LoraCache,
-    lv: LoraCache,
+    lqkv: PartCaches,
     q_norm: Option<RmsSaved>,
     k_norm: Option<RmsSaved>,
     attn: Vec<AttnSaved>,
     attn_out: Tensor,
-    lo: LoraCache,
+    lo: PartCaches,
     norm2: RmsSaved,
     x2: Tensor,
-    lgate: LoraCache,
-    lup: LoraCache,
-    gate: Tensor,
-    up: Tensor,
+    lgu: PartCaches,
+    /// The stacked `[gate | up]` projection output.
+    gate_up: Tensor,
     act: Tensor,
-    ldown: LoraCache,
+    ldown: PartCaches,
 }
 
 struct HeadChunk {
@@ -448,6 +432,33 @@ impl Transformer {
         Ok(())
     }
 
+    /// Block `index`'s projections, over the stacked weights.
+    fn projections<'a>(&'a self, index: usize, t: &'a BlockTargets) -> BlockProjections<'a> {
+        let (f, w) = (&self.fused[index], &self.weights.layers[index]);
+        BlockProjections {
+            qkv: Projection {
+                weight: &f.qkv,
+                bias: f.qkv_bias.as_ref(),
+                parts: &t.qkv,
+            },
+            o: Projection {
+                weight: &w.o_proj.weight,
+                bias: w.o_proj.bias.as_ref(),
+                parts: &t.o,
+            },
+            gate_up: Projection {
+                weight: &f.gate_up,
+                bias: None,
+                parts: &t.gate_up,
+            },
+            down: Projection {
+                weight: &w.down_proj.weight,
+                bias: w.down_proj.bias.as_ref(),
+                parts: &t.down,
+            },
+        }
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn layer_forward(
         &self,
@@ -463,16 +474,24 @@ impl Transformer {
     ) -> Result<(Tensor, LayerTape), ModelError> {
         let cfg = &self.config;
         let segs = &batch.segments;
-        let lin =
-            |x: &Tensor, l: &FrozenLinear, p: Proj| -> candle_core::Result<(Tensor, LoraCache)> {
-                let base = match (dec, p) {
-                    (Some(d), Proj::O) => d.o.forward(x)?,
-                    // `lin` serves the two unstacked projections, o and down.
-                    (Some(d), _) => d.down.forward(x)?,
-                    (None, _) => l.forward(x)?,
-                };
-                lora_forward(x, base, Target::Layer(index, p), segs, adapters)
-            };
+        let targets = BlockTargets::new(cfg, index);
+        let BlockProjections {
+            qkv,
+            o,
+            gate_up,
+            down,
+        } = self.projections(index, &targets);
+        let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
+        // The frozen products come from the f32 weights, or the Q8_0 decode weights.
+        let project = |x: &Tensor,
+                       p: &Projection,
+                       quantized: Option<&DecodeLinear>|
+         -> candle_core::Result<(Tensor, PartCaches)> {
+            match quantized {
+                Some(d) => adapted::add_deltas(x, d.forward(x)?, p.parts, segs, adapters),
+                None => adapted::forward(x, p, segs, adapters),
+            }
+        };
         let n = h.dims()[0];
         let (hq, hkv, hd) = (
             cfg.num_attention_heads,
@@ -480,26 +499,10 @@ impl Transformer {
             cfg.head_dim,
         );
         let (x1, norm1) = ops::rms_norm(h, &w.input_layernorm, cfg.rms_norm_eps)?;
-        let f = &self.fused[index];
-        let qkv = match dec {
-            Some(d) => d.qkv.forward(&x1)?,
-            None => {
-                let y = matmul_t(&x1, &f.qkv)?;
-                match &f.qkv_bias {
-                    Some(b) => y.broadcast_add(b)?,
-                    None => y,
-                }
-            }
-        };
-        let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
-        let [(q, lq), (k, lk), (v, lv)] = stacked_forward(
-            &x1,
-            qkv,
-            [(Proj::Q, qd), (Proj::K, kvd), (Proj::V, kvd)],
-            index,
-            segs,
-            adapters,
-        )?;
+        let (y, lqkv) = project(&x1, &qkv, dec.map(|d| &d.qkv))?;
+        let q = y.narrow(1, 0, qd)?;
+        let k = y.narrow(1, qd, kvd)?;
+        let v = y.narrow(1, qd + kvd, kvd)?;
         let mut q = q.reshape((n, hq, hd))?;
         let mut k = k.reshape((n, hkv, hd))?;
         let (mut q_norm, mut k_norm) = (None, None);
@@ -533,33 +536,19 @@ impl Transformer {
                 }
             }
         };
-        let (o, lo) = lin(&attn_out, &w.o_proj, Proj::O)?;
+        let (o, lo) = project(&attn_out, &o, dec.map(|d| &d.o))?;
         let h2 = (h + o)?;
         let (x2, norm2) = ops::rms_norm(&h2, &w.post_attention_layernorm, cfg.rms_norm_eps)?;
-        let gate_up = match dec {
-            Some(d) => d.gate_up.forward(&x2)?,
-            None => matmul_t(&x2, &f.gate_up)?,
-        };
-        let width = cfg.intermediate_size;
-        let [(gate, lgate), (up, lup)] = stacked_forward(
-            &x2,
-            gate_up,
-            [(Proj::Gate, width), (Proj::Up, width)],
-            index,
-            segs,
-            adapters,
-        )?;
-        let act = ops::swiglu(&gate, &up)?;
-        let (down, ldown) = lin(&act, &w.down_proj, Proj::Down)?;
+        let (gate_up, lgu) = project(&x2, &gate_up, dec.map(|d| &d.gate_up))?;
+        let act = ops::swiglu(&gate_up)?;
+        let (down, ldown) = project(&act, &down, dec.map(|d| &d.down))?;
         let h3 = (h2 + down)?;
         Ok((
             h3,
             LayerTape {
                 norm1,
                 x1,
-                lq,
-                lk,
-                lv,
+                lqkv,
                 q_norm,
                 k_norm,
                 attn: saved,
@@ -567,10 +556,8 @@ impl Transformer {
                 lo,
                 norm2,
                 x2,
-                lgate,
-                lup,
-                gate,
-                up,
+                lgu,
+                gate_up,
                 act,
                 ldown,
             },
@@ -714,18 +701,14 @@ impl Transformer {
     ) -> Result<Tensor, ModelError> {
         let cfg = &self.config;
         let w = &self.weights.layers[index];
-        let lin_back = |x: &Tensor,
-                        dy: &Tensor,
-                        l: &FrozenLinear,
-                        p: Proj,
-                        cache: &LoraCache,
-                        grads: &mut [AdapterGrads]|
-         -> candle_core::Result<Tensor> {
-            let dx = l.backward_input(dy)?;
-            match lora_backward(x, dy, Target::Layer(index, p), segs, adapters, cache, grads)? {
-                Some(extra) => dx + extra,
-                None => Ok(dx),
-            }
+        let targets = BlockTargets::new(cfg, index);
+        let p = self.projections(index, &targets);
+        let back = |x: &Tensor,
+                    dy: &Tensor,
+                    p: &Projection,
+                    caches: &[LoraCache],
+                    grads: &mut [AdapterGrads]| {
+            adapted::backward(x, dy, p, segs, adapters, caches, grads)
         };
         let n = dh.dims()[0];
         let (hq, hkv, hd) = (
@@ -734,20 +717,12 @@ impl Transformer {
             cfg.head_dim,
         );
         // MLP
-        let dact = lin_back(&t.act, &dh, &w.down_proj, Proj::Down, &t.ldown, grads)?;
-        let (dgate, dup) = ops::swiglu_backward(&dact, &t.gate, &t.up)?;
-        let dx2 = stacked_backward(
-            &t.x2,
-            &self.fused[index].gate_up,
-            [(&dgate, Proj::Gate, &t.lgate), (&dup, Proj::Up, &t.lup)],
-            index,
-            segs,
-            adapters,
-            grads,
-        )?;
+        let dact = back(&t.act, &dh, &p.down, &t.ldown, grads)?;
+        let dgu = ops::swiglu_backward(&dact, &t.gate_up)?;
+        let dx2 = back(&t.x2, &dgu, &p.gate_up, &t.lgu, grads)?;
         let dh2 = (&dh + ops::rms_norm_backward(&dx2, &w.post_attention_layernorm, &t.norm2)?)?;
         // attention
-        let dattn = lin_back(&t.attn_out, &dh2, &w.o_proj, Proj::O, &t.lo, grads)?;
+        let dattn = back(&t.attn_out, &dh2, &p.o, &t.lo, grads)?;
         let (mut dqs, mut dks, mut dvs) = (Vec::new(), Vec::new(), Vec::new());
         for (s, saved) in seqs.iter().zip(&t.attn) {
             let (dq, dk, dv) = ops::attention_backward(&dattn.narrow(0, s.start, s.len)?, saved)?;
@@ -766,21 +741,11 @@ impl Transformer {
             dq = ops::rms_norm_backward(&dq, qn, sq)?;
             dk = ops::rms_norm_backward(&dk, kn, sk)?;
         }
-        let dq = dq.reshape((n, hq * hd))?;
-        let dk = dk.reshape((n, hkv * hd))?;
-        let dx1 = stacked_backward(
-            &t.x1,
-            &self.fused[index].qkv,
-            [
-                (&dq, Proj::Q, &t.lq),
-                (&dk, Proj::K, &t.lk),
-                (&dv, Proj::V, &t.lv),
-            ],
-            index,
-            segs,
-            adapters,
-            grads,
+        let dqkv = Tensor::cat(
+            &[dq.reshape((n, hq * hd))?, dk.reshape((n, hkv * hd))?, dv],
+            1,
         )?;
+        let dx1 = back(&t.x1, &dqkv, &p.qkv, &t.lqkv, grads)?;
         Ok((dh2 + ops::rms_norm_backward(&dx1, &w.input_layernorm, &t.norm1)?)?)
     }
 }

@@ -1,0 +1,372 @@
+//! A frozen projection with its LoRA deltas, forward and backward, over a packed
+//! multi-adapter batch: `y = x Wᵀ (+ b) + s (x Aᵀ) Bᵀ` for each segment's own adapter.
+//!
+//! A projection may be stacked (q/k/v, gate/up): one weight whose output columns are
+//! split into parts, each its own LoRA target. On the CPU in f32 — training's hot path —
+//! the products go straight through `gemm` ([`super::gemm`]): each delta is accumulated
+//! into the frozen product in place, and each part's columns are read and written through
+//! strides. Elsewhere (f64 checks, CUDA) the same maths runs as candle ops
+//! ([`lora_forward`] / [`lora_backward`]); a test holds the two paths equal.
+
+use candle_core::{DType, Device, Result, Storage, Tensor};
+
+use super::gemm::{gemm, Mat, MatMut};
+use super::lora::{
+    lora_backward, lora_forward, Adapter, AdapterGrads, LoraCache, LoraPair, Segment, Target,
+};
+use super::weights::matmul_t;
+
+/// A frozen weight `(out, in)`, its bias, and the LoRA target of each slice of its
+/// output columns, in order (their widths add up to `out`).
+#[derive(Debug, Clone, Copy)]
+pub struct Projection<'a> {
+    /// `(out, in)`.
+    pub weight: &'a Tensor,
+    /// `(out,)`.
+    pub bias: Option<&'a Tensor>,
+    /// `(target, width)` of each output slice.
+    pub parts: &'a [(Target, usize)],
+}
+
+/// The pair and scale a segment uses for `target`, if its adapter trains it.
+fn pair_of<'a>(
+    seg: &Segment,
+    target: Target,
+    adapters: &[&'a Adapter],
+) -> Option<(&'a LoraPair, f64)> {
+    let adapter = adapters[seg.adapter?];
+    adapter.pairs.get(&target).map(|p| (p, adapter.scale()))
+}
+
+/// Whether the CPU `gemm` path applies: everything involved is an f32 CPU tensor.
+fn on_host(
+    tensors: &[&Tensor],
+    proj: &Projection,
+    segs: &[Segment],
+    adapters: &[&Adapter],
+) -> bool {
+    let host = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
+    tensors.iter().all(|t| host(t))
+        && host(proj.weight)
+        && proj.bias.is_none_or(host)
+        && proj.parts.iter().all(|&(target, _)| {
+            segs.iter()
+                .filter_map(|s| pair_of(s, target, adapters))
+                .all(|(p, _)| host(&p.a) && host(&p.b))
+        })
+}
+
+/// Runs `f` with the data of each (contiguous, CPU f32) tensor.
+fn with_slices<R>(ts: &[&Tensor], f: impl FnOnce(&[&[f32]]) -> Result<R>) -> Result<R> {
+    let ts: Vec<Tensor> = ts.iter().map(|t| t.contiguous()).collect::<Result<_>>()?;
+    let guards: Vec<_> = ts.iter().map(|t| t.storage_and_layout()).collect();
+    let mut slices = Vec::with_capacity(ts.len());
+    for (t, (storage, layout)) in ts.iter().zip(&guards) {
+        let Storage::Cpu(cpu) = &**storage else {
+            candle_core::bail!("expected a CPU tensor");
+        };
+        let start = layout.start_offset();
+        slices.push(&cpu.as_slice::<f32>()?[start..start + t.elem_count()]);
+    }
+    f(&slices)
+}
+
+fn host_tensor(data: Vec<f32>, rows: usize, cols: usize) -> Result<Tensor> {
+    Tensor::from_vec(data, (rows, cols), &Device::Cpu)
+}
+
+/// `x Wᵀ (+ b)` plus each segment's LoRA delta, and what the backward pass needs (one
+/// cache per part). `x` is `(n, in)`; the output is `(n, out)`.
+pub fn forward(
+    x: &Tensor,
+    proj: &Projection,
+    segs: &[Segment],
+    adapters: &[&Adapter],
+) -> Result<(Tensor, Vec<LoraCache>)> {
+    if !on_host(&[x], proj, segs, adapters) {
+        let y = matmul_t(x, proj.weight)?;
+        let y = match proj.bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        };
+        return add_deltas(x, y, proj.parts, segs, adapters);
+    }
+    let (n, d_in) = x.dims2()?;
+    let d_out = proj.weight.dim(0)?;
+    let mut y = vec![0f32; n * d_out];
+    let mut caches = vec![vec![None; segs.len()]; proj.parts.len()];
+    let mut us = Vec::new();
+    if let Some(b) = proj.bias {
+        let b: Vec<f32> = b.to_vec1()?;
+        for row in y.chunks_exact_mut(d_out) {
+            row.copy_from_slice(&b);
+        }
+    }
+    with_slices(&[x, proj.weight], |s| {
+        let (xs, ws) = (Mat::new(s[0], n, d_in), Mat::new(s[1], d_out, d_in));
+        let mut out = MatMut::new(&mut y, n, d_out, d_out);
+        gemm(&mut out, xs, ws.t(), 1.0, proj.bias.is_some());
+        let mut col = 0;
+        for (pi, &(target, width)) in proj.parts.iter().enumerate() {
+            for (si, seg) in segs.iter().enumerate() {
+                let Some((pair, scale)) = pair_of(seg, target, adapters) else {
+                    continue;
+                };
+                let r = pair.a.dim(0)?;
+                let mut u = vec![0f32; seg.len * r];
+                with_slices(&[&pair.a, &pair.b], |ab| {
+                    let xseg = xs.rows(seg.start, seg.len);
+                    gemm(
+                        &mut MatMut::new(&mut u, seg.len, r, r),
+                        xseg,
+                        Mat::new(ab[0], r, d_in).t(),
+                        1.0,
+                        false,
+                    );
+                    gemm(
+                        &mut out.block(seg.start, seg.len, col, width),
+                        Mat::new(&u, seg.len, r),
+                        Mat::new(ab[1], width, r).t(),
+                        scale as f32,
+                        true,
+                    );
+                    Ok(())
+                })?;
+                us.push((pi, si, u, r));
+            }
+            col += width;
+        }
+        Ok(())
+    })?;
+    for (pi, si, u, r) in us {
+        caches[pi][si] = Some(host_tensor(u, segs[si].len, r)?);
+    }
+    Ok((host_tensor(y, n, d_out)?, caches))
+}
+
+/// Adds each part's LoRA deltas to the frozen output `y` with candle ops (the path off
+/// the CPU, and for the quantized decode weights).
+pub fn add_deltas(
+    x: &Tensor,
+    y: Tensor,
+    parts: &[(Target, usize)],
+    segs: &[Segment],
+    adapters: &[&Adapter],
+) -> Result<(Tensor, Vec<LoraCache>)> {
+    if let [(target, _)] = parts {
+        let (y, cache) = lora_forward(x, y, *target, segs, adapters)?;
+        return Ok((y, vec![cache]));
+    }
+    let mut outs = Vec::with_capacity(parts.len());
+    let mut caches = Vec::with_capacity(parts.len());
+    let mut col = 0;
+    for &(target, width) in parts {
+        let (part, cache) = lora_forward(x, y.narrow(1, col, width)?, target, segs, adapters)?;
+        outs.push(part);
+        caches.push(cache);
+        col += width;
+    }
+    Ok((Tensor::cat(&outs, 1)?, caches))
+}
+
+/// Backward of [`forward`]: accumulates each adapter's `dA`, `dB` into `grads` and
+/// returns the input gradient `dy W + Σ s (dy B) A`. `dy` is `(n, out)`, stacked like
+/// the output.
+pub fn backward(
+    x: &Tensor,
+    dy: &Tensor,
+    proj: &Projection,
+    segs: &[Segment],
+    adapters: &[&Adapter],
+    caches: &[LoraCache],
+    grads: &mut [AdapterGrads],
+) -> Result<Tensor> {
+    if !on_host(&[x, dy], proj, segs, adapters) {
+        let mut dx = dy.matmul(proj.weight)?;
+        let mut col = 0;
+        for (&(target, width), cache) in proj.parts.iter().zip(caches) {
+            let dyp = dy.narrow(1, col, width)?.contiguous()?;
+            if let Some(extra) = lora_backward(x, &dyp, target, segs, adapters, cache, grads)? {
+                dx = (dx + extra)?;
+            }
+            col += width;
+        }
+        return Ok(dx);
+    }
+    let (n, d_in) = x.dims2()?;
+    let d_out = proj.weight.dim(0)?;
+    let mut dx = vec![0f32; n * d_in];
+    let mut pair_grads = Vec::new();
+    with_slices(&[x, dy, proj.weight], |s| {
+        let xs = Mat::new(s[0], n, d_in);
+        let dys = Mat::new(s[1], n, d_out);
+        let mut dxm = MatMut::new(&mut dx, n, d_in, d_in);
+        gemm(&mut dxm, dys, Mat::new(s[2], d_out, d_in), 1.0, false);
+        let mut col = 0;
+        for (&(target, width), cache) in proj.parts.iter().zip(caches) {
+            for (seg, u) in segs.iter().zip(cache) {
+                let (Some(u), Some((pair, scale))) = (u, pair_of(seg, target, adapters)) else {
+                    continue;
+                };
+                let r = pair.a.dim(0)?;
+                let scale = scale as f32;
+                let dyp = dys.rows(seg.start, seg.len).cols(col, width);
+                let xseg = xs.rows(seg.start, seg.len);
+                let (mut du, mut da, mut db) = (
+                    vec![0f32; seg.len * r],
+                    vec![0f32; r * d_in],
+                    vec![0f32; width * r],
+                );
+                with_slices(&[&pair.a, &pair.b, u], |abu| {
+                    let (a, b, u) = (
+                        Mat::new(abu[0], r, d_in),
+                        Mat::new(abu[1], width, r),
+                        Mat::new(abu[2], seg.len, r),
+                    );
+                    // y = s u Bᵀ with u = x Aᵀ.
+                    let mut dum = MatMut::new(&mut du, seg.len, r, r);
+                    gemm(&mut dum, dyp, b, scale, false);
+                    let du = Mat::new(&du, seg.len, r);
+                    gemm(
+                        &mut MatMut::new(&mut db, width, r, r),
+                        dyp.t(),
+                        u,
+                        scale,
+                        false,
+                    );
+                    gemm(
+                        &mut MatMut::new(&mut da, r, d_in, d_in),
+                        du.t(),
+                        xseg,
+                        1.0,
+                        false,
+                    );
+                    gemm(
+                        &mut dxm.block(seg.start, seg.len, 0, d_in),
+                        du,
+                        a,
+                        1.0,
+                        true,
+                    );
+                    Ok(())
+                })?;
+                pair_grads.push((seg.adapter, target, da, db, r, width));
+            }
+            col += width;
+        }
+        Ok(())
+    })?;
+    for (ai, target, da, db, r, width) in pair_grads {
+        let ai = ai.expect("a segment with a pair has an adapter");
+        grads[ai].accumulate(
+            target,
+            host_tensor(da, r, d_in)?,
+            host_tensor(db, width, r)?,
+        )?;
+    }
+    host_tensor(dx, n, d_in)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::lora::{LoraSpec, Proj};
+    use crate::model::test_util::{max_abs_diff, uniform};
+    use crate::model::tiny::tiny_config;
+    use crate::model::Arch;
+
+    /// An adapter on every projection with random (not zero) `B`, in f64.
+    fn adapter(seed: u64) -> Adapter {
+        let cfg = tiny_config(Arch::Qwen2);
+        let spec = LoraSpec {
+            rank: 4,
+            train_attn: true,
+            train_mlp: true,
+            train_unembed: false,
+        };
+        let mut a = Adapter::new(&cfg, spec, seed, DType::F64, &Device::Cpu).unwrap();
+        for (i, p) in a.pairs.values_mut().enumerate() {
+            p.b = uniform(p.b.dims(), 0.5, seed * 100 + i as u64);
+        }
+        a
+    }
+
+    fn f32s(ad: &Adapter) -> Adapter {
+        ad.to_dtype(DType::F32).unwrap()
+    }
+
+    #[test]
+    fn the_gemm_path_equals_candle_ops_in_f64_for_a_stacked_mixed_adapter_batch() {
+        let cfg = tiny_config(Arch::Qwen2);
+        let (d, qd, kvd) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim());
+        let out = qd + 2 * kvd;
+        let parts = [
+            (Target::Layer(1, Proj::Q), qd),
+            (Target::Layer(1, Proj::K), kvd),
+            (Target::Layer(1, Proj::V), kvd),
+        ];
+        // Two adapters and a stretch of base-model rows between them.
+        let segs = [
+            Segment {
+                start: 0,
+                len: 5,
+                adapter: Some(1),
+            },
+            Segment {
+                start: 5,
+                len: 3,
+                adapter: None,
+            },
+            Segment {
+                start: 8,
+                len: 6,
+                adapter: Some(0),
+            },
+        ];
+        let n = 14;
+        let (x, w, b, dy) = (
+            uniform(&[n, d], 1.0, 1),
+            uniform(&[out, d], 0.3, 2),
+            uniform(&[out], 0.3, 3),
+            uniform(&[n, out], 1.0, 4),
+        );
+        let (a0, a1) = (adapter(5), adapter(6));
+        let run = |dtype: DType, adapters: &[&Adapter]| {
+            let cast = |t: &Tensor| t.to_dtype(dtype).unwrap();
+            let (x, w, b, dy) = (cast(&x), cast(&w), cast(&b), cast(&dy));
+            let proj = Projection {
+                weight: &w,
+                bias: Some(&b),
+                parts: &parts,
+            };
+            let (y, caches) = forward(&x, &proj, &segs, adapters).unwrap();
+            let mut grads = vec![AdapterGrads::default(); 2];
+            let dx = backward(&x, &dy, &proj, &segs, adapters, &caches, &mut grads).unwrap();
+            (y, dx, grads)
+        };
+        let (y64, dx64, g64) = run(DType::F64, &[&a0, &a1]);
+        let (a0f, a1f) = (f32s(&a0), f32s(&a1));
+        let (y32, dx32, g32) = run(DType::F32, &[&a0f, &a1f]);
+        let diff = |a: &Tensor, b: &Tensor| max_abs_diff(a, &b.to_dtype(DType::F64).unwrap());
+        assert!(diff(&y64, &y32) < 1e-5);
+        assert!(diff(&dx64, &dx32) < 1e-5);
+        for (want, got) in g64.iter().zip(&g32) {
+            assert_eq!(want.pairs.len(), 3, "q, k and v each get a gradient");
+            for (t, (da, db)) in &want.pairs {
+                let (ga, gb) = &got.pairs[t];
+                assert!(diff(da, ga) < 1e-4 && diff(db, gb) < 1e-4);
+            }
+        }
+        // The base-model rows carry the frozen product alone.
+        let base = x
+            .matmul(&w.t().unwrap())
+            .unwrap()
+            .broadcast_add(&b)
+            .unwrap();
+        let rows = |t: &Tensor, start| t.narrow(0, start, 3).unwrap().to_dtype(DType::F64).unwrap();
+        assert!(max_abs_diff(&rows(&base, 5), &rows(&y32, 5)) < 1e-5);
+        // ... and adapted rows do not.
+        assert!(max_abs_diff(&rows(&base, 0), &rows(&y32, 0)) > 1e-2);
+        assert!(max_abs_diff(&rows(&base, 10), &rows(&y32, 10)) > 1e-2);
+    }
+}

@@ -1,0 +1,256 @@
+//! A safe wrapper over the `gemm` crate's strided f32 product, for the CPU training path.
+//!
+//! candle's `matmul` always allocates a fresh output and cannot add into an existing
+//! one, so a frozen projection plus its LoRA delta costs three allocations and an extra
+//! pass over the output. With `gemm` directly, the delta `s (x Aᵀ) Bᵀ` is accumulated
+//! into the frozen product in place, and column slices of a stacked output (q/k/v,
+//! gate/up) are read and written through strides, without copies.
+
+use gemm::Parallelism;
+
+/// A read-only strided matrix: element `(i, j)` is `data[i * rs + j * cs]`.
+#[derive(Debug, Clone, Copy)]
+pub struct Mat<'a> {
+    data: &'a [f32],
+    rows: usize,
+    cols: usize,
+    rs: usize,
+    cs: usize,
+}
+
+impl<'a> Mat<'a> {
+    /// A row-major `(rows, cols)` matrix. Panics if `data` is too short.
+    pub fn new(data: &'a [f32], rows: usize, cols: usize) -> Self {
+        Self::strided(data, rows, cols, cols, 1)
+    }
+
+    /// A matrix with explicit strides. Panics if `data` is too short for them.
+    pub fn strided(data: &'a [f32], rows: usize, cols: usize, rs: usize, cs: usize) -> Self {
+        assert!(
+            fits(data.len(), rows, cols, rs, cs),
+            "matrix {rows}x{cols} (strides {rs},{cs}) outside a buffer of {}",
+            data.len()
+        );
+        Self {
+            data,
+            rows,
+            cols,
+            rs,
+            cs,
+        }
+    }
+
+    /// Rows `start..start + len`.
+    pub fn rows(self, start: usize, len: usize) -> Self {
+        assert!(start + len <= self.rows, "rows out of range");
+        let off = (start * self.rs).min(self.data.len());
+        Self::strided(&self.data[off..], len, self.cols, self.rs, self.cs)
+    }
+
+    /// Columns `start..start + len`.
+    pub fn cols(self, start: usize, len: usize) -> Self {
+        assert!(start + len <= self.cols, "columns out of range");
+        let off = (start * self.cs).min(self.data.len());
+        Self::strided(&self.data[off..], self.rows, len, self.rs, self.cs)
+    }
+
+    /// The transpose (a view: strides swap).
+    pub fn t(self) -> Self {
+        Self {
+            data: self.data,
+            rows: self.cols,
+            cols: self.rows,
+            rs: self.cs,
+            cs: self.rs,
+        }
+    }
+}
+
+/// A writable strided matrix.
+#[derive(Debug)]
+pub struct MatMut<'a> {
+    data: &'a mut [f32],
+    rows: usize,
+    cols: usize,
+    rs: usize,
+}
+
+impl<'a> MatMut<'a> {
+    /// A row-major `(rows, cols)` matrix with row stride `rs` (at least `cols`). Panics if
+    /// `data` is too short.
+    pub fn new(data: &'a mut [f32], rows: usize, cols: usize, rs: usize) -> Self {
+        assert!(
+            rs >= cols && fits(data.len(), rows, cols, rs, 1),
+            "matrix {rows}x{cols} (row stride {rs}) outside a buffer of {}",
+            data.len()
+        );
+        Self {
+            data,
+            rows,
+            cols,
+            rs,
+        }
+    }
+
+    /// Rows `start..start + len` and columns `col..col + width`.
+    pub fn block(&mut self, start: usize, len: usize, col: usize, width: usize) -> MatMut<'_> {
+        assert!(
+            start + len <= self.rows && col + width <= self.cols,
+            "block out of range"
+        );
+        let off = (start * self.rs + col).min(self.data.len());
+        MatMut::new(&mut self.data[off..], len, width, self.rs)
+    }
+}
+
+/// Whether a `rows x cols` matrix with these strides lies within `len` elements.
+fn fits(len: usize, rows: usize, cols: usize, rs: usize, cs: usize) -> bool {
+    rows == 0 || cols == 0 || (rows - 1) * rs + (cols - 1) * cs < len
+}
+
+/// Below this many multiply-adds, waking the other threads costs more than it saves.
+const PARALLEL_WORK: usize = 1 << 20;
+
+/// `dst = beta * lhs * rhs`, or `dst += beta * lhs * rhs` with `accumulate`.
+pub fn gemm(dst: &mut MatMut<'_>, lhs: Mat<'_>, rhs: Mat<'_>, beta: f32, accumulate: bool) {
+    assert_eq!(lhs.cols, rhs.rows, "inner dimensions differ");
+    assert_eq!(
+        (dst.rows, dst.cols),
+        (lhs.rows, rhs.cols),
+        "output shape differs"
+    );
+    let (m, n, k) = (dst.rows, dst.cols, lhs.cols);
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            for r in 0..m {
+                dst.data[r * dst.rs..r * dst.rs + n].fill(0.0);
+            }
+        }
+        return;
+    }
+    let parallelism = if m * n * k >= PARALLEL_WORK {
+        Parallelism::Rayon(0)
+    } else {
+        Parallelism::None
+    };
+    // SAFETY: every pointer comes from a slice that `Mat::strided` / `MatMut::new`
+    // checked holds all `(rows, cols)` elements at the given strides, and `dst` is
+    // borrowed mutably, so it aliases neither input.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.data.as_mut_ptr(),
+            1,
+            dst.rs as isize,
+            accumulate,
+            lhs.data.as_ptr(),
+            lhs.cs as isize,
+            lhs.rs as isize,
+            rhs.data.as_ptr(),
+            rhs.cs as isize,
+            rhs.rs as isize,
+            1.0,
+            beta,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn naive(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
+        let mut out = vec![0.0; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                out[i * n + j] = (0..k).map(|p| a[i * k + p] * b[p * n + j]).sum();
+            }
+        }
+        out
+    }
+
+    fn data(len: usize, seed: u32) -> Vec<f32> {
+        (0..len)
+            .map(|i| {
+                ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 97) as f32 / 97.0 - 0.5
+            })
+            .collect()
+    }
+
+    #[test]
+    fn products_match_a_naive_loop_for_transposes_blocks_and_accumulation() {
+        let (m, k, n) = (37, 300, 45);
+        let a = data(m * k, 1);
+        let b = data(k * n, 2);
+        let want = naive(&a, &b, m, k, n);
+        // Plain.
+        let mut out = vec![7.0; m * n];
+        gemm(
+            &mut MatMut::new(&mut out, m, n, n),
+            Mat::new(&a, m, k),
+            Mat::new(&b, k, n),
+            1.0,
+            false,
+        );
+        for (x, y) in out.iter().zip(&want) {
+            assert!((x - y).abs() < 1e-4);
+        }
+        // rhs given as its transpose's view; accumulate with a factor.
+        let bt: Vec<f32> = (0..n * k).map(|i| b[(i % k) * n + i / k]).collect();
+        gemm(
+            &mut MatMut::new(&mut out, m, n, n),
+            Mat::new(&a, m, k),
+            Mat::new(&bt, n, k).t(),
+            0.5,
+            true,
+        );
+        for (x, y) in out.iter().zip(&want) {
+            assert!((x - 1.5 * y).abs() < 1e-4);
+        }
+        // A block of columns of a wider output, from a column block of a wider lhs.
+        let wide = 3 * n;
+        let mut out = vec![1.0; m * wide];
+        let aw = [a.clone(), a.clone()].concat(); // (m, 2k) after reshaping below
+        let a2: Vec<f32> = (0..m)
+            .flat_map(|i| {
+                let row = &aw[i * k..(i + 1) * k];
+                row.iter().chain(row).copied().collect::<Vec<_>>()
+            })
+            .collect();
+        let mut dst = MatMut::new(&mut out, m, wide, wide);
+        gemm(
+            &mut dst.block(0, m, n, n),
+            Mat::new(&a2, m, 2 * k).cols(k, k),
+            Mat::new(&b, k, n),
+            1.0,
+            true,
+        );
+        for i in 0..m {
+            for j in 0..wide {
+                let v = out[i * wide + j];
+                let expect = if (n..2 * n).contains(&j) {
+                    1.0 + want[i * n + j - n]
+                } else {
+                    1.0
+                };
+                assert!((v - expect).abs() < 1e-4, "({i},{j}) {v} vs {expect}");
+            }
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "outside a buffer")]
+    fn a_view_larger_than_its_buffer_is_refused() {
+        let v = vec![0.0; 10];
+        let _ = Mat::new(&v, 3, 4);
+    }
+}
