@@ -3,6 +3,8 @@
 //! the worker thread batches chosen by a pure scheduler.
 
 mod actor;
+#[cfg(test)]
+mod batching_tests;
 mod error;
 mod futures;
 mod info;

@@ -110,6 +110,12 @@ impl Engine {
         job: SampleJob,
     ) -> Result<UntypedApiFuture, EngineError> {
         self.check_open()?;
+        // Which client is sampling, for the batching decision in `pump`.
+        let submitter = match &sampler {
+            SamplerRef::Session(id) => id.clone(),
+            SamplerRef::BaseModel => format!("{owner} base"),
+            SamplerRef::Path(uri) => format!("{owner} {uri}"),
+        };
         let source = match sampler {
             SamplerRef::Session(id) => self
                 .samplers
@@ -130,6 +136,8 @@ impl Engine {
             .map(|_| uuid::Uuid::new_v4().to_string())
             .collect();
         let arrival = self.next_arrival();
+        self.sample_submits
+            .insert(submitter, std::time::Instant::now());
         self.samples.push_back((
             arrival,
             std::time::Instant::now(),

@@ -129,6 +129,9 @@ pub struct Engine {
     pub(super) samplers: HashMap<String, Sampler>,
     pub(super) futures: Futures,
     pub(super) samples: VecDeque<(u64, Instant, SampleWork)>,
+    /// When each sampling client (a sampler id, or an owner's base model or checkpoint
+    /// path) last submitted, so that `pump` knows whether others may be about to.
+    pub(super) sample_submits: HashMap<String, Instant>,
     pub(super) inflight: HashMap<String, Inflight>,
     pub(super) drop_snapshots: Vec<String>,
     pub(super) unload: Vec<String>,
@@ -138,7 +141,8 @@ pub struct Engine {
     pub(super) draining: bool,
 }
 
-/// A run that submitted within this long counts as active for batching decisions.
+/// A run or sampling client that submitted within this long counts as active for
+/// batching decisions.
 const ACTIVE_WINDOW: Duration = Duration::from_secs(2);
 
 /// Unix seconds now.
@@ -169,6 +173,7 @@ impl Engine {
             samplers: HashMap::new(),
             futures: Futures::default(),
             samples: VecDeque::new(),
+            sample_submits: HashMap::new(),
             inflight: HashMap::new(),
             drop_snapshots: Vec::new(),
             unload: Vec::new(),
@@ -403,13 +408,16 @@ impl Engine {
                 },
             });
         }
-        // Waiting only pays when another session may be about to submit too.
+        // Waiting only pays when another client may be about to submit too: a run or a
+        // sampling client that submitted recently (a lone client never waits).
+        self.sample_submits
+            .retain(|_, at| now.duration_since(*at) < ACTIVE_WINDOW);
         let active = self
             .runs
             .values()
             .filter(|r| now.duration_since(r.last_submit) < ACTIVE_WINDOW)
             .count()
-            + self.samples.len();
+            + self.sample_submits.len();
         if let Some(oldest) = oldest.filter(|_| active > 1 && !self.draining) {
             let ready_at = oldest + self.config.batch_window;
             if now < ready_at {
