@@ -11,6 +11,8 @@
 use candle_core::{DType, Device, Result, Storage, Tensor};
 
 use super::gemm::{gemm, Mat, MatMut};
+use super::input_grad;
+use super::kernels;
 use super::lora::{
     lora_backward, lora_forward, Adapter, AdapterGrads, LoraCache, LoraPair, Segment, Target,
 };
@@ -93,19 +95,34 @@ pub fn forward(
     }
     let (n, d_in) = x.dims2()?;
     let d_out = proj.weight.dim(0)?;
-    let mut y = vec![0f32; n * d_out];
+    // A handful of rows (short requests, prefill of a few tokens) is bound by reading the
+    // weight; the few-rows kernel reads it once where gemm would first repack all of it.
+    let mut y = if n <= kernels::FEW_ROWS {
+        with_slices(&[x], |s| {
+            kernels::matmul_t_few_rows_host(s[0], n, proj.weight)
+        })?
+    } else {
+        vec![0f32; n * d_out]
+    };
+    let frozen_done = n <= kernels::FEW_ROWS;
     let mut caches = vec![vec![None; segs.len()]; proj.parts.len()];
     let mut us = Vec::new();
     if let Some(b) = proj.bias {
         let b: Vec<f32> = b.to_vec1()?;
         for row in y.chunks_exact_mut(d_out) {
-            row.copy_from_slice(&b);
+            if frozen_done {
+                row.iter_mut().zip(&b).for_each(|(v, b)| *v += b);
+            } else {
+                row.copy_from_slice(&b);
+            }
         }
     }
     with_slices(&[x, proj.weight], |s| {
         let (xs, ws) = (Mat::new(s[0], n, d_in), Mat::new(s[1], d_out, d_in));
         let mut out = MatMut::new(&mut y, n, d_out, d_out);
-        gemm(&mut out, xs, ws.t(), 1.0, proj.bias.is_some());
+        if !frozen_done {
+            gemm(&mut out, xs, ws.t(), 1.0, proj.bias.is_some());
+        }
         let mut col = 0;
         for (pi, &(target, width)) in proj.parts.iter().enumerate() {
             for (si, seg) in segs.iter().enumerate() {
@@ -195,13 +212,20 @@ pub fn backward(
     }
     let (n, d_in) = x.dims2()?;
     let d_out = proj.weight.dim(0)?;
-    let mut dx = vec![0f32; n * d_in];
+    let few = n <= kernels::FEW_ROWS;
+    let mut dx = if few {
+        with_slices(&[dy], |s| input_grad::dy_w(s[0], n, proj.weight))?
+    } else {
+        vec![0f32; n * d_in]
+    };
     let mut pair_grads = Vec::new();
     with_slices(&[x, dy, proj.weight], |s| {
         let xs = Mat::new(s[0], n, d_in);
         let dys = Mat::new(s[1], n, d_out);
         let mut dxm = MatMut::new(&mut dx, n, d_in, d_in);
-        gemm(&mut dxm, dys, Mat::new(s[2], d_out, d_in), 1.0, false);
+        if !few {
+            gemm(&mut dxm, dys, Mat::new(s[2], d_out, d_in), 1.0, false);
+        }
         let mut col = 0;
         for (&(target, width), cache) in proj.parts.iter().zip(caches) {
             for (seg, u) in segs.iter().zip(cache) {
@@ -295,8 +319,16 @@ mod tests {
         ad.to_dtype(DType::F32).unwrap()
     }
 
+    /// Few rows go through the few-rows kernels, more through gemm.
     #[test]
-    fn the_gemm_path_equals_candle_ops_in_f64_for_a_stacked_mixed_adapter_batch() {
+    fn the_host_paths_equal_candle_ops_in_f64_for_a_stacked_mixed_adapter_batch() {
+        for rows in [1, 3] {
+            check_host_path(rows);
+        }
+    }
+
+    /// A batch of `5k, 3k, 6k` rows: two adapters with base-model rows between them.
+    fn check_host_path(k: usize) {
         let cfg = tiny_config(Arch::Qwen2);
         let (d, qd, kvd) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim());
         let out = qd + 2 * kvd;
@@ -305,25 +337,24 @@ mod tests {
             (Target::Layer(1, Proj::K), kvd),
             (Target::Layer(1, Proj::V), kvd),
         ];
-        // Two adapters and a stretch of base-model rows between them.
         let segs = [
             Segment {
                 start: 0,
-                len: 5,
+                len: 5 * k,
                 adapter: Some(1),
             },
             Segment {
-                start: 5,
-                len: 3,
+                start: 5 * k,
+                len: 3 * k,
                 adapter: None,
             },
             Segment {
-                start: 8,
-                len: 6,
+                start: 8 * k,
+                len: 6 * k,
                 adapter: Some(0),
             },
         ];
-        let n = 14;
+        let n = 14 * k;
         let (x, w, b, dy) = (
             uniform(&[n, d], 1.0, 1),
             uniform(&[out, d], 0.3, 2),
@@ -363,10 +394,10 @@ mod tests {
             .unwrap()
             .broadcast_add(&b)
             .unwrap();
-        let rows = |t: &Tensor, start| t.narrow(0, start, 3).unwrap().to_dtype(DType::F64).unwrap();
-        assert!(max_abs_diff(&rows(&base, 5), &rows(&y32, 5)) < 1e-5);
+        let rows = |t: &Tensor, start| t.narrow(0, start, k).unwrap().to_dtype(DType::F64).unwrap();
+        assert!(max_abs_diff(&rows(&base, 5 * k), &rows(&y32, 5 * k)) < 1e-5);
         // ... and adapted rows do not.
         assert!(max_abs_diff(&rows(&base, 0), &rows(&y32, 0)) > 1e-2);
-        assert!(max_abs_diff(&rows(&base, 10), &rows(&y32, 10)) > 1e-2);
+        assert!(max_abs_diff(&rows(&base, 10 * k), &rows(&y32, 10 * k)) > 1e-2);
     }
 }

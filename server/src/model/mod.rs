@@ -10,6 +10,7 @@ pub mod gemm;
 pub mod gguf;
 pub mod hf;
 pub mod host_decode;
+pub mod input_grad;
 pub mod kernels;
 pub mod kv;
 pub mod lora;

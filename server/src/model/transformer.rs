@@ -17,7 +17,7 @@ use super::lora::{
 };
 pub use super::ops::TopK;
 use super::ops::{self, AttnSaved, RmsSaved, Rope};
-use super::weights::{matmul_t, BaseWeights, LayerWeights};
+use super::weights::{matmul_input_grad, matmul_t, BaseWeights, LayerWeights};
 use super::ModelError;
 
 /// Rows of the output head computed at once, bounding the `(rows, vocab)` logits buffer
@@ -592,7 +592,7 @@ impl Transformer {
                     adapter: seg.adapter,
                 }];
                 let (logits, mut cache) =
-                    lora_forward(&x, x.matmul(&w.t()?)?, Target::LmHead, &local, adapters)?;
+                    lora_forward(&x, matmul_t(&x, w)?, Target::LmHead, &local, adapters)?;
                 let t = targets.narrow(0, start, len)?.contiguous()?;
                 let (lp, lse) = ops::logprobs_at(&logits, &t)?;
                 if k > 0 {
@@ -664,7 +664,7 @@ impl Transformer {
             let t = tape.targets.narrow(0, c.start, c.len)?.contiguous()?;
             let dlogits = ops::logprobs_at_backward(&c.logits, &c.lse, &t, &d)?;
             let x = tape.xf.narrow(0, c.start, c.len)?;
-            let mut dx = dlogits.matmul(w)?;
+            let mut dx = matmul_input_grad(&dlogits, w)?;
             let local = [Segment {
                 start: 0,
                 len: c.len,

@@ -19,6 +19,18 @@ pub fn matmul_t(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
     x.matmul(&w.t()?)
 }
 
+/// `dy W`, the input gradient of a frozen projection (no weight gradient: the base is
+/// frozen); through the few-rows kernel for a handful of f32 rows on the CPU.
+pub fn matmul_input_grad(dy: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+    let m = dy.dim(0)?;
+    if m <= kernels::FEW_ROWS && kernels::supported(dy) && dy.dtype() == DType::F32 {
+        let dys: Vec<f32> = dy.flatten_all()?.to_vec1()?;
+        let dx = super::input_grad::dy_w(&dys, m, w)?;
+        return Tensor::from_vec(dx, (m, w.dim(1)?), dy.device());
+    }
+    dy.matmul(w)
+}
+
 /// [`matmul_t`] for a plain `(m, in)` buffer on the CPU; returns `(m, out)` row-major.
 pub fn matmul_t_host(x: &[f32], m: usize, w: &Tensor) -> candle_core::Result<Vec<f32>> {
     if m <= kernels::FEW_ROWS {
@@ -56,11 +68,6 @@ impl FrozenLinear {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),
         }
-    }
-
-    /// The input gradient `dy W` (no weight gradient: the base is frozen).
-    pub fn backward_input(&self, dy: &Tensor) -> candle_core::Result<Tensor> {
-        dy.matmul(&self.weight)
     }
 
     fn to_dtype(&self, dtype: DType) -> candle_core::Result<Self> {
