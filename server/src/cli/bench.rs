@@ -43,6 +43,10 @@ pub struct TrainArgs {
     /// LoRA rank (on all seven projections).
     #[arg(long, default_value_t = 8)]
     rank: usize,
+    /// Adapters the sequences are spread over (sequence i trains adapter i mod N), as
+    /// when several sessions' requests share one pass; each takes its own AdamW step.
+    #[arg(long, default_value_t = 1)]
+    adapters: usize,
     /// Timed iterations (after one warm-up).
     #[arg(long, default_value_t = 5)]
     iters: usize,
@@ -212,17 +216,20 @@ fn bench_train(a: TrainArgs) -> anyhow::Result<serde_json::Value> {
     let model = super::load_model(&a.model)?;
     let t = &model.transformer;
     let spec = seven_projections(a.rank);
-    let mut adapter = Adapter::new(&t.config, spec, 0, DType::F32, &Device::Cpu)?;
-    let mut state = AdamState::default();
+    let n_adapters = a.adapters.clamp(1, a.batch.max(1));
+    let mut adapters = (0..n_adapters)
+        .map(|i| Adapter::new(&t.config, spec, i as u64, DType::F32, &Device::Cpu))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut states = vec![AdamState::default(); n_adapters];
     let mut rng = StdRng::seed_from_u64(0);
     let jobs: Vec<DatumJob> = (0..a.batch)
-        .map(|_| {
+        .map(|i| {
             let toks = random_tokens(&mut rng, a.seq_len + 1, t.config.vocab_size);
             DatumJob {
                 tokens: toks[..a.seq_len].to_vec(),
                 targets: toks[1..].to_vec(),
                 k: 1,
-                adapter: 0,
+                adapter: i % n_adapters,
                 loss: Loss::CrossEntropy,
                 inputs: TokenInputs {
                     weights: vec![1.0; a.seq_len],
@@ -237,9 +244,14 @@ fn bench_train(a: TrainArgs) -> anyhow::Result<serde_json::Value> {
     let (mut fb_times, mut opt_times) = (Vec::new(), Vec::new());
     for i in 0..=a.iters {
         let t0 = Instant::now();
-        let (_, mut grads) = forward_backward(t, &[&adapter], &jobs, true)?;
+        let grads = {
+            let refs: Vec<&Adapter> = adapters.iter().collect();
+            forward_backward(t, &refs, &jobs, true)?.1
+        };
         let t1 = Instant::now();
-        adamw::step(&mut adapter, &mut state, &grads.remove(0), &params)?;
+        for ((adapter, state), g) in adapters.iter_mut().zip(&mut states).zip(&grads) {
+            adamw::step(adapter, state, g, &params)?;
+        }
         let t2 = Instant::now();
         let total = (t2 - t0).as_secs_f64();
         eprintln!(
@@ -261,8 +273,8 @@ fn bench_train(a: TrainArgs) -> anyhow::Result<serde_json::Value> {
         "bench": "train",
         "model": model.name,
         "threads": threads(),
-        "batch": a.batch, "seq_len": a.seq_len, "rank": a.rank,
-        "trainable_params": adapter.num_params(),
+        "batch": a.batch, "seq_len": a.seq_len, "rank": a.rank, "adapters": n_adapters,
+        "trainable_params": adapters[0].num_params(),
         "tokens_per_s_median": round(s.median), "tokens_per_s_min": round(s.min), "tokens_per_s_max": round(s.max),
         "forward_backward_s_median": round(stats(fb_times).median * 1000.0) / 1000.0,
         "optim_step_s_median": round(stats(opt_times).median * 1000.0) / 1000.0,
