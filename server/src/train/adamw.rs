@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use lathe_sdk::types::AdamParams;
 
 use crate::model::{Adapter, AdapterGrads, Target};
@@ -72,14 +72,86 @@ pub fn global_norm(grads: &AdapterGrads) -> Result<f64, TrainError> {
     let mut sq = 0.0f64;
     for (da, db) in grads.pairs.values() {
         for g in [da, db] {
-            sq += g
-                .sqr()?
-                .sum_all()?
-                .to_dtype(candle_core::DType::F64)?
-                .to_scalar::<f64>()?;
+            sq += if is_host_f32(g) {
+                let v: Vec<f32> = g.flatten_all()?.to_vec1()?;
+                v.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>()
+            } else {
+                g.sqr()?
+                    .sum_all()?
+                    .to_dtype(DType::F64)?
+                    .to_scalar::<f64>()?
+            };
         }
     }
     Ok(sq.sqrt())
+}
+
+fn is_host_f32(t: &Tensor) -> bool {
+    t.device().is_cpu() && t.dtype() == DType::F32
+}
+
+/// The scalars of one step, shared by every parameter.
+struct Coefs {
+    /// Gradient factor from clipping (1 when not clipped).
+    grad_scale: f64,
+    /// `1 - lr * weight_decay`.
+    decay: f64,
+    beta1: f64,
+    beta2: f64,
+    /// `sqrt(1 - beta2^t)`.
+    bc2_sqrt: f64,
+    eps: f64,
+    /// `lr / (1 - beta1^t)`.
+    step_size: f64,
+}
+
+/// One parameter tensor's update, in torch's order of operations.
+fn update(
+    param: &mut Tensor,
+    grad: &Tensor,
+    mom: &mut Moments,
+    c: &Coefs,
+) -> Result<(), TrainError> {
+    if [&*param, grad, &mom.m, &mom.v].into_iter().all(is_host_f32) {
+        return update_host(param, grad, mom, c);
+    }
+    let g = (grad * c.grad_scale)?;
+    let decayed = (&*param * c.decay)?;
+    mom.m = ((&mom.m * c.beta1)? + (&g * (1.0 - c.beta1))?)?;
+    mom.v = ((&mom.v * c.beta2)? + (g.sqr()? * (1.0 - c.beta2))?)?;
+    let denom = ((mom.v.sqrt()? / c.bc2_sqrt)? + c.eps)?;
+    *param = (decayed - ((&mom.m / denom)? * c.step_size)?)?;
+    Ok(())
+}
+
+/// [`update`] as one loop over plain buffers: through candle it is a dozen tensor ops per
+/// parameter, and an adapter has hundreds of small parameters (420 for SmolLM2's seven
+/// projections), so per-op overhead dominated the step.
+fn update_host(
+    param: &mut Tensor,
+    grad: &Tensor,
+    mom: &mut Moments,
+    c: &Coefs,
+) -> Result<(), TrainError> {
+    let host = |t: &Tensor| -> candle_core::Result<Vec<f32>> { t.flatten_all()?.to_vec1() };
+    let (mut p, g, mut m, mut v) = (host(param)?, host(grad)?, host(&mom.m)?, host(&mom.v)?);
+    let f = |x: f64| x as f32;
+    let (gs, decay, b1, b2) = (f(c.grad_scale), f(c.decay), f(c.beta1), f(c.beta2));
+    let (one_b1, one_b2) = (f(1.0 - c.beta1), f(1.0 - c.beta2));
+    let (bc2_sqrt, eps, step_size) = (f(c.bc2_sqrt), f(c.eps), f(c.step_size));
+    for (((p, &g), m), v) in p.iter_mut().zip(&g).zip(&mut m).zip(&mut v) {
+        let g = g * gs;
+        *m = *m * b1 + g * one_b1;
+        *v = *v * b2 + g * g * one_b2;
+        let denom = v.sqrt() / bc2_sqrt + eps;
+        *p = *p * decay - *m / denom * step_size;
+    }
+    let shape = param.dims().to_vec();
+    let back = |x: Vec<f32>| Tensor::from_vec(x, shape.as_slice(), param.device());
+    mom.m = back(m)?;
+    mom.v = back(v)?;
+    *param = back(p)?;
+    Ok(())
 }
 
 /// Applies one AdamW step to `adapter` with the accumulated `grads`.
@@ -106,9 +178,15 @@ pub fn step(
     state.step += 1;
     let t = state.step as i32;
     let bc1 = 1.0 - p.beta1.powi(t);
-    let bc2 = 1.0 - p.beta2.powi(t);
-    let step_size = p.learning_rate / bc1;
-    let bc2_sqrt = bc2.sqrt();
+    let coefs = Coefs {
+        grad_scale: scale,
+        decay: 1.0 - p.learning_rate * p.weight_decay,
+        beta1: p.beta1,
+        beta2: p.beta2,
+        bc2_sqrt: (1.0 - p.beta2.powi(t)).sqrt(),
+        eps: p.eps,
+        step_size: p.learning_rate / bc1,
+    };
     for (target, (da, db)) in &grads.pairs {
         let pair = adapter.pairs.get_mut(target).ok_or_else(|| {
             TrainError::Input(format!("gradient for {target:?}, which the adapter lacks"))
@@ -126,25 +204,8 @@ pub fn step(
                 state.moments.entry(*target).or_insert(fresh)
             }
         };
-        for (param, grad, mom) in [
-            (&mut pair.a, da, &mut entry.0),
-            (&mut pair.b, db, &mut entry.1),
-        ] {
-            let g = if clipped {
-                (grad * scale)?
-            } else {
-                grad.clone()
-            };
-            let decayed = if p.weight_decay != 0.0 {
-                (&*param * (1.0 - p.learning_rate * p.weight_decay))?
-            } else {
-                param.clone()
-            };
-            mom.m = ((&mom.m * p.beta1)? + (&g * (1.0 - p.beta1))?)?;
-            mom.v = ((&mom.v * p.beta2)? + (g.sqr()? * (1.0 - p.beta2))?)?;
-            let denom = ((mom.v.sqrt()? / bc2_sqrt)? + p.eps)?;
-            *param = (decayed - ((&mom.m / denom)? * step_size)?)?;
-        }
+        update(&mut pair.a, da, &mut entry.0, &coefs)?;
+        update(&mut pair.b, db, &mut entry.1, &coefs)?;
     }
     Ok(StepReport {
         grad_norm,
