@@ -36,12 +36,19 @@ pub fn dy_w(dy: &[f32], m: usize, w: &Tensor) -> Result<Vec<f32>> {
         .min(out_dim / MIN_ROWS_PER_TASK)
         .max(1);
     let per_task = out_dim.div_ceil(tasks);
+    let product = Product {
+        dy,
+        m,
+        w: ws,
+        out_dim,
+        in_dim,
+    };
     let dx = (0..tasks)
         .into_par_iter()
         .map(|t| {
             let (j0, j1) = (t * per_task, ((t + 1) * per_task).min(out_dim));
             let mut acc = vec![0f32; m * in_dim];
-            rows(dy, m, out_dim, ws, in_dim, j0..j1, &mut acc);
+            product.rows(j0..j1, &mut acc);
             acc
         })
         .reduce_with(|mut a, b| {
@@ -52,74 +59,69 @@ pub fn dy_w(dy: &[f32], m: usize, w: &Tensor) -> Result<Vec<f32>> {
     Ok(dx)
 }
 
-/// Adds the weight rows `js` (and `dy`'s matching columns) of `dy W` into `acc (m, in)`.
-fn rows(
-    dy: &[f32],
+/// One product `dy W`: `dy` is `(m, out)`, `w` is `(out, in)`, both row-major.
+#[derive(Clone, Copy)]
+struct Product<'a> {
+    dy: &'a [f32],
     m: usize,
+    w: &'a [f32],
     out_dim: usize,
-    w: &[f32],
     in_dim: usize,
-    js: Range<usize>,
-    acc: &mut [f32],
-) {
+}
+
+impl Product<'_> {
+    /// Adds weight rows `js` (with `dy`'s matching columns) into `acc (m, in)`.
+    fn rows(self, js: Range<usize>, acc: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f") {
+                // SAFETY: the CPU supports AVX-512F, checked just above.
+                return unsafe { self.rows_avx512(js, acc) };
+            }
+        }
+        self.rows_generic(js, acc)
+    }
+
     #[cfg(target_arch = "x86_64")]
-    {
-        if is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU supports AVX-512F, checked just above.
-            return unsafe { rows_avx512(dy, m, out_dim, w, in_dim, js, acc) };
-        }
+    #[target_feature(enable = "avx512f")]
+    unsafe fn rows_avx512(self, js: Range<usize>, acc: &mut [f32]) {
+        self.rows_generic(js, acc)
     }
-    rows_generic(dy, m, out_dim, w, in_dim, js, acc)
-}
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn rows_avx512(
-    dy: &[f32],
-    m: usize,
-    out_dim: usize,
-    w: &[f32],
-    in_dim: usize,
-    js: Range<usize>,
-    acc: &mut [f32],
-) {
-    rows_generic(dy, m, out_dim, w, in_dim, js, acc)
-}
-
-/// The loop the compiler vectorises for whatever features the caller enabled: four
-/// weight rows at a time, so each accumulator is loaded and stored once per four rows.
-#[inline(always)]
-fn rows_generic(
-    dy: &[f32],
-    m: usize,
-    out_dim: usize,
-    w: &[f32],
-    in_dim: usize,
-    js: Range<usize>,
-    acc: &mut [f32],
-) {
-    let row = |j: usize| &w[j * in_dim..(j + 1) * in_dim];
-    let mut j = js.start;
-    while j + 4 <= js.end {
-        let (w0, w1, w2, w3) = (row(j), row(j + 1), row(j + 2), row(j + 3));
-        for (i, a) in acc.chunks_exact_mut(in_dim).enumerate().take(m) {
-            let d = &dy[i * out_dim + j..i * out_dim + j + 4];
-            let (d0, d1, d2, d3) = (d[0], d[1], d[2], d[3]);
-            for c in 0..in_dim {
-                a[c] += d0 * w0[c] + d1 * w1[c] + d2 * w2[c] + d3 * w3[c];
+    /// The loop the compiler vectorises for whatever features the caller enabled: four
+    /// weight rows at a time, so each accumulator is loaded and stored once per four rows.
+    #[inline(always)]
+    fn rows_generic(self, js: Range<usize>, acc: &mut [f32]) {
+        let Self {
+            dy,
+            m,
+            w,
+            out_dim,
+            in_dim,
+        } = self;
+        let row = |j: usize| &w[j * in_dim..(j + 1) * in_dim];
+        let mut j = js.start;
+        while j + 4 <= js.end {
+            let (w0, w1, w2, w3) = (row(j), row(j + 1), row(j + 2), row(j + 3));
+            for (i, a) in acc.chunks_exact_mut(in_dim).enumerate().take(m) {
+                let d = &dy[i * out_dim + j..i * out_dim + j + 4];
+                let (d0, d1, d2, d3) = (d[0], d[1], d[2], d[3]);
+                for c in 0..in_dim {
+                    a[c] += d0 * w0[c] + d1 * w1[c] + d2 * w2[c] + d3 * w3[c];
+                }
             }
+            j += 4;
         }
-        j += 4;
-    }
-    while j < js.end {
-        let w0 = row(j);
-        for (i, a) in acc.chunks_exact_mut(in_dim).enumerate().take(m) {
-            let d0 = dy[i * out_dim + j];
-            for c in 0..in_dim {
-                a[c] += d0 * w0[c];
+        while j < js.end {
+            let w0 = row(j);
+            for (i, a) in acc.chunks_exact_mut(in_dim).enumerate().take(m) {
+                let d0 = dy[i * out_dim + j];
+                for c in 0..in_dim {
+                    a[c] += d0 * w0[c];
+                }
             }
+            j += 1;
         }
-        j += 1;
     }
 }
 
