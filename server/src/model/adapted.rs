@@ -8,9 +8,9 @@
 //! strides. Elsewhere (f64 checks, CUDA) the same maths runs as candle ops
 //! ([`lora_forward`] / [`lora_backward`]); a test holds the two paths equal.
 
-use candle_core::{DType, Device, Result, Storage, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 
-use super::gemm::{gemm, Mat, MatMut};
+use super::gemm::{gemm, with_slices, Mat, MatMut};
 use super::input_grad;
 use super::kernels;
 use super::lora::{
@@ -56,21 +56,6 @@ fn on_host(
                 .filter_map(|s| pair_of(s, target, adapters))
                 .all(|(p, _)| host(&p.a) && host(&p.b))
         })
-}
-
-/// Runs `f` with the data of each (contiguous, CPU f32) tensor.
-fn with_slices<R>(ts: &[&Tensor], f: impl FnOnce(&[&[f32]]) -> Result<R>) -> Result<R> {
-    let ts: Vec<Tensor> = ts.iter().map(|t| t.contiguous()).collect::<Result<_>>()?;
-    let guards: Vec<_> = ts.iter().map(|t| t.storage_and_layout()).collect();
-    let mut slices = Vec::with_capacity(ts.len());
-    for (t, (storage, layout)) in ts.iter().zip(&guards) {
-        let Storage::Cpu(cpu) = &**storage else {
-            candle_core::bail!("expected a CPU tensor");
-        };
-        let start = layout.start_offset();
-        slices.push(&cpu.as_slice::<f32>()?[start..start + t.elem_count()]);
-    }
-    f(&slices)
 }
 
 fn host_tensor(data: Vec<f32>, rows: usize, cols: usize) -> Result<Tensor> {

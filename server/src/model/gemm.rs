@@ -6,6 +6,7 @@
 //! into the frozen product in place, and column slices of a stacked output (q/k/v,
 //! gate/up) are read and written through strides, without copies.
 
+use candle_core::{Result, Storage, Tensor};
 use gemm::Parallelism;
 use rayon::prelude::*;
 
@@ -107,6 +108,21 @@ impl<'a> MatMut<'a> {
 /// Whether a `rows x cols` matrix with these strides lies within `len` elements.
 fn fits(len: usize, rows: usize, cols: usize, rs: usize, cs: usize) -> bool {
     rows == 0 || cols == 0 || (rows - 1) * rs + (cols - 1) * cs < len
+}
+
+/// Runs `f` with the data of each (contiguous, CPU f32) tensor.
+pub fn with_slices<R>(ts: &[&Tensor], f: impl FnOnce(&[&[f32]]) -> Result<R>) -> Result<R> {
+    let ts: Vec<Tensor> = ts.iter().map(|t| t.contiguous()).collect::<Result<_>>()?;
+    let guards: Vec<_> = ts.iter().map(|t| t.storage_and_layout()).collect();
+    let mut slices = Vec::with_capacity(ts.len());
+    for (t, (storage, layout)) in ts.iter().zip(&guards) {
+        let Storage::Cpu(cpu) = &**storage else {
+            candle_core::bail!("expected a CPU tensor");
+        };
+        let start = layout.start_offset();
+        slices.push(&cpu.as_slice::<f32>()?[start..start + t.elem_count()]);
+    }
+    f(&slices)
 }
 
 /// Below this many multiply-adds, waking the other threads costs more than it saves.

@@ -9,8 +9,10 @@
 
 use std::ops::Range;
 
-use candle_core::{DType, Result, Storage, Tensor};
+use candle_core::{DType, Result, Tensor};
 use rayon::prelude::*;
+
+use super::gemm::with_slices;
 
 /// Weight rows per task, at least: fewer would make summing the tasks' accumulators
 /// cost more than the rows themselves.
@@ -26,37 +28,34 @@ pub fn dy_w(dy: &[f32], m: usize, w: &Tensor) -> Result<Vec<f32>> {
             w.dtype()
         );
     }
-    let w = w.contiguous()?;
-    let (storage, layout) = w.storage_and_layout();
-    let Storage::Cpu(cpu) = &*storage else {
-        candle_core::bail!("input gradient: the weight is not on the CPU");
-    };
-    let ws = &cpu.as_slice::<f32>()?[layout.start_offset()..][..out_dim * in_dim];
-    let tasks = (2 * rayon::current_num_threads())
-        .min(out_dim / MIN_ROWS_PER_TASK)
-        .max(1);
-    let per_task = out_dim.div_ceil(tasks);
-    let product = Product {
-        dy,
-        m,
-        w: ws,
-        out_dim,
-        in_dim,
-    };
-    let dx = (0..tasks)
-        .into_par_iter()
-        .map(|t| {
-            let (j0, j1) = (t * per_task, ((t + 1) * per_task).min(out_dim));
-            let mut acc = vec![0f32; m * in_dim];
-            product.rows(j0..j1, &mut acc);
-            acc
-        })
-        .reduce_with(|mut a, b| {
-            a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
-            a
-        })
-        .unwrap_or_else(|| vec![0f32; m * in_dim]);
-    Ok(dx)
+    with_slices(&[w], |s| {
+        let ws = s[0];
+        let tasks = (2 * rayon::current_num_threads())
+            .min(out_dim / MIN_ROWS_PER_TASK)
+            .max(1);
+        let per_task = out_dim.div_ceil(tasks);
+        let product = Product {
+            dy,
+            m,
+            w: ws,
+            out_dim,
+            in_dim,
+        };
+        let dx = (0..tasks)
+            .into_par_iter()
+            .map(|t| {
+                let (j0, j1) = (t * per_task, ((t + 1) * per_task).min(out_dim));
+                let mut acc = vec![0f32; m * in_dim];
+                product.rows(j0..j1, &mut acc);
+                acc
+            })
+            .reduce_with(|mut a, b| {
+                a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
+                a
+            })
+            .unwrap_or_else(|| vec![0f32; m * in_dim]);
+        Ok(dx)
+    })
 }
 
 /// One product `dy W`: `dy` is `(m, out)`, `w` is `(out, in)`, both row-major.

@@ -18,6 +18,7 @@ pub mod ops;
 pub mod tiny;
 pub mod tokenizer;
 pub mod transformer;
+pub mod vector_math;
 pub mod weights;
 
 #[cfg(test)]

@@ -24,8 +24,7 @@ pub fn matmul_t(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
 pub fn matmul_input_grad(dy: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
     let m = dy.dim(0)?;
     if m <= kernels::FEW_ROWS && kernels::supported(dy) && dy.dtype() == DType::F32 {
-        let dys: Vec<f32> = dy.flatten_all()?.to_vec1()?;
-        let dx = super::input_grad::dy_w(&dys, m, w)?;
+        let dx = super::gemm::with_slices(&[dy], |s| super::input_grad::dy_w(s[0], m, w))?;
         return Tensor::from_vec(dx, (m, w.dim(1)?), dy.device());
     }
     dy.matmul(w)
