@@ -36,6 +36,9 @@ pub struct Generation {
     pub max_tokens: usize,
     /// Softmax temperature (0 = greedy).
     pub temperature: f64,
+    /// Nucleus sampling: only the most likely tokens whose probabilities sum to `top_p`
+    /// are drawn from (1 = all).
+    pub top_p: f64,
     /// Stop strings.
     pub stop: Vec<String>,
     /// Seed of the first prompt; prompt `i` uses a seed derived from it and `i`, so a
@@ -52,6 +55,7 @@ impl Generation {
         Self {
             max_tokens,
             temperature: 0.0,
+            top_p: 1.0,
             stop: vec!["\n".into()],
             seed: 0,
             context_limit: None,
@@ -63,6 +67,7 @@ impl Generation {
         Self {
             max_tokens,
             temperature,
+            top_p: 1.0,
             stop: vec!["\n".into()],
             seed,
             context_limit: None,
@@ -112,6 +117,7 @@ pub async fn sample_prompts(
             stop: (!generation.stop.is_empty())
                 .then(|| StopCondition::Texts(generation.stop.clone())),
             temperature: generation.temperature,
+            top_p: generation.top_p,
             ..Default::default()
         };
         let future = sampler
@@ -280,18 +286,90 @@ pub async fn ratio_mean(
 
 /// A submitted `forward_backward` + `optim_step` pair; [`Step::finish`] waits for both.
 pub struct Step {
-    datums: usize,
+    /// Per datum: its sampled positions and their sampler logprobs (empty for datums
+    /// without a `logprobs` input, such as cross-entropy ones).
+    sampled: Vec<Vec<(usize, f64)>>,
     forward_backward: lathe::ApiFuture<lathe::types::ForwardBackwardOutput>,
     optim: lathe::ApiFuture<lathe::types::OptimStepResponse>,
 }
 
+/// What a finished [`Step`] reports.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepOutcome {
+    /// The loss per datum.
+    pub loss: f64,
+    /// Per datum: the sum of `exp(train logprob − sampler logprob)` over its sampled
+    /// tokens, and how many there were.
+    ratios: Vec<(f64, usize)>,
+}
+
+impl StepOutcome {
+    /// Mean `exp(train logprob − sampler logprob)` over the step's sampled tokens, from
+    /// the `forward_backward` pass itself (the first forward on these weights, so no
+    /// extra pass): 1.0 when trainer and sampler agree. `None` without sampled tokens.
+    pub fn ratio_mean(&self) -> Option<f64> {
+        self.ratio_mean_where(|_| true)
+    }
+
+    /// [`Self::ratio_mean`] over the datums whose index passes `keep`.
+    pub fn ratio_mean_where(&self, keep: impl Fn(usize) -> bool) -> Option<f64> {
+        let (sum, count) = self
+            .ratios
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| keep(*i))
+            .fold((0.0, 0), |(s, c), (_, (ds, dc))| (s + ds, c + dc));
+        (count > 0).then(|| sum / count as f64)
+    }
+}
+
 impl Step {
-    /// Waits for the step and returns the loss per datum.
-    pub async fn finish(self) -> anyhow::Result<f64> {
+    /// Waits for the step.
+    pub async fn finish(self) -> anyhow::Result<StepOutcome> {
         let out = self.forward_backward.result().await?;
         self.optim.result().await?;
-        Ok(out.loss().unwrap_or(f64::NAN) / self.datums.max(1) as f64)
+        let mut ratios = Vec::with_capacity(self.sampled.len());
+        for (i, sampled) in self.sampled.iter().enumerate() {
+            let mut sum = 0.0;
+            if !sampled.is_empty() {
+                let train = out
+                    .logprobs(i)
+                    .context("forward_backward returned no logprobs")?;
+                for &(at, q) in sampled {
+                    let p = *train
+                        .get(at)
+                        .context("forward_backward logprobs too short")?;
+                    sum += (f64::from(p) - q).exp();
+                }
+            }
+            ratios.push((sum, sampled.len()));
+        }
+        Ok(StepOutcome {
+            loss: out.loss().unwrap_or(f64::NAN) / self.sampled.len().max(1) as f64,
+            ratios,
+        })
     }
+}
+
+/// The positions of `datum` that hold a sampled token, with the sampler's logprob: those
+/// with a non-zero advantage or logprob (observation tokens carry zeros in both).
+fn sampled_positions(datum: &Datum) -> Vec<(usize, f64)> {
+    let dense = |name: &str| {
+        datum
+            .loss_fn_inputs
+            .get(name)
+            .and_then(|t| t.to_dense().ok())
+    };
+    let (Some(logprobs), Some(advantages)) = (dense("logprobs"), dense("advantages")) else {
+        return Vec::new();
+    };
+    logprobs
+        .iter()
+        .zip(&advantages)
+        .enumerate()
+        .filter(|(_, (lp, adv))| **lp != 0.0 || **adv != 0.0)
+        .map(|(at, (lp, _))| (at, *lp))
+        .collect()
 }
 
 /// Submits one training step on `data` (nothing when it is empty: no gradient, no step).
@@ -308,7 +386,7 @@ pub async fn submit_step(
     let forward_backward = trainer.forward_backward(data, loss_fn, None).await?;
     let optim = trainer.optim_step(adam).await?;
     Ok(Some(Step {
-        datums: data.len(),
+        sampled: data.iter().map(sampled_positions).collect(),
         forward_backward,
         optim,
     }))
@@ -324,6 +402,34 @@ mod tests {
             logprobs: logprobs.to_vec(),
             text: String::new(),
         }
+    }
+
+    #[test]
+    fn the_agreement_check_reads_only_sampled_tokens() {
+        // Two turns: sampled tokens 4, 5 and 7; token 6 is the other speaker's.
+        let first = sample(&[4, 5], &[-0.5, -0.25]);
+        let second = sample(&[7], &[-1.0]);
+        let data = trajectory_data(&[
+            (&[1, 2, 3], &first, 0.5),
+            (&[1, 2, 3, 4, 5, 6], &second, 0.5),
+        ]);
+        assert_eq!(data.len(), 1);
+        assert_eq!(
+            sampled_positions(&data[0]),
+            vec![(2, -0.5), (3, -0.25), (5, -1.0)]
+        );
+        // Cross-entropy datums have no sampled tokens.
+        let mut ce = data[0].clone();
+        ce.loss_fn_inputs.remove("logprobs");
+        assert!(sampled_positions(&ce).is_empty());
+
+        let outcome = StepOutcome {
+            loss: 0.0,
+            ratios: vec![(3.0, 3), (0.0, 0), (2.4, 2)],
+        };
+        assert!((outcome.ratio_mean().unwrap() - 5.4 / 5.0).abs() < 1e-12);
+        assert_eq!(outcome.ratio_mean_where(|i| i == 0), Some(1.0));
+        assert_eq!(outcome.ratio_mean_where(|i| i == 1), None);
     }
 
     #[test]

@@ -417,7 +417,7 @@ async fn main() -> anyhow::Result<()> {
         }
         let mut losses = [None, None];
         for (role, s) in pending {
-            let loss = s.finish().await?;
+            let loss = s.finish().await?.loss;
             losses[role] = Some(loss);
             if sessions.distinct() == 1 {
                 losses = [Some(loss), Some(loss)];

@@ -231,7 +231,7 @@ async fn main() -> anyhow::Result<()> {
             }
         }
         for (t, step) in pending {
-            let loss = step.finish().await?;
+            let loss = step.finish().await?.loss;
             let role = if distinct == 2 { ROLES[t] } else { "A" };
             if let Some(entry) = per_role.get_mut(role) {
                 entry["loss"] = json!(loss);
