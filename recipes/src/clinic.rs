@@ -70,10 +70,11 @@ pub fn is_sorry(reply: &str) -> bool {
 /// `(question, patient reply)`, and how many of its turns held two or more questions.
 ///
 /// MrlX's rubric, with one rule standing in for a patient that a small model cannot be
-/// trusted to be: a question about no symptom at all scores as the refusal the patient
-/// prompt prescribes for it (−2), whatever the patient said. MrlX's capable patient
-/// refuses such questions; a 135M patient answers them, and the doctor then learned to
-/// ask anything ("What is your name?") for +1 a turn.
+/// trusted to be: a question about no symptom at all earns nothing, whatever the patient
+/// said (a "sorry" still costs 2). MrlX's capable patient refuses such questions; a 135M
+/// patient answers them, and the doctor then learned to ask anything ("What is your
+/// name?") for +1 a turn. Scoring them as a refusal (−2) instead made every sampled
+/// question a risk, and the doctor learned to stop asking, which starved the patient.
 pub fn doctor_reward<'a>(
     diagnosis: Option<&str>,
     turns: impl IntoIterator<Item = (&'a str, &'a str)>,
@@ -84,8 +85,10 @@ pub fn doctor_reward<'a>(
     let information: f64 = turns
         .into_iter()
         .map(|(question, reply)| {
-            if is_sorry(reply) || mentioned(question).is_empty() {
+            if is_sorry(reply) {
                 -2.0
+            } else if mentioned(question).is_empty() {
+                0.0
             } else {
                 1.0
             }
@@ -212,12 +215,13 @@ mod tests {
     }
 
     #[test]
-    fn off_topic_questions_score_as_the_prescribed_refusal() {
+    fn off_topic_questions_earn_nothing() {
         let case = flu_case();
-        // The patient answered, but the question is about no symptom: the prescribed
-        // refusal's −2, not +1.
+        // The patient answered, but the question is about no symptom: 0, not +1.
         let name = ("Question: What is your name?", "John.");
-        assert_eq!(doctor_reward(Some("flu"), [name], 0, &case), 5.0 - 2.0);
+        assert_eq!(doctor_reward(Some("flu"), [name], 0, &case), 5.0);
+        let refused = ("Question: What is your name?", SORRY);
+        assert_eq!(doctor_reward(Some("flu"), [refused], 0, &case), 5.0 - 2.0);
         let symptom = ("Question: Do you have a rash?", "No.");
         assert_eq!(doctor_reward(Some("flu"), [symptom], 0, &case), 5.0 + 1.0);
     }

@@ -7,9 +7,9 @@
 //! fresh sampler after every update. Rewards are rules over the synthetic case table (`data::DISEASES`)
 //! in place of MrlX's reference F1 and LLM judge:
 //!
-//! * doctor = 5 × token F1 of the diagnosis with the reference, + 1 per answered question,
-//!   − 2 per "sorry" reply or question about no symptom (the refusal the patient prompt
-//!   prescribes), − 2 per doctor turn with two or more `?`, − 5 when no diagnosis is given
+//! * doctor = 5 × token F1 of the diagnosis with the reference, + 1 per answered question
+//!   about a symptom, − 2 per "sorry" reply, 0 for an answered question about no symptom,
+//!   − 2 per doctor turn with two or more `?`, − 5 when no diagnosis is given
 //!   (MrlX's precedence bug, which penalised a *present* recommendation, is fixed); see
 //!   `clinic::doctor_reward`;
 //! * patient, per reply = mean of information control (1 − 0.2 × symptoms volunteered that
@@ -36,7 +36,7 @@ use lathe_recipes::clinic::{
 };
 use lathe_recipes::data::{batch_at, cases, Case, DISEASES};
 use lathe_recipes::rollout::{
-    ratio_mean, sample_prompts, submit_step, trajectory_data, Generation, Sample,
+    sample_prompts, submit_step, trajectory_data, Generation, Sample, Step, StepOutcome,
 };
 use lathe_recipes::run::{mean, progress, Curves};
 use lathe_recipes::setup::{init_tracing, save_final, start, AgentSessions, CommonArgs, Start};
@@ -53,10 +53,10 @@ struct Args {
     #[arg(long)]
     force_fallback: bool,
     /// Cases per doctor step.
-    #[arg(long, default_value_t = 8)]
-    batch: usize,
-    /// Dialogues per case (the doctor's RL group).
     #[arg(long, default_value_t = 4)]
+    batch: usize,
+    /// Dialogues per case (the doctor's RL group; MrlX samples 8 per prompt).
+    #[arg(long, default_value_t = 8)]
     group: usize,
     /// Doctor turns per dialogue; the last one must diagnose.
     #[arg(long, default_value_t = 3)]
@@ -81,6 +81,12 @@ struct Args {
     /// dialogues became identical within a group after a few steps and stopped learning).
     #[arg(long, default_value_t = 1.0)]
     temperature: f64,
+    /// Temperature of the patient's replies (MrlX's patient tool samples at 0.6).
+    #[arg(long, default_value_t = 0.6)]
+    patient_temperature: f64,
+    /// Nucleus mass of the patient's replies (MrlX: 0.95).
+    #[arg(long, default_value_t = 0.95)]
+    patient_top_p: f64,
 }
 
 /// Adam learning rate when `--lr` is not given: at 5e-4 the doctor collapsed to one
@@ -204,6 +210,7 @@ type LatestPatient = watch::Receiver<(u64, SamplingClient)>;
 
 /// Plays `group` dialogues of every case: doctor turns with `doctor`, replies with
 /// `patient`; every stage samples all open dialogues at once.
+#[allow(clippy::too_many_arguments)]
 async fn play(
     doctor: &SamplingClient,
     patient: &LatestPatient,
@@ -211,7 +218,8 @@ async fn play(
     cases: &[Case],
     group: usize,
     max_turns: usize,
-    generation: &Generation,
+    doctor_generation: &Generation,
+    patient_generation: &Generation,
 ) -> anyhow::Result<Vec<(usize, Dialogue)>> {
     let mut dialogues: Vec<(usize, Dialogue)> = (0..cases.len())
         .flat_map(|c| (0..group).map(move |_| (c, Dialogue::default())))
@@ -232,8 +240,8 @@ async fn play(
         // there.
         let doctor_gen = Generation {
             max_tokens: TURN_TOKENS,
-            seed: generation.seed.wrapping_add(turn as u64 * 31),
-            ..generation.clone()
+            seed: doctor_generation.seed.wrapping_add(turn as u64 * 31),
+            ..doctor_generation.clone()
         }
         .stop_at(&["\n", "Patient:"]);
         let lines = sample_prompts(doctor, tok, &prompts, 1, &doctor_gen).await?;
@@ -262,8 +270,9 @@ async fn play(
             .map(|(i, q)| dialogues[*i].1.patient_prompt(&cases[dialogues[*i].0], q))
             .collect();
         let patient_gen = Generation {
+            max_tokens: TURN_TOKENS,
             seed: doctor_gen.seed.wrapping_add(17),
-            ..doctor_gen.clone()
+            ..patient_generation.clone()
         }
         .stop_at(&["\n", "Doctor:"]);
         // The patient's newest weights, as MrlX's doctor queries the patient's router.
@@ -311,7 +320,7 @@ async fn locked_step(
     trainer: &TrainingClient,
     data: &[Datum],
     adam: AdamParams,
-) -> anyhow::Result<Option<lathe_recipes::rollout::Step>> {
+) -> anyhow::Result<Option<Step>> {
     let _guard = lock.lock().await;
     submit_step(trainer, data, LossFn::ImportanceSampling, adam).await
 }
@@ -357,40 +366,38 @@ async fn patient_loop(
             .iter()
             .flat_map(|it| it.replies.iter().map(|r| r.2))
             .collect();
-        // The agreement check on replies from the current weights (older ones are off
-        // policy by design).
-        let fresh: Vec<(&[i64], &Sample)> = items
-            .iter()
-            .filter(|it| it.version == version)
-            .flat_map(|it| it.replies.iter().map(|(p, s, _)| (&p[..], s)))
-            .collect();
-        let ratio = ratio_mean(&trainer, &fresh).await?;
         // Advantages over the whole batch; each dialogue's replies merge into one datum.
+        // Per datum: whether its replies come from the current weights (the agreement
+        // check's tokens; older ones are off policy by design).
         let mut advantages = group_normalised(&rewards).into_iter();
-        let data: Vec<Datum> = items
-            .iter()
-            .flat_map(|it| {
-                let turns: Vec<(&[i64], &Sample, f64)> = it
-                    .replies
-                    .iter()
-                    .zip(advantages.by_ref())
-                    .filter(|(_, adv)| *adv != 0.0)
-                    .map(|((p, s, _), adv)| (&p[..], s, adv))
-                    .collect();
-                trajectory_data(&turns)
-            })
-            .collect();
-        let loss = match locked_step(&lock, &trainer, &data, adam).await? {
+        let mut data: Vec<Datum> = Vec::new();
+        let mut fresh: Vec<bool> = Vec::new();
+        for it in &items {
+            let turns: Vec<(&[i64], &Sample, f64)> = it
+                .replies
+                .iter()
+                .zip(advantages.by_ref())
+                .filter(|(_, adv)| *adv != 0.0)
+                .map(|((p, s, _), adv)| (&p[..], s, adv))
+                .collect();
+            let datums = trajectory_data(&turns);
+            fresh.extend(std::iter::repeat_n(it.version == version, datums.len()));
+            data.extend(datums);
+        }
+        let outcome = match locked_step(&lock, &trainer, &data, adam).await? {
             Some(step) => {
-                let loss = step.finish().await?;
+                let outcome = step.finish().await?;
                 version += 1;
                 let sampler = trainer.save_weights_and_get_sampling_client().await?;
                 // The doctor may have finished and dropped its receiver; that is fine.
                 let _ = publish.send((version, sampler));
-                Some(loss)
+                Some(outcome)
             }
             None => None,
         };
+        let ratio = outcome
+            .as_ref()
+            .and_then(|o| o.ratio_mean_where(|i| fresh[i]));
         let _ = records.send(json!({
             "patient_update": version,
             "agents": {"patient": {
@@ -398,7 +405,7 @@ async fn patient_loop(
                 // Replies with full marks.
                 "accuracy": rewards.iter().filter(|&&r| r >= 1.0 - 1e-9).count() as f64
                     / rewards.len().max(1) as f64,
-                "loss": loss,
+                "loss": outcome.as_ref().map(|o| o.loss),
                 "datums": data.len(),
                 "ratio_mean": ratio,
             }},
@@ -446,7 +453,7 @@ async fn evaluate(
     max_turns: usize,
     greedy: &Generation,
 ) -> anyhow::Result<Eval> {
-    let dialogues = play(doctor, patient, tok, held_out, 1, max_turns, greedy).await?;
+    let dialogues = play(doctor, patient, tok, held_out, 1, max_turns, greedy, greedy).await?;
     let (correct, doctor_rewards, patient_rewards) = score(&dialogues, held_out);
     let examples = dialogues
         .iter()
@@ -572,8 +579,14 @@ async fn main() -> anyhow::Result<()> {
             break;
         }
         let batch: Vec<Case> = batch_at(&train, step, args.batch);
-        let generation = Generation::sampled(TURN_TOKENS, args.temperature, c.step_seed(step))
-            .within(conn.max_context);
+        let doctor_generation =
+            Generation::sampled(TURN_TOKENS, args.temperature, c.step_seed(step))
+                .within(conn.max_context);
+        let patient_generation = Generation {
+            temperature: args.patient_temperature,
+            top_p: args.patient_top_p,
+            ..doctor_generation.clone()
+        };
         let dialogues = play(
             &doctor_sampler,
             &latest_patient,
@@ -581,7 +594,8 @@ async fn main() -> anyhow::Result<()> {
             &batch,
             args.group.max(1),
             args.max_turns,
-            &generation,
+            &doctor_generation,
+            &patient_generation,
         )
         .await?;
         let (correct, rewards, patient_rewards) = score(&dialogues, &batch);
@@ -602,12 +616,6 @@ async fn main() -> anyhow::Result<()> {
                 }
             }
         }
-        let firsts: Vec<(&[i64], &Sample)> = dialogues
-            .iter()
-            .filter_map(|(_, d)| d.doctor_samples.first())
-            .map(|(p, s)| (&p[..], s))
-            .collect();
-        let ratio = ratio_mean(&doctor, &firsts).await?;
         let step_future = locked_step(&doctor_lock, &doctor, &data, adam).await?;
 
         // The dialogues' patient sides go onto the queue while the doctor trains.
@@ -638,7 +646,7 @@ async fn main() -> anyhow::Result<()> {
             queued += 1;
         }
         sent += queued;
-        let loss = match step_future {
+        let outcome = match step_future {
             Some(s) => Some(s.finish().await?),
             None => None,
         };
@@ -651,11 +659,11 @@ async fn main() -> anyhow::Result<()> {
             "agents": {"doctor": {
                 "reward_mean": mean(&rewards),
                 "accuracy": mean(&correct),
-                "loss": loss,
+                "loss": outcome.as_ref().map(|o| o.loss),
                 "datums": data.len(),
                 // Doctor turns sampled; a dialogue's turns merge into one datum.
                 "turns": dialogues.iter().map(|(_, d)| d.doctor_samples.len()).sum::<usize>(),
-                "ratio_mean": ratio,
+                "ratio_mean": outcome.as_ref().and_then(StepOutcome::ratio_mean),
                 "patient_reward_mean": mean(&patient_rewards),
             }},
         }))?;
