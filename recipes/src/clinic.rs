@@ -70,11 +70,15 @@ pub fn is_sorry(reply: &str) -> bool {
 /// `(question, patient reply)`, and how many of its turns held two or more questions.
 ///
 /// MrlX's rubric, with one rule standing in for a patient that a small model cannot be
-/// trusted to be: a question about no symptom at all earns nothing, whatever the patient
-/// said (a "sorry" still costs 2). MrlX's capable patient refuses such questions; a 135M
-/// patient answers them, and the doctor then learned to ask anything ("What is your
-/// name?") for +1 a turn. Scoring them as a refusal (−2) instead made every sampled
-/// question a risk, and the doctor learned to stop asking, which starved the patient.
+/// trusted to be: an answered question earns +1 only when it asks about a symptom not
+/// yet named in the dialogue (the complaint counts as named); any other answered question
+/// earns nothing, and a "sorry" still costs 2. MrlX's capable patient refuses questions
+/// off its case; a 135M patient answers them, and the doctor learned, in turn, to ask
+/// anything ("What is your name?") and to re-ask the complaint ("Do you have nausea?"
+/// to a patient who opened with nausea) for +1 a turn — and the patient, asked only
+/// about symptoms it had, learned to answer "Yes." to everything. Scoring off-topic
+/// questions as a refusal (−2) instead made every sampled question a risk, and the
+/// doctor stopped asking, which starved the patient.
 pub fn doctor_reward<'a>(
     diagnosis: Option<&str>,
     turns: impl IntoIterator<Item = (&'a str, &'a str)>,
@@ -82,15 +86,19 @@ pub fn doctor_reward<'a>(
     case: &Case,
 ) -> f64 {
     let accuracy = diagnosis.map_or(0.0, |t| 5.0 * token_f1(t, case.disease.name));
+    let mut named = vec![case.complaint];
     let information: f64 = turns
         .into_iter()
         .map(|(question, reply)| {
+            let asked = mentioned(question);
+            let new = asked.iter().any(|s| !named.contains(s));
+            named.extend(asked);
             if is_sorry(reply) {
                 -2.0
-            } else if mentioned(question).is_empty() {
-                0.0
-            } else {
+            } else if new {
                 1.0
+            } else {
+                0.0
             }
         })
         .sum();
@@ -215,8 +223,22 @@ mod tests {
     }
 
     #[test]
-    fn off_topic_questions_earn_nothing() {
+    fn only_questions_about_new_symptoms_earn() {
         let case = flu_case();
+        // The complaint (fever) is already named; chills is new, once.
+        let complaint = ("Question: Do you have a fever?", "Yes.");
+        let chills = ("Question: Do you have chills?", "Yes.");
+        assert_eq!(doctor_reward(Some("flu"), [complaint], 0, &case), 5.0);
+        assert_eq!(
+            doctor_reward(Some("flu"), [chills, chills, complaint], 0, &case),
+            5.0 + 1.0
+        );
+        // A symptom the patient lacks is information too.
+        let rash = ("Question: Do you have a rash?", "No.");
+        assert_eq!(
+            doctor_reward(Some("flu"), [rash, chills], 0, &case),
+            5.0 + 2.0
+        );
         // The patient answered, but the question is about no symptom: 0, not +1.
         let name = ("Question: What is your name?", "John.");
         assert_eq!(doctor_reward(Some("flu"), [name], 0, &case), 5.0);

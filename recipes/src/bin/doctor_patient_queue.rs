@@ -8,7 +8,8 @@
 //! in place of MrlX's reference F1 and LLM judge:
 //!
 //! * doctor = 5 × token F1 of the diagnosis with the reference, + 1 per answered question
-//!   about a symptom, − 2 per "sorry" reply, 0 for an answered question about no symptom,
+//!   about a symptom not yet named in the dialogue, − 2 per "sorry" reply, 0 for any other
+//!   answered question (the complaint again, or no symptom at all),
 //!   − 2 per doctor turn with two or more `?`, − 5 when no diagnosis is given
 //!   (MrlX's precedence bug, which penalised a *present* recommendation, is fixed); see
 //!   `clinic::doctor_reward`;
@@ -36,7 +37,7 @@ use lathe_recipes::clinic::{
 };
 use lathe_recipes::data::{batch_at, cases, Case, DISEASES};
 use lathe_recipes::rollout::{
-    sample_prompts, submit_step, trajectory_data, Generation, Sample, Step, StepOutcome,
+    ratio_mean, sample_prompts, submit_step, trajectory_data, Generation, Sample, Step, StepOutcome,
 };
 use lathe_recipes::run::{mean, progress, Curves};
 use lathe_recipes::setup::{init_tracing, save_final, start, AgentSessions, CommonArgs, Start};
@@ -77,8 +78,9 @@ struct Args {
     /// Held-out cases.
     #[arg(long, default_value_t = 18)]
     eval_size: usize,
-    /// Sampling temperature of training dialogues (MrlX's 1.0: at 0.7 the doctor's
-    /// dialogues became identical within a group after a few steps and stopped learning).
+    /// Sampling temperature of the doctor's training dialogues (MrlX's 1.0: at 0.7 the
+    /// doctor collapsed to one diagnosis for every patient, held-out 0.22 -> 0.06 in 8
+    /// steps, since a group whose samples all agree carries no signal back).
     #[arg(long, default_value_t = 1.0)]
     temperature: f64,
     /// Temperature of the patient's replies (MrlX's patient tool samples at 0.6).
@@ -99,15 +101,33 @@ const TURN_TOKENS: usize = 16;
 const EXAMPLES: usize = 4;
 
 /// The doctor's instructions. A 32B doctor knows medicine; a 135M one knows none of the
-/// synthetic table, so the header gives it the table as its textbook.
+/// synthetic table, so the header gives it the table as its textbook, indexed by symptom
+/// ("fever: flu or strep throat."): a small model finds the complaint's line and copies
+/// what follows it more readily than it finds the disease whose list holds the complaint.
+/// Measured on the base model over all 24 disease × complaint openings, greedy: 0.38 of
+/// first-turn diagnoses right with the index, 0.25 with the table by disease.
 fn doctor_header() -> String {
-    let table: Vec<String> = DISEASES
+    let mut symptoms: Vec<&str> = Vec::new();
+    for d in DISEASES {
+        for s in d.symptoms {
+            if !symptoms.contains(&s) {
+                symptoms.push(s);
+            }
+        }
+    }
+    let index: String = symptoms
         .iter()
-        .map(|d| format!("{}: {}.\n", d.name, d.symptoms.join(", ")))
+        .map(|s| {
+            let causes: Vec<&str> = DISEASES
+                .iter()
+                .filter(|d| d.symptoms.contains(s))
+                .map(|d| d.name)
+                .collect();
+            format!("{s}: {}.\n", causes.join(" or "))
+        })
         .collect();
     format!(
-        "You are a doctor. Diseases and their symptoms:\n{}Each turn, ask 'Question: Do you have <symptom>?' or answer 'Diagnosis: <disease>'.\nExample:\nPatient: I have a rash.\nDoctor: Question: Do you have itchy eyes?\nPatient: Yes.\nDoctor: Diagnosis: allergy.\nA new patient:\n",
-        table.concat()
+        "You are a doctor. Each symptom and the diseases that cause it:\n{index}Each turn, ask 'Question: Do you have <symptom>?' or answer 'Diagnosis: <disease>'.\nExample:\nPatient: I have a rash.\nDoctor: Question: Do you have itchy eyes?\nPatient: Yes.\nDoctor: Diagnosis: allergy.\nA new patient:\n"
     )
 }
 
@@ -232,10 +252,6 @@ async fn play(
         if open.is_empty() {
             break;
         }
-        let prompts: Vec<String> = open
-            .iter()
-            .map(|&i| dialogues[i].1.doctor_prompt(&cases[dialogues[i].0], last))
-            .collect();
         // A line ends a turn; a small model that writes the patient's line too is cut
         // there.
         let doctor_gen = Generation {
@@ -244,13 +260,37 @@ async fn play(
             ..doctor_generation.clone()
         }
         .stop_at(&["\n", "Patient:"]);
-        let lines = sample_prompts(doctor, tok, &prompts, 1, &doctor_gen).await?;
+        // The first turn's prompt is the same for a case's whole group: one request with
+        // `group` samples, so the server prefills it once.
+        let lines: Vec<(Vec<i64>, Sample)> = if turn == 0 {
+            let prompts: Vec<String> = cases
+                .iter()
+                .map(|case| Dialogue::default().doctor_prompt(case, last))
+                .collect();
+            sample_prompts(doctor, tok, &prompts, group, &doctor_gen)
+                .await?
+                .into_iter()
+                .flat_map(|r| {
+                    let prompt = r.prompt;
+                    r.samples.into_iter().map(move |s| (prompt.clone(), s))
+                })
+                .collect()
+        } else {
+            let prompts: Vec<String> = open
+                .iter()
+                .map(|&i| dialogues[i].1.doctor_prompt(&cases[dialogues[i].0], last))
+                .collect();
+            sample_prompts(doctor, tok, &prompts, 1, &doctor_gen)
+                .await?
+                .into_iter()
+                .map(|r| (r.prompt, r.samples.into_iter().next().unwrap_or_default()))
+                .collect()
+        };
         let mut questions = Vec::new();
-        for (&i, r) in open.iter().zip(lines) {
-            let sample = r.samples.into_iter().next().unwrap_or_default();
+        for (&i, (prompt, sample)) in open.iter().zip(lines) {
             let line = one_line(&sample.text, "Patient:");
             let d = &mut dialogues[i].1;
-            d.doctor_samples.push((r.prompt, sample));
+            d.doctor_samples.push((prompt, sample));
             if last {
                 d.diagnosis = Some(line);
             } else if let Some(at) = line.find("Diagnosis:") {
@@ -384,6 +424,18 @@ async fn patient_loop(
             fresh.extend(std::iter::repeat_n(it.version == version, datums.len()));
             data.extend(datums);
         }
+        // The agreement check comes from the step's own pass; an update that trains on
+        // no fresh reply is checked with a forward pass over them first.
+        let unchecked = if fresh.contains(&true) {
+            None
+        } else {
+            let replies: Vec<(&[i64], &Sample)> = items
+                .iter()
+                .filter(|it| it.version == version)
+                .flat_map(|it| it.replies.iter().map(|(p, s, _)| (&p[..], s)))
+                .collect();
+            ratio_mean(&trainer, &replies).await?
+        };
         let outcome = match locked_step(&lock, &trainer, &data, adam).await? {
             Some(step) => {
                 let outcome = step.finish().await?;
@@ -397,7 +449,8 @@ async fn patient_loop(
         };
         let ratio = outcome
             .as_ref()
-            .and_then(|o| o.ratio_mean_where(|i| fresh[i]));
+            .and_then(|o| o.ratio_mean_where(|i| fresh[i]))
+            .or(unchecked);
         let _ = records.send(json!({
             "patient_update": version,
             "agents": {"patient": {
@@ -616,6 +669,18 @@ async fn main() -> anyhow::Result<()> {
                 }
             }
         }
+        // The agreement check comes from the step's own pass; a step with nothing to
+        // train on is checked with a forward pass over the first turns.
+        let unchecked = if data.is_empty() {
+            let firsts: Vec<(&[i64], &Sample)> = dialogues
+                .iter()
+                .filter_map(|(_, d)| d.doctor_samples.first())
+                .map(|(p, s)| (&p[..], s))
+                .collect();
+            ratio_mean(&doctor, &firsts).await?
+        } else {
+            None
+        };
         let step_future = locked_step(&doctor_lock, &doctor, &data, adam).await?;
 
         // The dialogues' patient sides go onto the queue while the doctor trains.
@@ -663,7 +728,7 @@ async fn main() -> anyhow::Result<()> {
                 "datums": data.len(),
                 // Doctor turns sampled; a dialogue's turns merge into one datum.
                 "turns": dialogues.iter().map(|(_, d)| d.doctor_samples.len()).sum::<usize>(),
-                "ratio_mean": outcome.as_ref().and_then(StepOutcome::ratio_mean),
+                "ratio_mean": outcome.as_ref().and_then(StepOutcome::ratio_mean).or(unchecked),
                 "patient_reward_mean": mean(&patient_rewards),
             }},
         }))?;
@@ -793,9 +858,11 @@ mod tests {
         let p = d.doctor_prompt(&case, true);
         assert!(p.ends_with("Patient: Yes.\nDoctor: Diagnosis:"));
         assert!(p.contains("Patient: I have fever.\n"));
-        // The doctor's textbook: every disease with its symptoms.
-        assert!(p.contains("flu: fever, cough, body aches, chills.\n"));
-        assert!(p.contains("strep throat: sore throat, fever, swollen glands, headache.\n"));
+        // The doctor's textbook: every symptom with the diseases that cause it.
+        assert!(p.contains("\nfever: flu or strep throat.\n"));
+        assert!(p.contains("\nswollen glands: strep throat.\n"));
+        // Seven symptoms have two causes; the eighth " or " is the instructions'.
+        assert_eq!(p.matches(" or ").count(), 8);
         let p = d.patient_prompt(&case, "Question: Do you have a cough?");
         assert!(p.contains("Symptoms: fever, cough, chills."));
         assert!(p.ends_with("Doctor: Question: Do you have a cough?\nPatient:"));

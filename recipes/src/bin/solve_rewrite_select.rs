@@ -17,7 +17,7 @@ use lathe_recipes::advantages::group_normalised;
 use lathe_recipes::data::{addition, batch_at, Problem};
 use lathe_recipes::grade::{judgment, last_integer_reward};
 use lathe_recipes::rollout::{
-    rl_datum, sample_prompts, submit_step, Generation, Rollout, Sample, StepOutcome,
+    ratio_mean, rl_datum, sample_prompts, submit_step, Generation, Rollout, Sample, StepOutcome,
 };
 use lathe_recipes::run::{mean, progress, Curves};
 use lathe_recipes::setup::{init_tracing, save_final, start, CommonArgs, Start};
@@ -358,12 +358,27 @@ async fn main() -> anyhow::Result<()> {
             .within(conn.max_context);
         let passes = run_pipeline(&sampler, &tok, &problems, n, &generation).await?;
         let data: Vec<Datum> = passes.iter().flat_map(Pass::data).collect();
+        // The agreement check comes from the step's own pass; a step with nothing to
+        // train on is checked with a forward pass over the solvers' first samples.
+        let unchecked = if data.is_empty() {
+            let firsts: Vec<(&[i64], &Sample)> = passes
+                .iter()
+                .filter_map(|p| p.solvers.as_ref())
+                .map(|r| (&r.prompt[..], &r.samples[0]))
+                .collect();
+            ratio_mean(&trainer, &firsts).await?
+        } else {
+            None
+        };
         let outcome = match submit_step(&trainer, &data, LossFn::ImportanceSampling, adam).await? {
             Some(s) => Some(s.finish().await?),
             None => None,
         };
         let loss = outcome.as_ref().map(|o| o.loss);
-        let ratio = outcome.as_ref().and_then(StepOutcome::ratio_mean);
+        let ratio = outcome
+            .as_ref()
+            .and_then(StepOutcome::ratio_mean)
+            .or(unchecked);
         let s = stats(&passes);
         run.log(&json!({
             "step": step + 1,
