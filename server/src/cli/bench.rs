@@ -79,6 +79,12 @@ pub struct SampleArgs {
     /// `fast`: Q8_0 decode weights + f32 rescoring; `exact`: f32 decode.
     #[arg(long, value_enum, default_value_t = Mode::Fast)]
     mode: Mode,
+    /// Nucleus mass of the sampler (1 = the whole vocabulary, no truncation).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f64,
+    /// Keep only this many most likely tokens.
+    #[arg(long)]
+    top_k: Option<usize>,
 }
 
 /// Decode mode flag.
@@ -286,6 +292,12 @@ fn bench_train(a: TrainArgs) -> anyhow::Result<serde_json::Value> {
 }
 
 fn bench_sample(a: SampleArgs) -> anyhow::Result<serde_json::Value> {
+    anyhow::ensure!(
+        a.top_p > 0.0 && a.top_p <= 1.0,
+        "--top-p must be in (0, 1], got {}",
+        a.top_p
+    );
+    anyhow::ensure!(a.top_k != Some(0), "--top-k must be at least 1");
     let model = super::load_model(&a.model)?;
     let t = &model.transformer;
     let spec = seven_projections(a.rank);
@@ -298,7 +310,11 @@ fn bench_sample(a: SampleArgs) -> anyhow::Result<serde_json::Value> {
         prompt: random_tokens(rng, a.prompt_len, t.config.vocab_size),
         adapter: Some(adapter),
         num_samples: 1,
-        picker: Picker::default(),
+        picker: Picker {
+            top_p: a.top_p,
+            top_k: a.top_k,
+            ..Picker::default()
+        },
         max_tokens: a.new_tokens,
         stop_strings: vec![],
         // Never stop early: every stream produces exactly `new_tokens`.
@@ -356,6 +372,8 @@ fn bench_sample(a: SampleArgs) -> anyhow::Result<serde_json::Value> {
     Ok(json!({
         "bench": "sample",
         "mode": match a.mode { Mode::Fast => "fast", Mode::Exact => "exact" },
+        "top_p": a.top_p,
+        "top_k": a.top_k,
         "model": model.name,
         "threads": threads(),
         "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "rank": a.rank,
