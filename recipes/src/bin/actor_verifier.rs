@@ -380,27 +380,28 @@ async fn main() -> anyhow::Result<()> {
             data[VERIFIER].extend(group_data(&reviews, &ch.review_rewards, args.keep_zero_adv));
         }
 
-        // The live trainer/sampler agreement check, before any update.
-        let solver_firsts: Vec<(&[i64], &Sample)> = chains
-            .iter()
-            .filter_map(|ch| ch.first.as_ref())
-            .map(|r| (&r.prompt[..], &r.samples[0]))
-            .collect();
-        let review_firsts: Vec<(&[i64], &Sample)> = chains
-            .iter()
-            .filter_map(|ch| ch.reviews.first())
-            .map(|r| (&r.prompt[..], &r.samples[0]))
-            .collect();
-        let ratios = [
-            ratio_mean(&trainers[SOLVER], &solver_firsts).await?,
-            if verify {
-                ratio_mean(&trainers[VERIFIER], &review_firsts).await?
-            } else {
-                None
-            },
-        ];
-
+        // The live trainer/sampler agreement check comes from each role's own training
+        // pass; a role with nothing to train on is checked with a forward pass over its
+        // first samples, before any update.
         let datums = [data[SOLVER].len(), data[VERIFIER].len()];
+        let mut ratios = [None, None];
+        if datums[SOLVER] == 0 {
+            let firsts: Vec<(&[i64], &Sample)> = chains
+                .iter()
+                .filter_map(|ch| ch.first.as_ref())
+                .map(|r| (&r.prompt[..], &r.samples[0]))
+                .collect();
+            ratios[SOLVER] = ratio_mean(&trainers[SOLVER], &firsts).await?;
+        }
+        if verify && datums[VERIFIER] == 0 {
+            let firsts: Vec<(&[i64], &Sample)> = chains
+                .iter()
+                .filter_map(|ch| ch.reviews.first())
+                .map(|r| (&r.prompt[..], &r.samples[0]))
+                .collect();
+            ratios[VERIFIER] = ratio_mean(&trainers[VERIFIER], &firsts).await?;
+        }
+
         let jobs: Vec<(usize, Vec<Datum>)> = if sessions.distinct() == 2 {
             vec![
                 (SOLVER, std::mem::take(&mut data[SOLVER])),
@@ -417,10 +418,17 @@ async fn main() -> anyhow::Result<()> {
         }
         let mut losses = [None, None];
         for (role, s) in pending {
-            let loss = s.finish().await?.loss;
-            losses[role] = Some(loss);
-            if sessions.distinct() == 1 {
-                losses = [Some(loss), Some(loss)];
+            let outcome = s.finish().await?;
+            losses[role] = Some(outcome.loss);
+            if sessions.distinct() == 2 {
+                ratios[role] = ratios[role].or(outcome.ratio_mean());
+            } else {
+                // One session trained on the solver's datums, then the verifier's.
+                losses = [Some(outcome.loss), Some(outcome.loss)];
+                let solver = outcome.ratio_mean_where(|i| i < datums[SOLVER]);
+                let verifier = outcome.ratio_mean_where(|i| i >= datums[SOLVER]);
+                ratios[SOLVER] = ratios[SOLVER].or(solver);
+                ratios[VERIFIER] = ratios[VERIFIER].or(verifier);
             }
         }
 
