@@ -22,27 +22,29 @@
 //! `--force-fallback`) one session plays both roles, still through the queue.
 //!
 //! Adapted to a small model: prompts are raw text, one line per turn; the doctor's header
-//! holds the case table's diseases and symptoms (the medical knowledge a 135M model lacks)
-//! and a one-shot example; at the turn cap the doctor's line starts with `Diagnosis:`.
+//! holds the case table indexed by symptom (the medical knowledge a 135M model lacks) and
+//! a one-shot example; at the turn cap the doctor's line starts with `Diagnosis:`.
 
-use std::sync::Arc;
+mod dialogue;
+mod queue;
+
 use std::time::Duration;
 
 use clap::Parser;
-use lathe::types::{AdamParams, Datum, LossFn};
-use lathe::{SamplingClient, Tokenizer, TrainingClient};
+use dialogue::{play, Dialogue, LatestPatient, TURN_TOKENS};
+use lathe::types::AdamParams;
+use lathe::{SamplingClient, Tokenizer};
 use lathe_recipes::advantages::group_normalised;
-use lathe_recipes::clinic::{
-    diagnosis_correct, doctor_reward, patient_exam, patient_reward, SORRY,
-};
-use lathe_recipes::data::{batch_at, cases, Case, DISEASES};
+use lathe_recipes::clinic::{diagnosis_correct, doctor_reward, patient_exam, patient_reward};
+use lathe_recipes::data::{batch_at, cases, Case};
 use lathe_recipes::rollout::{
-    ratio_mean, sample_prompts, submit_step, trajectory_data, Generation, Sample, Step, StepOutcome,
+    ratio_mean, sample_prompts, trajectory_data, Generation, Sample, StepOutcome,
 };
 use lathe_recipes::run::{mean, progress, Curves};
 use lathe_recipes::setup::{init_tracing, save_final, start, AgentSessions, CommonArgs, Start};
+use queue::{locked_step, patient_loop, QueueItem, StepLock};
 use serde_json::{json, Value};
-use tokio::sync::{mpsc, watch, Mutex};
+use tokio::sync::{mpsc, watch};
 
 /// A doctor and a patient co-trained through a message queue.
 #[derive(Parser, Debug)]
@@ -97,101 +99,8 @@ struct Args {
 const DEFAULT_LR: f64 = 2e-4;
 const DOCTOR: usize = 0;
 const PATIENT: usize = 1;
-const TURN_TOKENS: usize = 16;
 /// Held-out dialogues written to `samples.jsonl` per evaluation.
 const EXAMPLES: usize = 4;
-
-/// The doctor's instructions. A 32B doctor knows medicine; a 135M one knows none of the
-/// synthetic table, so the header gives it the table as its textbook, indexed by symptom
-/// ("fever: flu or strep throat."): a small model finds the complaint's line and copies
-/// what follows it more readily than it finds the disease whose list holds the complaint.
-/// Measured on the base model over all 24 disease × complaint openings, greedy: 0.38 of
-/// first-turn diagnoses right with the index, 0.25 with the table by disease.
-fn doctor_header() -> String {
-    let mut symptoms: Vec<&str> = Vec::new();
-    for d in DISEASES {
-        for s in d.symptoms {
-            if !symptoms.contains(&s) {
-                symptoms.push(s);
-            }
-        }
-    }
-    let index: String = symptoms
-        .iter()
-        .map(|s| {
-            let causes: Vec<&str> = DISEASES
-                .iter()
-                .filter(|d| d.symptoms.contains(s))
-                .map(|d| d.name)
-                .collect();
-            format!("{s}: {}.\n", causes.join(" or "))
-        })
-        .collect();
-    format!(
-        "You are a doctor. Each symptom and the diseases that cause it:\n{index}Each turn, ask 'Question: Do you have <symptom>?' or answer 'Diagnosis: <disease>'.\nExample:\nPatient: I have a rash.\nDoctor: Question: Do you have itchy eyes?\nPatient: Yes.\nDoctor: Diagnosis: allergy.\nA new patient:\n"
-    )
-}
-
-fn patient_header(case: &Case) -> String {
-    format!(
-        "You are a patient. Answer the doctor in one short sentence about your symptoms only; if a question is not about symptoms, say '{SORRY}'\nComplaint: {}. Symptoms: {}.\n",
-        case.complaint,
-        case.symptoms.join(", ")
-    )
-}
-
-/// One doctor/patient exchange so far.
-#[derive(Debug, Clone, Default)]
-struct Dialogue {
-    /// `(question line, patient reply)` pairs.
-    turns: Vec<(String, String)>,
-    /// The diagnosis line, once given.
-    diagnosis: Option<String>,
-    /// The doctor's samples with their prompts, one per turn.
-    doctor_samples: Vec<(Vec<i64>, Sample)>,
-    /// The patient's samples with their prompts and the patient update that sampled
-    /// them, one per reply.
-    patient_samples: Vec<(Vec<i64>, Sample, u64)>,
-    /// Doctor turns with two or more question marks.
-    multi_questions: usize,
-}
-
-impl Dialogue {
-    fn transcript(&self, case: &Case, doctor_view: bool) -> String {
-        let mut s = if doctor_view {
-            format!("{}Patient: I have {}.\n", doctor_header(), case.complaint)
-        } else {
-            format!(
-                "{}Patient: I have {}.\n",
-                patient_header(case),
-                case.complaint
-            )
-        };
-        for (q, a) in &self.turns {
-            s.push_str(&format!("Doctor: {q}\nPatient: {a}\n"));
-        }
-        s
-    }
-
-    /// The doctor's next prompt; at the cap it opens the diagnosis line.
-    fn doctor_prompt(&self, case: &Case, last_turn: bool) -> String {
-        let mut s = self.transcript(case, true);
-        s.push_str(if last_turn {
-            "Doctor: Diagnosis:"
-        } else {
-            "Doctor:"
-        });
-        s
-    }
-
-    /// The patient's prompt for a reply to `question`.
-    fn patient_prompt(&self, case: &Case, question: &str) -> String {
-        format!(
-            "{}Doctor: {question}\nPatient:",
-            self.transcript(case, false)
-        )
-    }
-}
 
 /// The exam's mean reward and the fraction of replies with full marks.
 async fn examine_patient(
@@ -219,259 +128,6 @@ async fn examine_patient(
         .map(|&r| f64::from(u8::from(r >= 1.0 - 1e-9)))
         .collect();
     Ok((mean(&rewards), mean(&perfect)))
-}
-
-/// A turn's text without the other speaker's label it was stopped at.
-fn one_line(text: &str, other: &str) -> String {
-    text.trim().trim_end_matches(other).trim().to_string()
-}
-
-/// The patient's newest sampler and its update count, published by the patient loop.
-type LatestPatient = watch::Receiver<(u64, SamplingClient)>;
-
-/// Plays `group` dialogues of every case: doctor turns with `doctor`, replies with
-/// `patient`; every stage samples all open dialogues at once.
-#[allow(clippy::too_many_arguments)]
-async fn play(
-    doctor: &SamplingClient,
-    patient: &LatestPatient,
-    tok: &Tokenizer,
-    cases: &[Case],
-    group: usize,
-    max_turns: usize,
-    doctor_generation: &Generation,
-    patient_generation: &Generation,
-) -> anyhow::Result<Vec<(usize, Dialogue)>> {
-    let mut dialogues: Vec<(usize, Dialogue)> = (0..cases.len())
-        .flat_map(|c| (0..group).map(move |_| (c, Dialogue::default())))
-        .collect();
-    for turn in 0..max_turns.max(1) {
-        let last = turn + 1 == max_turns.max(1);
-        let open: Vec<usize> = (0..dialogues.len())
-            .filter(|&i| dialogues[i].1.diagnosis.is_none())
-            .collect();
-        if open.is_empty() {
-            break;
-        }
-        // A line ends a turn; a small model that writes the patient's line too is cut
-        // there.
-        let doctor_gen = Generation {
-            max_tokens: TURN_TOKENS,
-            seed: doctor_generation.seed.wrapping_add(turn as u64 * 31),
-            ..doctor_generation.clone()
-        }
-        .stop_at(&["\n", "Patient:"]);
-        // The first turn's prompt is the same for a case's whole group: one request with
-        // `group` samples, so the server prefills it once.
-        let lines: Vec<(Vec<i64>, Sample)> = if turn == 0 {
-            let prompts: Vec<String> = cases
-                .iter()
-                .map(|case| Dialogue::default().doctor_prompt(case, last))
-                .collect();
-            sample_prompts(doctor, tok, &prompts, group, &doctor_gen)
-                .await?
-                .into_iter()
-                .flat_map(|r| {
-                    let prompt = r.prompt;
-                    r.samples.into_iter().map(move |s| (prompt.clone(), s))
-                })
-                .collect()
-        } else {
-            let prompts: Vec<String> = open
-                .iter()
-                .map(|&i| dialogues[i].1.doctor_prompt(&cases[dialogues[i].0], last))
-                .collect();
-            sample_prompts(doctor, tok, &prompts, 1, &doctor_gen)
-                .await?
-                .into_iter()
-                .map(|r| (r.prompt, r.samples.into_iter().next().unwrap_or_default()))
-                .collect()
-        };
-        let mut questions = Vec::new();
-        for (&i, (prompt, sample)) in open.iter().zip(lines) {
-            let line = one_line(&sample.text, "Patient:");
-            let d = &mut dialogues[i].1;
-            d.doctor_samples.push((prompt, sample));
-            if last {
-                d.diagnosis = Some(line);
-            } else if let Some(at) = line.find("Diagnosis:") {
-                d.diagnosis = Some(line[at + "Diagnosis:".len()..].to_string());
-            } else {
-                if line.matches('?').count() >= 2 {
-                    d.multi_questions += 1;
-                }
-                questions.push((i, line));
-            }
-        }
-        if questions.is_empty() {
-            continue;
-        }
-        let prompts: Vec<String> = questions
-            .iter()
-            .map(|(i, q)| dialogues[*i].1.patient_prompt(&cases[dialogues[*i].0], q))
-            .collect();
-        let patient_gen = Generation {
-            max_tokens: TURN_TOKENS,
-            seed: doctor_gen.seed.wrapping_add(17),
-            ..patient_generation.clone()
-        }
-        .stop_at(&["\n", "Doctor:"]);
-        // The patient's newest weights, as MrlX's doctor queries the patient's router.
-        let (version, sampler) = patient.borrow().clone();
-        let replies = sample_prompts(&sampler, tok, &prompts, 1, &patient_gen).await?;
-        for ((i, q), r) in questions.into_iter().zip(replies) {
-            let sample = r.samples.into_iter().next().unwrap_or_default();
-            let d = &mut dialogues[i].1;
-            d.turns.push((q, one_line(&sample.text, "Doctor:")));
-            d.patient_samples.push((r.prompt, sample, version));
-        }
-    }
-    Ok(dialogues)
-}
-
-/// One dialogue's patient side on the queue.
-#[derive(Debug, Clone)]
-struct QueueItem {
-    /// Per reply: its prompt, the sample and its reward.
-    replies: Vec<(Vec<i64>, Sample, f64)>,
-    /// The oldest patient update any of the replies was sampled from.
-    version: u64,
-}
-
-/// Drops items older than `max_staleness` updates; returns the kept items and how many
-/// were dropped.
-fn drop_stale(items: Vec<QueueItem>, version: u64, max_staleness: u64) -> (Vec<QueueItem>, usize) {
-    let before = items.len();
-    let kept: Vec<QueueItem> = items
-        .into_iter()
-        .filter(|it| version.saturating_sub(it.version) <= max_staleness)
-        .collect();
-    let dropped = before - kept.len();
-    (kept, dropped)
-}
-
-/// Held while a step's `forward_backward` and `optim_step` are submitted, so that in
-/// fallback mode (one session for both roles) the two loops' gradients never mix: the
-/// server runs a session's requests in submission order.
-type StepLock = Arc<Mutex<()>>;
-
-/// Submits one step under `lock`.
-async fn locked_step(
-    lock: &StepLock,
-    trainer: &TrainingClient,
-    data: &[Datum],
-    adam: AdamParams,
-) -> anyhow::Result<Option<Step>> {
-    let _guard = lock.lock().await;
-    submit_step(trainer, data, LossFn::ImportanceSampling, adam).await
-}
-
-/// The patient's loop: waits for `batch` replies (or the queue's close), drops stale
-/// ones, trains, publishes a fresh sampler. Returns its per-update records when the doctor
-/// closes the queue and everything left is trained.
-#[allow(clippy::too_many_arguments)]
-async fn patient_loop(
-    trainer: TrainingClient,
-    lock: StepLock,
-    mut queue: mpsc::Receiver<QueueItem>,
-    publish: watch::Sender<(u64, SamplingClient)>,
-    records: mpsc::UnboundedSender<Value>,
-    batch: usize,
-    max_staleness: u64,
-    adam: AdamParams,
-    capacity: usize,
-) -> anyhow::Result<()> {
-    let mut version = 0u64;
-    let mut dropped_total = 0usize;
-    loop {
-        let mut items = Vec::with_capacity(batch);
-        let open = queue.recv_many(&mut items, batch).await > 0;
-        while open && items.len() < batch {
-            let wanted = batch - items.len();
-            if queue.recv_many(&mut items, wanted).await == 0 {
-                break;
-            }
-        }
-        if items.is_empty() {
-            return Ok(());
-        }
-        let depth = queue.len();
-        let received = items.len();
-        let staleness: Vec<f64> = items
-            .iter()
-            .map(|it| version.saturating_sub(it.version) as f64)
-            .collect();
-        let (items, dropped) = drop_stale(items, version, max_staleness);
-        dropped_total += dropped;
-        let rewards: Vec<f64> = items
-            .iter()
-            .flat_map(|it| it.replies.iter().map(|r| r.2))
-            .collect();
-        // Advantages over the whole batch; each dialogue's replies merge into one datum.
-        // Per datum: whether its replies come from the current weights (the agreement
-        // check's tokens; older ones are off policy by design).
-        let mut advantages = group_normalised(&rewards).into_iter();
-        let mut data: Vec<Datum> = Vec::new();
-        let mut fresh: Vec<bool> = Vec::new();
-        for it in &items {
-            let turns: Vec<(&[i64], &Sample, f64)> = it
-                .replies
-                .iter()
-                .zip(advantages.by_ref())
-                .filter(|(_, adv)| *adv != 0.0)
-                .map(|((p, s, _), adv)| (&p[..], s, adv))
-                .collect();
-            let datums = trajectory_data(&turns);
-            fresh.extend(std::iter::repeat_n(it.version == version, datums.len()));
-            data.extend(datums);
-        }
-        // The agreement check comes from the step's own pass; an update that trains on
-        // no fresh reply is checked with a forward pass over them first.
-        let unchecked = if fresh.contains(&true) {
-            None
-        } else {
-            let replies: Vec<(&[i64], &Sample)> = items
-                .iter()
-                .filter(|it| it.version == version)
-                .flat_map(|it| it.replies.iter().map(|(p, s, _)| (&p[..], s)))
-                .collect();
-            ratio_mean(&trainer, &replies).await?
-        };
-        let outcome = match locked_step(&lock, &trainer, &data, adam).await? {
-            Some(step) => {
-                let outcome = step.finish().await?;
-                version += 1;
-                let sampler = trainer.save_weights_and_get_sampling_client().await?;
-                // The doctor may have finished and dropped its receiver; that is fine.
-                let _ = publish.send((version, sampler));
-                Some(outcome)
-            }
-            None => None,
-        };
-        let ratio = outcome
-            .as_ref()
-            .and_then(|o| o.ratio_mean_where(|i| fresh[i]))
-            .or(unchecked);
-        let _ = records.send(json!({
-            "patient_update": version,
-            "agents": {"patient": {
-                "reward_mean": mean(&rewards),
-                // Replies with full marks.
-                "accuracy": rewards.iter().filter(|&&r| r >= 1.0 - 1e-9).count() as f64
-                    / rewards.len().max(1) as f64,
-                "loss": outcome.as_ref().map(|o| o.loss),
-                "datums": data.len(),
-                "ratio_mean": ratio,
-            }},
-            "queue/received": received,
-            "queue/depth": depth,
-            "queue/capacity": capacity,
-            "queue/staleness_mean": mean(&staleness),
-            "queue/staleness_max": staleness.iter().copied().fold(0.0, f64::max),
-            "queue/dropped": dropped,
-            "queue/dropped_total": dropped_total,
-        }));
-    }
 }
 
 /// Held-out numbers from greedy dialogues.
@@ -813,60 +469,3 @@ async fn main() -> anyhow::Result<()> {
 /// at step 8); README, recipe table.
 const CRITERION_DOCTOR_GAIN: f64 = 0.2;
 const CRITERION_PATIENT_GAIN: f64 = 0.1;
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn flu_case() -> Case {
-        Case {
-            disease: DISEASES[0],
-            complaint: "fever",
-            symptoms: vec!["fever", "cough", "chills"],
-        }
-    }
-
-    #[test]
-    fn stale_replies_are_dropped() {
-        let item = |version| QueueItem {
-            replies: vec![(vec![1], Sample::default(), 0.0)],
-            version,
-        };
-        let (kept, dropped) = drop_stale(vec![item(0), item(3), item(5)], 5, 2);
-        assert_eq!((kept.len(), dropped), (2, 1));
-        assert!(kept.iter().all(|it| it.version >= 3));
-    }
-
-    #[test]
-    fn turns_lose_the_label_they_stopped_at() {
-        assert_eq!(
-            one_line(" Question: Cough?\n", "Patient:"),
-            "Question: Cough?"
-        );
-        assert_eq!(
-            one_line(" Question: Cough? Patient:", "Patient:"),
-            "Question: Cough?"
-        );
-        assert_eq!(one_line(" Yes. Doctor:", "Doctor:"), "Yes.");
-    }
-
-    #[test]
-    fn the_last_turn_asks_for_the_diagnosis() {
-        let case = flu_case();
-        let d = Dialogue {
-            turns: vec![("Question: Do you have chills?".into(), "Yes.".into())],
-            ..Default::default()
-        };
-        let p = d.doctor_prompt(&case, true);
-        assert!(p.ends_with("Patient: Yes.\nDoctor: Diagnosis:"));
-        assert!(p.contains("Patient: I have fever.\n"));
-        // The doctor's textbook: every symptom with the diseases that cause it.
-        assert!(p.contains("\nfever: flu or strep throat.\n"));
-        assert!(p.contains("\nswollen glands: strep throat.\n"));
-        // Seven symptoms have two causes; the eighth " or " is the instructions'.
-        assert_eq!(p.matches(" or ").count(), 8);
-        let p = d.patient_prompt(&case, "Question: Do you have a cough?");
-        assert!(p.contains("Symptoms: fever, cough, chills."));
-        assert!(p.ends_with("Doctor: Question: Do you have a cough?\nPatient:"));
-    }
-}

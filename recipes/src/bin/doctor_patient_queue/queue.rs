@@ -1,0 +1,177 @@
+//! The patient's side of the queue: what a dialogue leaves on it, the staleness bound,
+//! and the patient's own train/sample loop.
+
+use std::sync::Arc;
+
+use lathe::types::{AdamParams, Datum, LossFn};
+use lathe::{SamplingClient, TrainingClient};
+use lathe_recipes::advantages::group_normalised;
+use lathe_recipes::rollout::{ratio_mean, submit_step, trajectory_data, Sample, Step};
+use lathe_recipes::run::mean;
+use serde_json::{json, Value};
+use tokio::sync::{mpsc, watch, Mutex};
+
+/// One dialogue's patient side on the queue.
+#[derive(Debug, Clone)]
+pub(crate) struct QueueItem {
+    /// Per reply: its prompt, the sample and its reward.
+    pub(crate) replies: Vec<(Vec<i64>, Sample, f64)>,
+    /// The oldest patient update any of the replies was sampled from.
+    pub(crate) version: u64,
+}
+
+/// Drops items older than `max_staleness` updates; returns the kept items and how many
+/// were dropped.
+pub(crate) fn drop_stale(
+    items: Vec<QueueItem>,
+    version: u64,
+    max_staleness: u64,
+) -> (Vec<QueueItem>, usize) {
+    let before = items.len();
+    let kept: Vec<QueueItem> = items
+        .into_iter()
+        .filter(|it| version.saturating_sub(it.version) <= max_staleness)
+        .collect();
+    let dropped = before - kept.len();
+    (kept, dropped)
+}
+
+/// Held while a step's `forward_backward` and `optim_step` are submitted, so that in
+/// fallback mode (one session for both roles) the two loops' gradients never mix: the
+/// server runs a session's requests in submission order.
+pub(crate) type StepLock = Arc<Mutex<()>>;
+
+/// Submits one step under `lock`.
+pub(crate) async fn locked_step(
+    lock: &StepLock,
+    trainer: &TrainingClient,
+    data: &[Datum],
+    adam: AdamParams,
+) -> anyhow::Result<Option<Step>> {
+    let _guard = lock.lock().await;
+    submit_step(trainer, data, LossFn::ImportanceSampling, adam).await
+}
+
+/// The patient's loop: waits for `batch` replies (or the queue's close), drops stale
+/// ones, trains, publishes a fresh sampler. Returns its per-update records when the doctor
+/// closes the queue and everything left is trained.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn patient_loop(
+    trainer: TrainingClient,
+    lock: StepLock,
+    mut queue: mpsc::Receiver<QueueItem>,
+    publish: watch::Sender<(u64, SamplingClient)>,
+    records: mpsc::UnboundedSender<Value>,
+    batch: usize,
+    max_staleness: u64,
+    adam: AdamParams,
+    capacity: usize,
+) -> anyhow::Result<()> {
+    let mut version = 0u64;
+    let mut dropped_total = 0usize;
+    loop {
+        let mut items = Vec::with_capacity(batch);
+        let open = queue.recv_many(&mut items, batch).await > 0;
+        while open && items.len() < batch {
+            let wanted = batch - items.len();
+            if queue.recv_many(&mut items, wanted).await == 0 {
+                break;
+            }
+        }
+        if items.is_empty() {
+            return Ok(());
+        }
+        let depth = queue.len();
+        let received = items.len();
+        let staleness: Vec<f64> = items
+            .iter()
+            .map(|it| version.saturating_sub(it.version) as f64)
+            .collect();
+        let (items, dropped) = drop_stale(items, version, max_staleness);
+        dropped_total += dropped;
+        let rewards: Vec<f64> = items
+            .iter()
+            .flat_map(|it| it.replies.iter().map(|r| r.2))
+            .collect();
+        // Advantages over the whole batch; each dialogue's replies merge into one datum.
+        // Per datum: whether its replies come from the current weights (the agreement
+        // check's tokens; older ones are off policy by design).
+        let mut advantages = group_normalised(&rewards).into_iter();
+        let mut data: Vec<Datum> = Vec::new();
+        let mut fresh: Vec<bool> = Vec::new();
+        for it in &items {
+            let turns: Vec<(&[i64], &Sample, f64)> = it
+                .replies
+                .iter()
+                .zip(advantages.by_ref())
+                .filter(|(_, adv)| *adv != 0.0)
+                .map(|((p, s, _), adv)| (&p[..], s, adv))
+                .collect();
+            let datums = trajectory_data(&turns);
+            fresh.extend(std::iter::repeat_n(it.version == version, datums.len()));
+            data.extend(datums);
+        }
+        // The agreement check comes from the step's own pass; an update that trains on
+        // no fresh reply is checked with a forward pass over them first.
+        let unchecked = if fresh.contains(&true) {
+            None
+        } else {
+            let replies: Vec<(&[i64], &Sample)> = items
+                .iter()
+                .filter(|it| it.version == version)
+                .flat_map(|it| it.replies.iter().map(|(p, s, _)| (&p[..], s)))
+                .collect();
+            ratio_mean(&trainer, &replies).await?
+        };
+        let outcome = match locked_step(&lock, &trainer, &data, adam).await? {
+            Some(step) => {
+                let outcome = step.finish().await?;
+                version += 1;
+                let sampler = trainer.save_weights_and_get_sampling_client().await?;
+                // The doctor may have finished and dropped its receiver; that is fine.
+                let _ = publish.send((version, sampler));
+                Some(outcome)
+            }
+            None => None,
+        };
+        let ratio = outcome
+            .as_ref()
+            .and_then(|o| o.ratio_mean_where(|i| fresh[i]))
+            .or(unchecked);
+        let _ = records.send(json!({
+            "patient_update": version,
+            "agents": {"patient": {
+                "reward_mean": mean(&rewards),
+                // Replies with full marks.
+                "accuracy": rewards.iter().filter(|&&r| r >= 1.0 - 1e-9).count() as f64
+                    / rewards.len().max(1) as f64,
+                "loss": outcome.as_ref().map(|o| o.loss),
+                "datums": data.len(),
+                "ratio_mean": ratio,
+            }},
+            "queue/received": received,
+            "queue/depth": depth,
+            "queue/capacity": capacity,
+            "queue/staleness_mean": mean(&staleness),
+            "queue/staleness_max": staleness.iter().copied().fold(0.0, f64::max),
+            "queue/dropped": dropped,
+            "queue/dropped_total": dropped_total,
+        }));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stale_replies_are_dropped() {
+        let item = |version| QueueItem {
+            replies: vec![(vec![1], Sample::default(), 0.0)],
+            version,
+        };
+        let (kept, dropped) = drop_stale(vec![item(0), item(3), item(5)], 5, 2);
+        assert_eq!((kept.len(), dropped), (2, 1));
+        assert!(kept.iter().all(|it| it.version >= 3));
+    }
+}
