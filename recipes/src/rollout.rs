@@ -29,6 +29,14 @@ pub struct Rollout {
     pub samples: Vec<Sample>,
 }
 
+impl Rollout {
+    /// The prompt with the first sample: the pair a one-sample request trains on, and the
+    /// one the agreement check reads.
+    pub fn first(&self) -> (&[i64], &Sample) {
+        (&self.prompt, &self.samples[0])
+    }
+}
+
 /// How to generate.
 #[derive(Debug, Clone)]
 pub struct Generation {

@@ -360,11 +360,7 @@ async fn main() -> anyhow::Result<()> {
                 .iter()
                 .map(|s| (&first.prompt[..], s))
                 .collect();
-            members.extend(
-                ch.retries
-                    .iter()
-                    .map(|(_, r)| (&r.prompt[..], &r.samples[0])),
-            );
+            members.extend(ch.retries.iter().map(|(_, r)| r.first()));
             let rewards: Vec<f64> = ch
                 .first_rewards
                 .iter()
@@ -372,11 +368,7 @@ async fn main() -> anyhow::Result<()> {
                 .copied()
                 .collect();
             data[SOLVER].extend(group_data(&members, &rewards, args.keep_zero_adv));
-            let reviews: Vec<(&[i64], &Sample)> = ch
-                .reviews
-                .iter()
-                .map(|r| (&r.prompt[..], &r.samples[0]))
-                .collect();
+            let reviews: Vec<(&[i64], &Sample)> = ch.reviews.iter().map(Rollout::first).collect();
             data[VERIFIER].extend(group_data(&reviews, &ch.review_rewards, args.keep_zero_adv));
         }
 
@@ -389,7 +381,7 @@ async fn main() -> anyhow::Result<()> {
             let firsts: Vec<(&[i64], &Sample)> = chains
                 .iter()
                 .filter_map(|ch| ch.first.as_ref())
-                .map(|r| (&r.prompt[..], &r.samples[0]))
+                .map(Rollout::first)
                 .collect();
             ratios[SOLVER] = ratio_mean(&trainers[SOLVER], &firsts).await?;
         }
@@ -397,7 +389,7 @@ async fn main() -> anyhow::Result<()> {
             let firsts: Vec<(&[i64], &Sample)> = chains
                 .iter()
                 .filter_map(|ch| ch.reviews.first())
-                .map(|r| (&r.prompt[..], &r.samples[0]))
+                .map(Rollout::first)
                 .collect();
             ratios[VERIFIER] = ratio_mean(&trainers[VERIFIER], &firsts).await?;
         }

@@ -196,10 +196,7 @@ async fn main() -> anyhow::Result<()> {
                 }
             }
             let flat: Vec<f64> = rewards.iter().flatten().copied().collect();
-            let firsts: Vec<_> = rs
-                .iter()
-                .map(|ro| (&ro.prompt[..], &ro.samples[0]))
-                .collect();
+            let firsts: Vec<_> = rs.iter().map(Rollout::first).collect();
             let ratio = ratio_mean(&trainers[r], &firsts).await?;
             per_role.insert(
                 ROLES[r].into(),

@@ -364,7 +364,7 @@ async fn main() -> anyhow::Result<()> {
             let firsts: Vec<(&[i64], &Sample)> = passes
                 .iter()
                 .filter_map(|p| p.solvers.as_ref())
-                .map(|r| (&r.prompt[..], &r.samples[0]))
+                .map(Rollout::first)
                 .collect();
             ratio_mean(&trainer, &firsts).await?
         } else {
