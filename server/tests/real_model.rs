@@ -7,7 +7,7 @@ use lathe_sdk::types::AdamParams;
 use lathe_server::model::{
     default_model_path, Adapter, ChatMessage, LoadedModel, LoraSpec, PackedBatch,
 };
-use lathe_server::sample::{sample, DecodeMode, Picker, SampleJob};
+use lathe_server::sample::{sample, sample_timed, DecodeMode, Picker, SampleJob};
 use lathe_server::train::adamw::{self, AdamState};
 use lathe_server::train::{forward_backward, DatumJob, Loss, TokenInputs};
 
@@ -131,6 +131,51 @@ fn greedy_answer_to_two_plus_three_contains_five() {
     let text = model.tokenizer.decode(&out[0].sequences[0].tokens).unwrap();
     eprintln!("greedy answer: {text:?}");
     assert!(text.contains('5'), "{text:?}");
+}
+
+#[test]
+fn fast_decoding_uses_the_exact_weights_and_reports_the_trainers_logprobs() {
+    let Some(model) = load() else { return };
+    let t = &model.transformer;
+    // Every projection of the Q4_1 file is decoded from its own 4-bit blocks, the
+    // embedding from its 8-bit ones: no approximation, so no rescoring pass.
+    assert!(
+        t.decode_weights().unwrap().exact(),
+        "{}",
+        t.decode_weights().unwrap().summary()
+    );
+    let prompt = chat(&model, "Write a short poem about the sea.");
+    let job = SampleJob {
+        prompt: prompt.clone(),
+        adapter: None,
+        num_samples: 2,
+        picker: Picker::default(),
+        max_tokens: 24,
+        stop_strings: vec![],
+        stop_tokens: vec![],
+        seed: Some(3),
+        prompt_logprobs: false,
+        topk_prompt_logprobs: 0,
+    };
+    let (out, timings) = sample_timed(t, &model.tokenizer, &[], &[job], DecodeMode::Fast).unwrap();
+    assert!(timings.rescore.is_zero());
+    let mut worst = 0f32;
+    for seq in &out[0].sequences {
+        let full: Vec<u32> = prompt.iter().chain(&seq.tokens).copied().collect();
+        let inputs = &full[..full.len() - 1];
+        let batch = PackedBatch::new(&[(inputs, None, 0)], &Device::Cpu).unwrap();
+        let targets =
+            Tensor::from_vec(full[1..].to_vec(), (inputs.len(), 1), &Device::Cpu).unwrap();
+        let (lp, _) = t.forward_logprobs(&batch, &[], &targets, false).unwrap();
+        let lp: Vec<f32> = lp.flatten_all().unwrap().to_vec1().unwrap();
+        let trained = &lp[prompt.len() - 1..];
+        assert_eq!(trained.len(), seq.logprobs.len());
+        for (x, y) in trained.iter().zip(&seq.logprobs) {
+            worst = worst.max((x - y).abs());
+        }
+    }
+    eprintln!("max |trainer - sampler| logprob: {worst:e}");
+    assert!(worst < 1e-4, "{worst}");
 }
 
 #[test]

@@ -5,8 +5,9 @@ mod common;
 
 use candle_core::{Device, Tensor};
 use common::*;
+use lathe_server::model::tiny::tiny_model_q4_1;
 use lathe_server::model::{Arch, PackedBatch};
-use lathe_server::sample::{sample, DecodeMode, Picker, SampleJob, Stop};
+use lathe_server::sample::{sample, sample_timed, DecodeMode, Picker, SampleJob, Stop};
 
 fn job(prompt: Vec<u32>, adapter: Option<usize>, n: usize, seed: u64) -> SampleJob {
     SampleJob {
@@ -25,16 +26,25 @@ fn job(prompt: Vec<u32>, adapter: Option<usize>, n: usize, seed: u64) -> SampleJ
 
 #[test]
 fn sampled_logprobs_equal_the_training_forward() {
-    for (arch, mode) in [
-        (Arch::Llama, DecodeMode::Exact),
-        (Arch::Llama, DecodeMode::Fast),
-        (Arch::Qwen3, DecodeMode::Exact),
-        (Arch::Qwen3, DecodeMode::Fast),
+    // Random f32 weights: fast mode decodes with 8-bit copies and rescores. Weights made
+    // of Q4_1 blocks (a Q4_1 GGUF, like the default model): fast mode decodes with the
+    // exact weights and needs no rescoring.
+    for (arch, mode, q4_1) in [
+        (Arch::Llama, DecodeMode::Exact, false),
+        (Arch::Llama, DecodeMode::Fast, false),
+        (Arch::Qwen3, DecodeMode::Exact, false),
+        (Arch::Qwen3, DecodeMode::Fast, false),
+        (Arch::Llama, DecodeMode::Fast, true),
+        (Arch::Qwen3, DecodeMode::Fast, true),
     ] {
-        let model = tiny(arch);
+        let model = if q4_1 {
+            tiny_model_q4_1(arch, 1234).unwrap()
+        } else {
+            tiny(arch)
+        };
         let a = random_adapter(&model, full_spec(4), 3);
         let prompt = tokens(5, 9, 256);
-        let out = sample(
+        let (out, timings) = sample_timed(
             &model.transformer,
             &model.tokenizer,
             &[&a],
@@ -42,6 +52,10 @@ fn sampled_logprobs_equal_the_training_forward() {
             mode,
         )
         .unwrap();
+        let exact = model.transformer.decode_weights().unwrap().exact();
+        assert_eq!(exact, q4_1, "{arch:?}: decode weights exact");
+        let rescored = mode == DecodeMode::Fast && !q4_1;
+        assert_eq!(!timings.rescore.is_zero(), rescored, "{arch:?} {mode:?}");
         for seq in &out[0].sequences {
             let full: Vec<u32> = prompt.iter().chain(&seq.tokens).copied().collect();
             let inputs = &full[..full.len() - 1];
@@ -58,7 +72,7 @@ fn sampled_logprobs_equal_the_training_forward() {
             for (x, y) in trained.iter().zip(&seq.logprobs) {
                 assert!(
                     (x - y).abs() < 1e-4,
-                    "{arch:?} {mode:?}: trainer {x} vs sampler {y}"
+                    "{arch:?} {mode:?} q4_1 {q4_1}: trainer {x} vs sampler {y}"
                 );
             }
         }

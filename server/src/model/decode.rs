@@ -1,26 +1,28 @@
 //! Quantized copies of the frozen weights for decoding.
 //!
 //! Decoding one token reads every weight once; in f32 that is 540 MB per token for
-//! SmolLM2-135M, which memory bandwidth caps at about 20 tokens/s on two cores. Q8_0
-//! (8-bit blocks of 32 with one scale each) reads a quarter of that. The sampler uses these
-//! weights to choose tokens and then rescores the chosen tokens with the f32 trainer
-//! weights, so the log-probabilities it reports are exactly the trainer's (see
+//! SmolLM2-135M, which memory bandwidth caps at about 20 tokens/s on two cores. The
+//! decode weights are block-quantized ([`super::quant`]): Q4_1 where that reproduces the
+//! f32 weights exactly (every projection of a Q4_1 GGUF, such as the default model), Q8
+//! otherwise. When every matrix is exact ([`DecodeWeights::exact`]) decoding computes the
+//! trainer's own function; when not, the sampler rescores the chosen tokens with the f32
+//! weights, so the log-probabilities it reports are the trainer's either way (see
 //! `sample::decode`). Projections whose input width is not a multiple of 32 stay f32.
-//! Activations stay f32 (unlike GGML's Q8_0 x Q8_0 product), which halves the error.
 
 use candle_core::{DType, Tensor};
 
-use super::kernels::{self, Q8Matrix, Q8_BLOCK};
+use super::kernels;
+use super::quant::{QuantMatrix, BLOCK};
 use super::transformer::StackedWeights;
 use super::weights::{matmul_t, matmul_t_host, BaseWeights, FrozenLinear};
 use super::ModelError;
 
-/// A projection for decoding: 8-bit when its shape allows, else the f32 weight. Many
+/// A projection for decoding: block-quantized when its shape allows, else the f32 weight. Many
 /// rows at once (a prompt) go through the f32 weight: that product is compute-bound and
 /// f32 keeps the prompt's KV cache exact.
 #[derive(Debug, Clone)]
 pub struct DecodeLinear {
-    q8: Option<Q8Matrix>,
+    quant: Option<QuantMatrix>,
     f32: FrozenLinear,
     /// The bias as a plain buffer for [`DecodeLinear::forward_host`], copied once.
     bias_host: Option<Vec<f32>>,
@@ -30,10 +32,10 @@ impl DecodeLinear {
     fn new(l: &FrozenLinear) -> Result<Self, ModelError> {
         let w = &l.weight;
         let eligible =
-            w.dims()[1].is_multiple_of(Q8_BLOCK) && w.device().is_cpu() && w.dtype() == DType::F32;
+            w.dims()[1].is_multiple_of(BLOCK) && w.device().is_cpu() && w.dtype() == DType::F32;
         Ok(Self {
-            q8: if eligible {
-                Some(Q8Matrix::new(w)?)
+            quant: if eligible {
+                Some(QuantMatrix::new(w)?)
             } else {
                 None
             },
@@ -46,9 +48,19 @@ impl DecodeLinear {
         })
     }
 
+    /// Whether decoding through this projection multiplies by the f32 weights exactly.
+    pub fn exact(&self) -> bool {
+        self.quant.as_ref().is_none_or(QuantMatrix::exact)
+    }
+
+    /// `"q4_1"`, `"q8"` or `"f32"`.
+    pub fn format(&self) -> &'static str {
+        self.quant.as_ref().map_or("f32", QuantMatrix::format)
+    }
+
     /// `x W^T + b` with the decode weights.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let y = match &self.q8 {
+        let y = match &self.quant {
             Some(q) if x.dims()[0] <= kernels::FEW_ROWS => q.matmul_t(x)?,
             _ => matmul_t(x, &self.f32.weight)?,
         };
@@ -60,7 +72,7 @@ impl DecodeLinear {
 
     /// [`DecodeLinear::forward`] over a plain `(m, in)` buffer; returns `(m, out)`.
     pub fn forward_host(&self, x: &[f32], m: usize) -> candle_core::Result<Vec<f32>> {
-        let mut y = match &self.q8 {
+        let mut y = match &self.quant {
             Some(q) if m <= kernels::FEW_ROWS => q.matmul_t_host(x, m)?,
             _ => matmul_t_host(x, m, &self.f32.weight)?,
         };
@@ -95,8 +107,8 @@ pub struct DecodeWeights {
 }
 
 impl DecodeWeights {
-    /// Quantizes `w`, whose blocks' stacked projections are `stacks` (about a quarter of
-    /// their f32 size).
+    /// Quantizes `w`, whose blocks' stacked projections are `stacks` (a sixth to a
+    /// quarter of their f32 size).
     pub fn new(w: &BaseWeights, stacks: &[StackedWeights<'_>]) -> Result<Self, ModelError> {
         let linear = |weight: &Tensor, bias: Option<&Tensor>| {
             DecodeLinear::new(&FrozenLinear {
@@ -119,5 +131,34 @@ impl DecodeWeights {
             .collect::<Result<Vec<_>, ModelError>>()?;
         let lm_head = linear(w.lm_head(), None)?;
         Ok(Self { layers, lm_head })
+    }
+
+    /// Whether every decode projection multiplies by exactly the trainer's f32 weights,
+    /// so decoding needs no f32 rescoring.
+    pub fn exact(&self) -> bool {
+        self.linears().all(DecodeLinear::exact)
+    }
+
+    /// How many projections use each format, e.g. `"q4_1: 120, q8: 1"`, for logs.
+    pub fn summary(&self) -> String {
+        let mut counts: Vec<(&str, usize)> = Vec::new();
+        for l in self.linears() {
+            match counts.iter_mut().find(|(f, _)| *f == l.format()) {
+                Some((_, n)) => *n += 1,
+                None => counts.push((l.format(), 1)),
+            }
+        }
+        counts
+            .iter()
+            .map(|(f, n)| format!("{f}: {n}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    fn linears(&self) -> impl Iterator<Item = &DecodeLinear> {
+        self.layers
+            .iter()
+            .flat_map(|l| [&l.qkv, &l.o, &l.gate_up, &l.down])
+            .chain([&self.lm_head])
     }
 }

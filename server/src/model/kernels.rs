@@ -40,7 +40,7 @@ pub fn supported(t: &Tensor) -> bool {
 }
 
 /// Calls `f` with the contiguous data of `t`.
-fn with<T: Real, R>(t: &Tensor, f: impl FnOnce(&[T]) -> Result<R>) -> Result<R> {
+pub(super) fn with<T: Real, R>(t: &Tensor, f: impl FnOnce(&[T]) -> Result<R>) -> Result<R> {
     let t = t.contiguous()?;
     let (storage, layout) = t.storage_and_layout();
     match &*storage {
@@ -56,7 +56,7 @@ fn with<T: Real, R>(t: &Tensor, f: impl FnOnce(&[T]) -> Result<R>) -> Result<R> 
 /// Smallest number of `unit`-element chunks worth handing to another thread: below
 /// about 32K elements, waking a worker costs more than it saves (decode steps are full
 /// of such small calls).
-fn grain(unit: usize) -> usize {
+pub(super) fn grain(unit: usize) -> usize {
     (32_768 / unit.max(1)).max(1)
 }
 
@@ -369,7 +369,7 @@ fn few_rows_t(xs: &[f32], m: usize, k: usize, ws: &[f32]) -> Vec<f32> {
 
 /// The few-rows kernels write `(n, m)` (one weight row's outputs together); callers want
 /// `(m, n)`.
-fn from_transposed(yt: Vec<f32>, n: usize, m: usize) -> Result<Tensor> {
+pub(super) fn from_transposed(yt: Vec<f32>, n: usize, m: usize) -> Result<Tensor> {
     let yt = out(yt, &[n, m])?;
     if m == 1 {
         yt.reshape((1, n))
@@ -379,7 +379,7 @@ fn from_transposed(yt: Vec<f32>, n: usize, m: usize) -> Result<Tensor> {
 }
 
 /// `(n, m)` to `(m, n)`, row-major.
-fn transpose(yt: Vec<f32>, n: usize, m: usize) -> Vec<f32> {
+pub(super) fn transpose(yt: Vec<f32>, n: usize, m: usize) -> Vec<f32> {
     if m == 1 {
         return yt;
     }
@@ -479,184 +479,6 @@ pub fn dot(w: &[f32], x: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
-/// Weights quantized to 8 bits in blocks of 32 along the input dim, one f32 scale per
-/// block (the Q8_0 scheme without its f16 scale), for decoding.
-#[derive(Debug, Clone)]
-pub struct Q8Matrix {
-    quants: Vec<i8>,
-    scales: Vec<f32>,
-    rows: usize,
-    cols: usize,
-}
-
-/// Block length of [`Q8Matrix`].
-pub const Q8_BLOCK: usize = 32;
-
-impl Q8Matrix {
-    /// Quantizes an f32 `(rows, cols)` matrix; `cols` must be a multiple of 32.
-    pub fn new(w: &Tensor) -> Result<Self> {
-        let (rows, cols) = w.dims2()?;
-        if !cols.is_multiple_of(Q8_BLOCK) {
-            candle_core::bail!("Q8 needs a multiple of {Q8_BLOCK} columns, got {cols}");
-        }
-        let data: Vec<f32> = w.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
-        let mut quants = vec![0i8; data.len()];
-        let mut scales = vec![0f32; data.len() / Q8_BLOCK];
-        quants
-            .par_chunks_mut(Q8_BLOCK)
-            .zip(scales.par_iter_mut())
-            .zip(data.par_chunks(Q8_BLOCK))
-            .for_each(|((q, s), x)| {
-                let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-                *s = amax / 127.0;
-                let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
-                for (qi, &xi) in q.iter_mut().zip(x) {
-                    *qi = (xi * inv).round() as i8;
-                }
-            });
-        Ok(Self {
-            quants,
-            scales,
-            rows,
-            cols,
-        })
-    }
-
-    /// `x W^T` for f32 `x (m, cols)` with few rows; activations stay f32.
-    pub fn matmul_t(&self, x: &Tensor) -> Result<Tensor> {
-        let (m, k) = x.dims2()?;
-        if k != self.cols {
-            candle_core::bail!("Q8 matmul: input has {k} columns, weight {}", self.cols);
-        }
-        let yt = with::<f32, _>(x, |xs| Ok(self.product_t(xs, m)))?;
-        from_transposed(yt, self.rows, m)
-    }
-
-    /// [`Q8Matrix::matmul_t`] over a plain `(m, cols)` buffer; returns `(m, rows)`.
-    pub fn matmul_t_host(&self, xs: &[f32], m: usize) -> Result<Vec<f32>> {
-        if xs.len() != m * self.cols {
-            candle_core::bail!(
-                "Q8 matmul: {} inputs for {m} rows of {}",
-                xs.len(),
-                self.cols
-            );
-        }
-        Ok(transpose(self.product_t(xs, m), self.rows, m))
-    }
-
-    /// `(rows, m)`: the products, one weight row's outputs together.
-    fn product_t(&self, xs: &[f32], m: usize) -> Vec<f32> {
-        let (n, k) = (self.rows, self.cols);
-        let nb = k / Q8_BLOCK;
-        let mut yt = vec![0f32; n * m];
-        const BLOCK: usize = 64;
-        yt.par_chunks_mut(BLOCK * m)
-            .zip(
-                self.quants
-                    .par_chunks(BLOCK * k)
-                    .zip(self.scales.par_chunks(BLOCK * nb)),
-            )
-            .with_min_len(grain(BLOCK * k))
-            .for_each(|(out, (q, s))| q8_block(xs, m, k, q, s, out));
-        yt
-    }
-}
-
-fn q8_block(xs: &[f32], m: usize, k: usize, q: &[i8], s: &[f32], out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU supports AVX-512F, checked just above.
-            return unsafe { q8_block_avx512(xs, m, k, q, s, out) };
-        }
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-            // SAFETY: the CPU supports AVX2 and FMA, checked just above.
-            return unsafe { q8_block_avx2(xs, m, k, q, s, out) };
-        }
-    }
-    q8_block_generic(xs, m, k, q, s, out)
-}
-
-/// AVX-512 version. Each block of 32 weights is widened to f32 and scaled once, then
-/// multiplied into up to eight activation rows with two independent accumulators per
-/// row. With several rows (batched decoding) the product is compute-bound, and this
-/// keeps the FMA units busy instead of waiting on one accumulator chain per row.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn q8_block_avx512(xs: &[f32], m: usize, k: usize, q: &[i8], s: &[f32], out: &mut [f32]) {
-    use std::arch::x86_64::*;
-    const ROWS: usize = 8;
-    let nb = k / Q8_BLOCK;
-    for (o, (qr, sr)) in q.chunks_exact(k).zip(s.chunks_exact(nb)).enumerate() {
-        let mut mi = 0;
-        while mi < m {
-            let r = (m - mi).min(ROWS);
-            let mut lo_acc = [_mm512_setzero_ps(); ROWS];
-            let mut hi_acc = [_mm512_setzero_ps(); ROWS];
-            for (b, &scale) in sr.iter().enumerate() {
-                let c = b * Q8_BLOCK;
-                let sv = _mm512_set1_ps(scale);
-                // SAFETY: c + 32 <= k, the length of `qr` and of each x row.
-                let lo = _mm512_mul_ps(
-                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                        qr.as_ptr().add(c) as *const __m128i
-                    ))),
-                    sv,
-                );
-                let hi = _mm512_mul_ps(
-                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                        qr.as_ptr().add(c + 16) as *const __m128i,
-                    ))),
-                    sv,
-                );
-                for j in 0..r {
-                    let x = xs.as_ptr().add((mi + j) * k + c);
-                    lo_acc[j] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x), lo_acc[j]);
-                    hi_acc[j] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x.add(16)), hi_acc[j]);
-                }
-            }
-            for j in 0..r {
-                out[o * m + mi + j] = _mm512_reduce_add_ps(_mm512_add_ps(lo_acc[j], hi_acc[j]));
-            }
-            mi += r;
-        }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn q8_block_avx2(xs: &[f32], m: usize, k: usize, q: &[i8], s: &[f32], out: &mut [f32]) {
-    q8_block_generic(xs, m, k, q, s, out)
-}
-
-#[inline(always)]
-fn q8_block_generic(xs: &[f32], m: usize, k: usize, q: &[i8], s: &[f32], out: &mut [f32]) {
-    let nb = k / Q8_BLOCK;
-    for (o, (qr, sr)) in q.chunks_exact(k).zip(s.chunks_exact(nb)).enumerate() {
-        for (mi, x) in xs.chunks_exact(k).take(m).enumerate() {
-            out[o * m + mi] = q8_dot(qr, sr, x);
-        }
-    }
-}
-
-/// One 8-bit weight row against one f32 activation row, block by block.
-#[inline(always)]
-fn q8_dot(q: &[i8], s: &[f32], x: &[f32]) -> f32 {
-    const H: usize = Q8_BLOCK / 2;
-    let mut acc = [0f32; H];
-    for ((qb, &scale), xb) in q
-        .chunks_exact(Q8_BLOCK)
-        .zip(s)
-        .zip(x.chunks_exact(Q8_BLOCK))
-    {
-        for l in 0..H {
-            let part = (qb[l] as f32).mul_add(xb[l], qb[l + H] as f32 * xb[l + H]);
-            acc[l] = part.mul_add(scale, acc[l]);
-        }
-    }
-    acc.iter().sum()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -684,14 +506,6 @@ mod tests {
         let mut yt = vec![0f32; n * m];
         dot_block_generic(&xs, m, k, &ws, &mut yt);
         assert!(max_diff(&from_transposed(yt, n, m).unwrap(), &want) < 1e-4);
-        let w = randn(n, 64, 9);
-        let x = randn(m, 64, 10);
-        let q = Q8Matrix::new(&w).unwrap();
-        let xs: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
-        let mut yt = vec![0f32; n * m];
-        q8_block_generic(&xs, m, 64, &q.quants, &q.scales, &mut yt);
-        let generic = from_transposed(yt, n, m).unwrap();
-        assert!(max_diff(&generic, &q.matmul_t(&x).unwrap()) < 1e-4);
     }
 
     #[test]
@@ -706,29 +520,5 @@ mod tests {
                 assert!(max_diff(&got, &want) < 1e-4, "m={m} k={k}");
             }
         }
-    }
-
-    #[test]
-    fn q8_matmul_is_close_to_f32_and_quantizes_exactly_representable_weights() {
-        let w = randn(100, 64, 3);
-        let q = Q8Matrix::new(&w).unwrap();
-        for m in [1, 3, 4, 7] {
-            let x = randn(m, 64, 10 + m as u64);
-            let want = x.matmul(&w.t().unwrap()).unwrap();
-            let got = q.matmul_t(&x).unwrap();
-            // 8-bit weights: error about |x| * |w| / 127 per term, summed over 64.
-            assert!(max_diff(&got, &want) < 0.1, "m={m}");
-        }
-        // Integer multiples of scale = amax/127 (each block's amax is 127 units) quantize
-        // without loss.
-        let exact: Vec<f32> = (0..64)
-            .map(|i| (127 - 8 * (i % 32)) as f32 * 0.5 / 127.0)
-            .collect();
-        let w = Tensor::from_vec(exact, (1, 64), &Device::Cpu).unwrap();
-        let x = randn(1, 64, 5);
-        let got = Q8Matrix::new(&w).unwrap().matmul_t(&x).unwrap();
-        let want = x.matmul(&w.t().unwrap()).unwrap();
-        assert!(max_diff(&got, &want) < 1e-5);
-        assert!(Q8Matrix::new(&randn(2, 30, 1)).is_err());
     }
 }

@@ -7,6 +7,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
@@ -186,6 +187,38 @@ pub fn tiny_model(arch: Arch, seed: u64, device: &Device) -> Result<LoadedModel,
         tokenizer,
         tokenizer_json,
     })
+}
+
+/// [`tiny_model`] with every matrix whose width is a multiple of 32 passed through GGML's
+/// Q4_1 quantizer and back, as a Q4_1 GGUF file gives them (the default model's case:
+/// its decode weights reproduce them exactly).
+pub fn tiny_model_q4_1(arch: Arch, seed: u64) -> Result<LoadedModel, ModelError> {
+    let mut model = tiny_model(arch, seed, &Device::Cpu)?;
+    let q4 = |w: &Tensor| -> Result<Tensor, ModelError> {
+        if !w.dims()[1].is_multiple_of(32) {
+            return Ok(w.clone());
+        }
+        let q = QTensor::quantize(w, GgmlDType::Q4_1)?;
+        Ok(q.dequantize(&Device::Cpu)?)
+    };
+    let mut w = model.transformer.weights.clone();
+    w.embed_tokens = q4(&w.embed_tokens)?;
+    w.lm_head = w.lm_head.as_ref().map(q4).transpose()?;
+    for l in &mut w.layers {
+        for p in [
+            &mut l.q_proj,
+            &mut l.k_proj,
+            &mut l.v_proj,
+            &mut l.o_proj,
+            &mut l.gate_proj,
+            &mut l.up_proj,
+            &mut l.down_proj,
+        ] {
+            p.weight = q4(&p.weight)?;
+        }
+    }
+    model.transformer = Transformer::new(model.transformer.config.clone(), w)?;
+    Ok(model)
 }
 
 /// Writes a tiny model as a Hugging Face directory (config, safetensors, tokenizer).

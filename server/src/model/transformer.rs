@@ -202,13 +202,20 @@ impl Transformer {
         })
     }
 
-    /// The quantized decode weights, built (about 0.3 s for SmolLM2) on first call.
+    /// The quantized decode weights, built on first call.
     pub fn decode_weights(&self) -> Result<&DecodeWeights, ModelError> {
         if let Some(d) = self.decode.get() {
             return Ok(d);
         }
+        let start = std::time::Instant::now();
         let stacks: Vec<StackedWeights<'_>> = self.fused.iter().map(FusedLayer::view).collect();
         let built = DecodeWeights::new(&self.weights, &stacks)?;
+        tracing::info!(
+            formats = %built.summary(),
+            exact = built.exact(),
+            seconds = format!("{:.2}", start.elapsed().as_secs_f64()),
+            "decode weights built"
+        );
         Ok(self.decode.get_or_init(|| built))
     }
 

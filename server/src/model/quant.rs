@@ -1,0 +1,543 @@
+//! Block-quantized copies of frozen weight matrices, for decoding.
+//!
+//! Decoding one token reads every weight once, so its speed is set by how many bytes the
+//! weights take. Two formats, both in blocks of 32 along the input dimension:
+//!
+//! - **Q4_1** (4-bit codes `q`, one f32 scale `d` and minimum `m` per block, weight
+//!   `q * d + m`): used only when it reproduces the f32 weights *bit for bit*. That is the
+//!   case for every projection of a Q4_1 GGUF file (the default model): the trainer's f32
+//!   weights were dequantized from exactly such blocks, and [`QuantMatrix::new`] recovers
+//!   them from the f32 values, so nothing has to be carried over from the file. It reads
+//!   0.625 bytes per weight.
+//! - **Q8** (8-bit codes, one f32 scale per block; GGML's Q8_0 without the f16 scale):
+//!   the fallback for everything else. It is exact for weights that came from Q8_0 blocks
+//!   (the default model's embedding) and an approximation otherwise.
+//!
+//! [`QuantMatrix::exact`] says which: when every decode matrix is exact, decoding
+//! multiplies by the trainer's own weights and the sampler needs no rescoring pass.
+//! Activations stay f32 in both (GGML also quantizes them to 8 bits).
+
+use candle_core::{DType, Result, Tensor};
+use half::f16;
+use rayon::prelude::*;
+
+use super::kernels::{from_transposed, grain, transpose, with};
+
+/// Block length of both formats, along the input dimension.
+pub const BLOCK: usize = 32;
+const HALF: usize = BLOCK / 2;
+
+/// Weight rows handed to one thread at a time.
+const ROW_CHUNK: usize = 64;
+
+#[derive(Debug, Clone)]
+enum Blocks {
+    /// Per block: 16 bytes, byte `j` holding element `j` (low nibble) and `j + 16` (high
+    /// nibble), as GGML lays out Q4_1; plus the scale and the minimum.
+    Q41 {
+        nibbles: Vec<u8>,
+        scales: Vec<f32>,
+        mins: Vec<f32>,
+    },
+    /// Per block: 32 signed codes and a scale.
+    Q8 { quants: Vec<i8>, scales: Vec<f32> },
+}
+
+/// A frozen `(rows, cols)` weight matrix in a block-quantized format, multiplied with few
+/// f32 activation rows at a time.
+#[derive(Debug, Clone)]
+pub struct QuantMatrix {
+    blocks: Blocks,
+    rows: usize,
+    cols: usize,
+    exact: bool,
+}
+
+impl QuantMatrix {
+    /// Q4_1 when that reproduces `w` exactly, Q8 otherwise. `cols` must be a multiple
+    /// of 32.
+    pub fn new(w: &Tensor) -> Result<Self> {
+        let (rows, cols, data) = Self::data(w)?;
+        match q41_exact(&data) {
+            Some(blocks) => Ok(Self {
+                blocks,
+                rows,
+                cols,
+                exact: true,
+            }),
+            None => Ok(Self::q8_from(&data, rows, cols)),
+        }
+    }
+
+    /// Always Q8 (exact only when `w` happens to be made of Q8 blocks).
+    pub fn q8(w: &Tensor) -> Result<Self> {
+        let (rows, cols, data) = Self::data(w)?;
+        Ok(Self::q8_from(&data, rows, cols))
+    }
+
+    fn data(w: &Tensor) -> Result<(usize, usize, Vec<f32>)> {
+        let (rows, cols) = w.dims2()?;
+        if !cols.is_multiple_of(BLOCK) {
+            candle_core::bail!(
+                "block quantization needs a multiple of {BLOCK} columns, got {cols}"
+            );
+        }
+        Ok((
+            rows,
+            cols,
+            w.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?,
+        ))
+    }
+
+    fn q8_from(data: &[f32], rows: usize, cols: usize) -> Self {
+        let mut quants = vec![0i8; data.len()];
+        let mut scales = vec![0f32; data.len() / BLOCK];
+        quants
+            .par_chunks_mut(BLOCK)
+            .zip(scales.par_iter_mut())
+            .zip(data.par_chunks(BLOCK))
+            .for_each(|((q, s), x)| {
+                let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+                *s = amax / 127.0;
+                let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+                for (qi, &xi) in q.iter_mut().zip(x) {
+                    *qi = (xi * inv).round() as i8;
+                }
+            });
+        // The kernel forms each weight as `q * scale`, as GGML dequantizes Q8_0.
+        let exact = quants
+            .par_chunks(BLOCK)
+            .zip(scales.par_iter())
+            .zip(data.par_chunks(BLOCK))
+            .all(|((q, &s), x)| q.iter().zip(x).all(|(&qi, &xi)| qi as f32 * s == xi));
+        Self {
+            blocks: Blocks::Q8 { quants, scales },
+            rows,
+            cols,
+            exact,
+        }
+    }
+
+    /// Whether the quantized weights equal the f32 weights they were made from, bit for
+    /// bit (products then differ from f32 ones only in summation order).
+    pub fn exact(&self) -> bool {
+        self.exact
+    }
+
+    /// `"q4_1"` or `"q8"`.
+    pub fn format(&self) -> &'static str {
+        match self.blocks {
+            Blocks::Q41 { .. } => "q4_1",
+            Blocks::Q8 { .. } => "q8",
+        }
+    }
+
+    /// `x W^T` for f32 `x (m, cols)` with few rows.
+    pub fn matmul_t(&self, x: &Tensor) -> Result<Tensor> {
+        let (m, k) = x.dims2()?;
+        if k != self.cols {
+            candle_core::bail!(
+                "quantized matmul: input has {k} columns, weight {}",
+                self.cols
+            );
+        }
+        let yt = with::<f32, _>(x, |xs| Ok(self.product_t(xs, m)))?;
+        from_transposed(yt, self.rows, m)
+    }
+
+    /// [`QuantMatrix::matmul_t`] over a plain `(m, cols)` buffer; returns `(m, rows)`.
+    pub fn matmul_t_host(&self, xs: &[f32], m: usize) -> Result<Vec<f32>> {
+        if xs.len() != m * self.cols {
+            candle_core::bail!(
+                "quantized matmul: {} inputs for {m} rows of {}",
+                xs.len(),
+                self.cols
+            );
+        }
+        Ok(transpose(self.product_t(xs, m), self.rows, m))
+    }
+
+    /// `(rows, m)`: the products, one weight row's outputs together.
+    fn product_t(&self, xs: &[f32], m: usize) -> Vec<f32> {
+        let k = self.cols;
+        let nb = k / BLOCK;
+        let mut yt = vec![0f32; self.rows * m];
+        let out = yt.par_chunks_mut(ROW_CHUNK * m);
+        match &self.blocks {
+            Blocks::Q8 { quants, scales } => out
+                .zip(
+                    quants
+                        .par_chunks(ROW_CHUNK * k)
+                        .zip(scales.par_chunks(ROW_CHUNK * nb)),
+                )
+                .with_min_len(grain(ROW_CHUNK * k))
+                .for_each(|(out, (q, s))| q8_rows(xs, m, k, q, s, out)),
+            Blocks::Q41 {
+                nibbles,
+                scales,
+                mins,
+            } => out
+                .zip(
+                    nibbles.par_chunks(ROW_CHUNK * k / 2).zip(
+                        scales
+                            .par_chunks(ROW_CHUNK * nb)
+                            .zip(mins.par_chunks(ROW_CHUNK * nb)),
+                    ),
+                )
+                // Half the bytes of Q8 per weight, so twice the weights per thread.
+                .with_min_len(grain(ROW_CHUNK * k / 2))
+                .for_each(|(out, (q, (d, mn)))| q41_rows(xs, m, k, q, d, mn, out)),
+        }
+        yt
+    }
+}
+
+/// Q4_1 blocks that reproduce `data` exactly, or `None`.
+fn q41_exact(data: &[f32]) -> Option<Blocks> {
+    let blocks: Option<Vec<(f32, f32, [u8; HALF])>> =
+        data.par_chunks(BLOCK).map(q41_block_exact).collect();
+    let blocks = blocks?;
+    let mut nibbles = Vec::with_capacity(data.len() / 2);
+    let mut scales = Vec::with_capacity(blocks.len());
+    let mut mins = Vec::with_capacity(blocks.len());
+    for (d, m, q) in blocks {
+        scales.push(d);
+        mins.push(m);
+        nibbles.extend_from_slice(&q);
+    }
+    Some(Blocks::Q41 {
+        nibbles,
+        scales,
+        mins,
+    })
+}
+
+/// Recovers one GGML Q4_1 block (f16 scale `d` and minimum `m`, codes 0..=15) whose
+/// dequantization `q as f32 * d + m` (as GGML and candle compute it, unfused) gives
+/// exactly `w`. GGML's quantizer stores the block minimum as `m` (so the smallest weight
+/// has code 0 and equals `m`) and gives the largest code 15, so `d` is the f16 value
+/// nearest `(max - min) / 15`, up to rounding: the nearest few f16 values are tried.
+fn q41_block_exact(w: &[f32]) -> Option<(f32, f32, [u8; HALF])> {
+    let (lo, hi) = w
+        .iter()
+        .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &v| {
+            (a.min(v), b.max(v))
+        });
+    if !lo.is_finite() || !hi.is_finite() || f16::from_f32(lo).to_f32() != lo {
+        return None;
+    }
+    if lo == hi {
+        return Some((0.0, lo, [0; HALF]));
+    }
+    let estimate = f16::from_f32((hi - lo) / 15.0).to_bits();
+    for step in [0i32, 1, -1, 2, -2] {
+        let bits = u16::try_from(i32::from(estimate) + step).ok()?;
+        let d = f16::from_bits(bits).to_f32();
+        if !(d.is_finite() && d > 0.0) {
+            continue;
+        }
+        let code = |v: f32| -> Option<u8> {
+            let q = ((v - lo) / d).round();
+            let reproduced = (0.0..=15.0).contains(&q) && q * d + lo == v;
+            reproduced.then_some(q as u8)
+        };
+        let mut packed = [0u8; HALF];
+        let ok = (0..HALF).all(|j| match (code(w[j]), code(w[j + HALF])) {
+            (Some(a), Some(b)) => {
+                packed[j] = a | (b << 4);
+                true
+            }
+            _ => false,
+        });
+        if ok {
+            return Some((d, lo, packed));
+        }
+    }
+    None
+}
+
+fn q8_rows(xs: &[f32], m: usize, k: usize, q: &[i8], s: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU supports AVX-512F, checked just above.
+            return unsafe { q8_rows_avx512(xs, m, k, q, s, out) };
+        }
+    }
+    q8_rows_generic(xs, m, k, q, s, out)
+}
+
+/// AVX-512 version. Each block of 32 weights is widened to f32 and scaled once, then
+/// multiplied into up to eight activation rows with two independent accumulators per
+/// row. With several rows (batched decoding) the product is compute-bound, and this
+/// keeps the FMA units busy instead of waiting on one accumulator chain per row.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn q8_rows_avx512(xs: &[f32], m: usize, k: usize, q: &[i8], s: &[f32], out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let nb = k / BLOCK;
+    for (o, (qr, sr)) in q.chunks_exact(k).zip(s.chunks_exact(nb)).enumerate() {
+        rows_avx512(xs, m, k, &mut out[o * m..(o + 1) * m], nb, |b| {
+            let c = b * BLOCK;
+            let sv = _mm512_set1_ps(sr[b]);
+            // SAFETY: c + 32 <= k, the length of `qr`.
+            let widen = |at: usize| {
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                    qr.as_ptr().add(at) as *const __m128i
+                )))
+            };
+            (
+                _mm512_mul_ps(widen(c), sv),
+                _mm512_mul_ps(widen(c + HALF), sv),
+            )
+        });
+    }
+}
+
+fn q41_rows(xs: &[f32], m: usize, k: usize, q: &[u8], d: &[f32], mn: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU supports AVX-512F, checked just above.
+            return unsafe { q41_rows_avx512(xs, m, k, q, d, mn, out) };
+        }
+    }
+    q41_rows_generic(xs, m, k, q, d, mn, out)
+}
+
+/// AVX-512 version: each block's 16 bytes are split into the low and the high nibbles,
+/// widened and turned into the f32 weights `q * d + m` exactly as the dequantizer forms
+/// them (a multiply, then an add), then multiplied into the activation rows.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn q41_rows_avx512(
+    xs: &[f32],
+    m: usize,
+    k: usize,
+    q: &[u8],
+    d: &[f32],
+    mn: &[f32],
+    out: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let nb = k / BLOCK;
+    let low = _mm512_set1_epi32(0x0f);
+    for (o, ((qr, dr), mr)) in q
+        .chunks_exact(k / 2)
+        .zip(d.chunks_exact(nb))
+        .zip(mn.chunks_exact(nb))
+        .enumerate()
+    {
+        rows_avx512(xs, m, k, &mut out[o * m..(o + 1) * m], nb, |b| {
+            // SAFETY: (b + 1) * 16 <= k / 2, the length of `qr`.
+            let bytes =
+                _mm512_cvtepu8_epi32(_mm_loadu_si128(qr.as_ptr().add(b * HALF) as *const __m128i));
+            let (dv, mv) = (_mm512_set1_ps(dr[b]), _mm512_set1_ps(mr[b]));
+            let weights =
+                |codes: __m512i| _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(codes), dv), mv);
+            (
+                weights(_mm512_and_si512(bytes, low)),
+                weights(_mm512_srli_epi32(bytes, 4)),
+            )
+        });
+    }
+}
+
+/// One weight row against `m` activation rows: `block(b)` yields block `b`'s 32 weights
+/// as two f32 vectors, which are multiplied into up to eight rows at a time with two
+/// accumulators per row (several rows make the product compute-bound; independent
+/// accumulators keep the FMA units busy).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn rows_avx512(
+    xs: &[f32],
+    m: usize,
+    k: usize,
+    out: &mut [f32],
+    nb: usize,
+    block: impl Fn(usize) -> (std::arch::x86_64::__m512, std::arch::x86_64::__m512),
+) {
+    use std::arch::x86_64::*;
+    const ROWS: usize = 8;
+    let mut mi = 0;
+    while mi < m {
+        let r = (m - mi).min(ROWS);
+        let mut lo_acc = [_mm512_setzero_ps(); ROWS];
+        let mut hi_acc = [_mm512_setzero_ps(); ROWS];
+        for b in 0..nb {
+            let (lo, hi) = block(b);
+            let c = b * BLOCK;
+            for j in 0..r {
+                // SAFETY: (mi + j) < m rows of k columns, and c + 32 <= k.
+                let x = xs.as_ptr().add((mi + j) * k + c);
+                lo_acc[j] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x), lo_acc[j]);
+                hi_acc[j] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x.add(HALF)), hi_acc[j]);
+            }
+        }
+        for j in 0..r {
+            out[mi + j] = _mm512_reduce_add_ps(_mm512_add_ps(lo_acc[j], hi_acc[j]));
+        }
+        mi += r;
+    }
+}
+
+fn q8_rows_generic(xs: &[f32], m: usize, k: usize, q: &[i8], s: &[f32], out: &mut [f32]) {
+    let nb = k / BLOCK;
+    for (o, (qr, sr)) in q.chunks_exact(k).zip(s.chunks_exact(nb)).enumerate() {
+        for (mi, x) in xs.chunks_exact(k).take(m).enumerate() {
+            out[o * m + mi] = dot_blocks(x, nb, |b, l| {
+                let c = b * BLOCK + l;
+                (qr[c] as f32 * sr[b], qr[c + HALF] as f32 * sr[b])
+            });
+        }
+    }
+}
+
+fn q41_rows_generic(
+    xs: &[f32],
+    m: usize,
+    k: usize,
+    q: &[u8],
+    d: &[f32],
+    mn: &[f32],
+    out: &mut [f32],
+) {
+    let nb = k / BLOCK;
+    for (o, ((qr, dr), mr)) in q
+        .chunks_exact(k / 2)
+        .zip(d.chunks_exact(nb))
+        .zip(mn.chunks_exact(nb))
+        .enumerate()
+    {
+        for (mi, x) in xs.chunks_exact(k).take(m).enumerate() {
+            out[o * m + mi] = dot_blocks(x, nb, |b, l| {
+                let byte = qr[b * HALF + l];
+                let w = |code: u8| code as f32 * dr[b] + mr[b];
+                (w(byte & 0x0f), w(byte >> 4))
+            });
+        }
+    }
+}
+
+/// `sum x * w` over `nb` blocks, where `weight(b, l)` gives block `b`'s weights `l` and
+/// `l + 16`; sixteen partial sums so the compiler can vectorise.
+#[inline(always)]
+fn dot_blocks(x: &[f32], nb: usize, weight: impl Fn(usize, usize) -> (f32, f32)) -> f32 {
+    let mut acc = [0f32; HALF];
+    for (b, xb) in x.chunks_exact(BLOCK).take(nb).enumerate() {
+        for l in 0..HALF {
+            let (lo, hi) = weight(b, l);
+            acc[l] = lo.mul_add(xb[l], acc[l]);
+            acc[l] = hi.mul_add(xb[l + HALF], acc[l]);
+        }
+    }
+    acc.iter().sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::Device;
+
+    use crate::model::test_util::{max_abs_diff, uniform};
+
+    fn randn(rows: usize, cols: usize, seed: u64) -> Tensor {
+        uniform(&[rows, cols], 1.0, seed)
+            .to_dtype(DType::F32)
+            .unwrap()
+    }
+
+    /// `w` through GGML's quantizer and back: what a GGUF file of that type holds.
+    fn through(w: &Tensor, dtype: GgmlDType) -> Tensor {
+        QTensor::quantize(w, dtype)
+            .unwrap()
+            .dequantize(&Device::Cpu)
+            .unwrap()
+    }
+
+    fn products_match(q: &QuantMatrix, w: &Tensor, tol: f64) {
+        let (_, k) = w.dims2().unwrap();
+        for m in [1, 3, 8, 9, 16] {
+            let x = randn(m, k, 10 + m as u64);
+            let want = x.matmul(&w.t().unwrap()).unwrap();
+            let got = q.matmul_t(&x).unwrap();
+            assert_eq!(got.dims(), want.dims());
+            assert!(max_abs_diff(&got, &want) < tol, "{} m={m}", q.format());
+            let xs: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
+            let host = q.matmul_t_host(&xs, m).unwrap();
+            let via_tensor: Vec<f32> = got.flatten_all().unwrap().to_vec1().unwrap();
+            assert_eq!(host, via_tensor);
+        }
+    }
+
+    #[test]
+    fn weights_from_q4_1_blocks_are_recovered_exactly() {
+        let w = through(&randn(150, 96, 3), GgmlDType::Q4_1);
+        let q = QuantMatrix::new(&w).unwrap();
+        assert_eq!(q.format(), "q4_1");
+        assert!(q.exact());
+        // Same weights, different summation order: f32 rounding only.
+        products_match(&q, &w, 1e-5);
+    }
+
+    #[test]
+    fn other_weights_fall_back_to_q8_and_say_whether_it_is_exact() {
+        let w = randn(100, 64, 3);
+        let q = QuantMatrix::new(&w).unwrap();
+        assert_eq!(q.format(), "q8");
+        assert!(!q.exact());
+        // 8-bit weights: error about |x| * |w| / 127 per term, summed over 64.
+        products_match(&q, &w, 0.1);
+        // Weights from Q8_0 blocks (the default model's embedding) are reproduced.
+        let w = through(&randn(100, 64, 4), GgmlDType::Q8_0);
+        let q = QuantMatrix::new(&w).unwrap();
+        assert_eq!(q.format(), "q8");
+        assert!(q.exact());
+        products_match(&q, &w, 1e-5);
+        assert!(QuantMatrix::new(&randn(2, 30, 1)).is_err());
+        assert!(QuantMatrix::q8(&randn(2, 30, 1)).is_err());
+    }
+
+    #[test]
+    fn near_misses_are_not_taken_for_q4_1() {
+        let w = through(&randn(4, 64, 5), GgmlDType::Q4_1);
+        let mut v: Vec<f32> = w.flatten_all().unwrap().to_vec1().unwrap();
+        // One weight one f32 step off its code is no longer Q4_1.
+        v[77] = f32::from_bits(v[77].to_bits() + 1);
+        let w = Tensor::from_vec(v, (4, 64), &Device::Cpu).unwrap();
+        assert_eq!(QuantMatrix::new(&w).unwrap().format(), "q8");
+        // A constant block is exact (scale 0), and NaN is never.
+        let flat = Tensor::full(0.25f32, (2, 32), &Device::Cpu).unwrap();
+        assert!(QuantMatrix::new(&flat).unwrap().exact());
+        assert_eq!(QuantMatrix::new(&flat).unwrap().format(), "q4_1");
+        let nan = Tensor::full(f32::NAN, (1, 32), &Device::Cpu).unwrap();
+        assert!(!QuantMatrix::new(&nan).unwrap().exact());
+    }
+
+    #[test]
+    fn portable_kernels_match_the_avx512_ones() {
+        // The paths used on CPUs without AVX-512 (this machine always takes AVX-512).
+        let (m, k, n) = (3, 64, 5);
+        let x = randn(m, k, 10);
+        let xs: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
+        for w in [randn(n, k, 9), through(&randn(n, k, 9), GgmlDType::Q4_1)] {
+            let q = QuantMatrix::new(&w).unwrap();
+            let mut yt = vec![0f32; n * m];
+            match &q.blocks {
+                Blocks::Q8 { quants, scales } => {
+                    q8_rows_generic(&xs, m, k, quants, scales, &mut yt)
+                }
+                Blocks::Q41 {
+                    nibbles,
+                    scales,
+                    mins,
+                } => q41_rows_generic(&xs, m, k, nibbles, scales, mins, &mut yt),
+            }
+            let generic = from_transposed(yt, n, m).unwrap();
+            assert!(max_abs_diff(&generic, &q.matmul_t(&x).unwrap()) < 1e-5);
+        }
+    }
+}
