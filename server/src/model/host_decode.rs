@@ -24,6 +24,7 @@ use super::kernels::dot;
 use super::kv::{self, HostQkv, KvCache};
 use super::lora::{Adapter, Proj, Target};
 use super::transformer::{SeqSpan, Transformer};
+use super::vector_math::exp_f32;
 use super::weights::matmul_t_host;
 use super::ModelError;
 
@@ -262,7 +263,7 @@ impl<'m> HostDecoder<'m> {
             let act: Vec<f32> = gate
                 .iter()
                 .zip(&up)
-                .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
+                .map(|(&g, &u)| g / (1.0 + exp_f32(-g)) * u)
                 .collect();
             let down = self.project(&act, rows, li, Proj::Down)?;
             add_into(&mut h, &down);

@@ -8,8 +8,10 @@
 use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 
+use super::kernels::dot;
 use super::ops;
 use super::transformer::SeqSpan;
+use super::vector_math::exp_f32;
 
 /// Keys and values of one sequence in one layer, `(tokens, kv_dim)` each.
 #[derive(Debug, Clone)]
@@ -198,12 +200,12 @@ pub fn attend_host(
                         let mut max = f32::NEG_INFINITY;
                         for (j, pj) in p.iter_mut().enumerate() {
                             let kj = &ck[j * kv_dim + g * hd..j * kv_dim + (g + 1) * hd];
-                            *pj = qh.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale;
+                            *pj = dot(qh, kj) * scale;
                             max = max.max(*pj);
                         }
                         let mut sum = 0f32;
                         for pj in p.iter_mut() {
-                            *pj = (*pj - max).exp();
+                            *pj = exp_f32(*pj - max);
                             sum += *pj;
                         }
                         let oh = &mut o[h * hd..(h + 1) * hd];

@@ -176,8 +176,10 @@ impl QuantMatrix {
                 nibbles,
                 scales,
                 mins,
-            } => out
-                .zip(
+            } => {
+                // Only the one-row kernel uses them.
+                let sums = if m == 1 { block_sums(xs) } else { Vec::new() };
+                out.zip(
                     nibbles.par_chunks(ROW_CHUNK * k / 2).zip(
                         scales
                             .par_chunks(ROW_CHUNK * nb)
@@ -186,7 +188,8 @@ impl QuantMatrix {
                 )
                 // Half the bytes of Q8 per weight, so twice the weights per thread.
                 .with_min_len(grain(ROW_CHUNK * k / 2))
-                .for_each(|(out, (q, (d, mn)))| q41_rows(xs, m, k, q, d, mn, out)),
+                .for_each(|(out, (q, (d, mn)))| q41_rows(xs, &sums, m, k, q, d, mn, out))
+            }
         }
         yt
     }
@@ -294,24 +297,42 @@ unsafe fn q8_rows_avx512(xs: &[f32], m: usize, k: usize, q: &[i8], s: &[f32], ou
     }
 }
 
-fn q41_rows(xs: &[f32], m: usize, k: usize, q: &[u8], d: &[f32], mn: &[f32], out: &mut [f32]) {
+#[allow(clippy::too_many_arguments)]
+fn q41_rows(
+    xs: &[f32],
+    sums: &[f32],
+    m: usize,
+    k: usize,
+    q: &[u8],
+    d: &[f32],
+    mn: &[f32],
+    out: &mut [f32],
+) {
     #[cfg(target_arch = "x86_64")]
     {
         if is_x86_feature_detected!("avx512f") {
             // SAFETY: the CPU supports AVX-512F, checked just above.
-            return unsafe { q41_rows_avx512(xs, m, k, q, d, mn, out) };
+            return unsafe { q41_rows_avx512(xs, sums, m, k, q, d, mn, out) };
         }
     }
+    let _ = sums;
     q41_rows_generic(xs, m, k, q, d, mn, out)
 }
 
-/// AVX-512 version: each block's 16 bytes are split into the low and the high nibbles,
-/// widened and turned into the f32 weights `q * d + m` exactly as the dequantizer forms
-/// them (a multiply, then an add), then multiplied into the activation rows.
+/// AVX-512 version. With one activation row (single-stream decoding) the product is
+/// computed as `d * sum(q x) + m * sum(x)` per block: the codes are widened to f32 and
+/// multiplied into the activations directly, each block's partial sum is scaled once by
+/// `d`, and the `m` terms are one short dot product with the activation's block sums
+/// `sums`. That is the product with the dequantized weights, rounded in a different
+/// order, in about two thirds of the instructions; even and odd blocks accumulate
+/// separately so the FMA latency chain does not set the pace. With several rows the
+/// block's weights are formed once and shared, which costs fewer instructions per row.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
 unsafe fn q41_rows_avx512(
     xs: &[f32],
+    sums: &[f32],
     m: usize,
     k: usize,
     q: &[u8],
@@ -328,19 +349,59 @@ unsafe fn q41_rows_avx512(
         .zip(mn.chunks_exact(nb))
         .enumerate()
     {
-        rows_avx512(xs, m, k, &mut out[o * m..(o + 1) * m], nb, |b| {
-            // SAFETY: (b + 1) * 16 <= k / 2, the length of `qr`.
+        // SAFETY (all loads): block b's 16 bytes end at (b + 1) * 16 <= k / 2, the length
+        // of `qr`; with one activation row its block b ends at (b + 1) * 32 <= k.
+        let codes = |b: usize| {
             let bytes =
                 _mm512_cvtepu8_epi32(_mm_loadu_si128(qr.as_ptr().add(b * HALF) as *const __m128i));
-            let (dv, mv) = (_mm512_set1_ps(dr[b]), _mm512_set1_ps(mr[b]));
-            let weights =
-                |codes: __m512i| _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(codes), dv), mv);
             (
-                weights(_mm512_and_si512(bytes, low)),
-                weights(_mm512_srli_epi32(bytes, 4)),
+                _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low)),
+                _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)),
+            )
+        };
+        if m == 1 {
+            let block = |b: usize| {
+                let (lo, hi) = codes(b);
+                let x = xs.as_ptr().add(b * BLOCK);
+                let qx = _mm512_fmadd_ps(
+                    lo,
+                    _mm512_loadu_ps(x),
+                    _mm512_mul_ps(hi, _mm512_loadu_ps(x.add(HALF))),
+                );
+                (qx, _mm512_set1_ps(dr[b]))
+            };
+            let (mut even, mut odd) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+            let mut b = 0;
+            while b + 1 < nb {
+                let (qx, dv) = block(b);
+                even = _mm512_fmadd_ps(qx, dv, even);
+                let (qx, dv) = block(b + 1);
+                odd = _mm512_fmadd_ps(qx, dv, odd);
+                b += 2;
+            }
+            if b < nb {
+                let (qx, dv) = block(b);
+                even = _mm512_fmadd_ps(qx, dv, even);
+            }
+            out[o] = _mm512_reduce_add_ps(_mm512_add_ps(even, odd)) + super::kernels::dot(mr, sums);
+            continue;
+        }
+        // Several rows: each block is dequantized once (multiply, then add, as the
+        // dequantizer does) and shared by the rows, two FMAs per row.
+        rows_avx512(xs, m, k, &mut out[o * m..(o + 1) * m], nb, |b| {
+            let (lo, hi) = codes(b);
+            let (dv, mv) = (_mm512_set1_ps(dr[b]), _mm512_set1_ps(mr[b]));
+            (
+                _mm512_add_ps(_mm512_mul_ps(lo, dv), mv),
+                _mm512_add_ps(_mm512_mul_ps(hi, dv), mv),
             )
         });
     }
+}
+
+/// Sum of each 32-wide block of every activation row: `(m, cols / 32)`.
+fn block_sums(xs: &[f32]) -> Vec<f32> {
+    xs.chunks_exact(BLOCK).map(|b| b.iter().sum()).collect()
 }
 
 /// One weight row against `m` activation rows: `block(b)` yields block `b`'s 32 weights
@@ -520,10 +581,16 @@ mod tests {
     #[test]
     fn portable_kernels_match_the_avx512_ones() {
         // The paths used on CPUs without AVX-512 (this machine always takes AVX-512).
-        let (m, k, n) = (3, 64, 5);
-        let x = randn(m, k, 10);
-        let xs: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
-        for w in [randn(n, k, 9), through(&randn(n, k, 9), GgmlDType::Q4_1)] {
+        // One row and several rows take different AVX-512 paths.
+        let (k, n) = (64, 5);
+        for (m, w) in [1, 3].into_iter().flat_map(|m| {
+            [
+                (m, randn(n, k, 9)),
+                (m, through(&randn(n, k, 9), GgmlDType::Q4_1)),
+            ]
+        }) {
+            let x = randn(m, k, 10);
+            let xs: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
             let q = QuantMatrix::new(&w).unwrap();
             let mut yt = vec![0f32; n * m];
             match &q.blocks {

@@ -47,6 +47,20 @@ pub fn row_max<T: Real>(row: &[T]) -> T {
     acc.iter().fold(m, |m, &v| Float::max(m, v))
 }
 
+/// `sum_i row_i`.
+pub fn sum<T: Real>(row: &[T]) -> T {
+    let mut acc = [T::zero(); LANES];
+    let chunks = row.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a += v;
+        }
+    }
+    let s = tail.iter().fold(T::zero(), |s, &v| s + v);
+    acc.iter().fold(s, |s, &v| s + v)
+}
+
 /// `sum_i e^(row_i - shift)`.
 pub fn sum_exp<T: Real>(row: &[T], shift: T) -> T {
     let mut acc = [T::zero(); LANES];
@@ -92,5 +106,7 @@ mod tests {
         assert_eq!(row_max(&row), max);
         let want: f64 = row.iter().map(|&v| ((v - max) as f64).exp()).sum();
         assert!(((sum_exp(&row, max) as f64 - want) / want).abs() < 1e-6);
+        let total: f64 = row.iter().map(|&v| v as f64).sum();
+        assert!((sum(&row) as f64 - total).abs() < 1e-3);
     }
 }
