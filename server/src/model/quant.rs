@@ -27,7 +27,7 @@ use super::kernels::{from_transposed, grain, transpose, with};
 pub const BLOCK: usize = 32;
 const HALF: usize = BLOCK / 2;
 
-/// Weight rows handed to one thread at a time.
+/// Fewest weight rows handed to one thread at a time.
 const ROW_CHUNK: usize = 64;
 
 #[derive(Debug, Clone)]
@@ -161,38 +161,45 @@ impl QuantMatrix {
     fn product_t(&self, xs: &[f32], m: usize) -> Vec<f32> {
         let k = self.cols;
         let nb = k / BLOCK;
+        let chunk = chunk_rows(self.rows);
         let mut yt = vec![0f32; self.rows * m];
-        let out = yt.par_chunks_mut(ROW_CHUNK * m);
+        let out = yt.par_chunks_mut(chunk * m);
         match &self.blocks {
             Blocks::Q8 { quants, scales } => out
                 .zip(
                     quants
-                        .par_chunks(ROW_CHUNK * k)
-                        .zip(scales.par_chunks(ROW_CHUNK * nb)),
+                        .par_chunks(chunk * k)
+                        .zip(scales.par_chunks(chunk * nb)),
                 )
-                .with_min_len(grain(ROW_CHUNK * k))
+                .with_min_len(grain(chunk * k))
                 .for_each(|(out, (q, s))| q8_rows(xs, m, k, q, s, out)),
             Blocks::Q41 {
                 nibbles,
                 scales,
                 mins,
-            } => {
-                // Only the one-row kernel uses them.
-                let sums = if m == 1 { block_sums(xs) } else { Vec::new() };
-                out.zip(
-                    nibbles.par_chunks(ROW_CHUNK * k / 2).zip(
+            } => out
+                .zip(
+                    nibbles.par_chunks(chunk * k / 2).zip(
                         scales
-                            .par_chunks(ROW_CHUNK * nb)
-                            .zip(mins.par_chunks(ROW_CHUNK * nb)),
+                            .par_chunks(chunk * nb)
+                            .zip(mins.par_chunks(chunk * nb)),
                     ),
                 )
                 // Half the bytes of Q8 per weight, so twice the weights per thread.
-                .with_min_len(grain(ROW_CHUNK * k / 2))
-                .for_each(|(out, (q, (d, mn)))| q41_rows(xs, &sums, m, k, q, d, mn, out))
-            }
+                .with_min_len(grain(chunk * k / 2))
+                .for_each(|(out, (q, (d, mn)))| q41_rows(xs, m, k, q, d, mn, out)),
         }
         yt
     }
+}
+
+/// Weight rows per parallel task: two tasks per thread (enough for work stealing to
+/// even out a core that is busy elsewhere), of at least 64 rows. Every task is a hand-off
+/// between threads; with a fixed 64 rows per task they cost a quarter of a decode step's
+/// products.
+fn chunk_rows(rows: usize) -> usize {
+    let per_task = rows.div_ceil(2 * rayon::current_num_threads());
+    per_task.max(ROW_CHUNK).next_multiple_of(8)
 }
 
 /// Q4_1 blocks that reproduce `data` exactly, or `None`.
@@ -297,42 +304,29 @@ unsafe fn q8_rows_avx512(xs: &[f32], m: usize, k: usize, q: &[i8], s: &[f32], ou
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn q41_rows(
-    xs: &[f32],
-    sums: &[f32],
-    m: usize,
-    k: usize,
-    q: &[u8],
-    d: &[f32],
-    mn: &[f32],
-    out: &mut [f32],
-) {
+fn q41_rows(xs: &[f32], m: usize, k: usize, q: &[u8], d: &[f32], mn: &[f32], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     {
         if is_x86_feature_detected!("avx512f") {
             // SAFETY: the CPU supports AVX-512F, checked just above.
-            return unsafe { q41_rows_avx512(xs, sums, m, k, q, d, mn, out) };
+            return unsafe { q41_rows_avx512(xs, m, k, q, d, mn, out) };
         }
     }
-    let _ = sums;
     q41_rows_generic(xs, m, k, q, d, mn, out)
 }
 
-/// AVX-512 version. With one activation row (single-stream decoding) the product is
-/// computed as `d * sum(q x) + m * sum(x)` per block: the codes are widened to f32 and
-/// multiplied into the activations directly, each block's partial sum is scaled once by
-/// `d`, and the `m` terms are one short dot product with the activation's block sums
-/// `sums`. That is the product with the dequantized weights, rounded in a different
-/// order, in about two thirds of the instructions; even and odd blocks accumulate
-/// separately so the FMA latency chain does not set the pace. With several rows the
-/// block's weights are formed once and shared, which costs fewer instructions per row.
+/// AVX-512 version. A block's 16 possible weights `q * d + m` are formed once as a
+/// 16-lane table (a multiply, then an add: exactly the dequantizer's arithmetic, so the
+/// weights are the f32 weights bit for bit), and each code picks its weight with a lane
+/// permute, which reads only the low four bits of its index, so the low nibbles need no
+/// masking. That takes the work off the port the int-to-float conversions queued on.
+/// With one activation row (single-stream decoding) four weight rows go through together:
+/// they share each activation load, keep eight independent accumulator chains, and their
+/// four horizontal sums, the main per-row cost at 18 blocks a row, overlap.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-#[allow(clippy::too_many_arguments)]
 unsafe fn q41_rows_avx512(
     xs: &[f32],
-    sums: &[f32],
     m: usize,
     k: usize,
     q: &[u8],
@@ -342,66 +336,66 @@ unsafe fn q41_rows_avx512(
 ) {
     use std::arch::x86_64::*;
     let nb = k / BLOCK;
-    let low = _mm512_set1_epi32(0x0f);
-    for (o, ((qr, dr), mr)) in q
-        .chunks_exact(k / 2)
-        .zip(d.chunks_exact(nb))
-        .zip(mn.chunks_exact(nb))
-        .enumerate()
-    {
-        // SAFETY (all loads): block b's 16 bytes end at (b + 1) * 16 <= k / 2, the length
-        // of `qr`; with one activation row its block b ends at (b + 1) * 32 <= k.
-        let codes = |b: usize| {
-            let bytes =
-                _mm512_cvtepu8_epi32(_mm_loadu_si128(qr.as_ptr().add(b * HALF) as *const __m128i));
-            (
-                _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low)),
-                _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)),
-            )
+    let rows = d.len() / nb;
+    let iota = _mm512_setr_ps(
+        0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.,
+    );
+    // Block `b` of weight row `o` as two vectors (elements 0..16 and 16..32).
+    // SAFETY (all loads): row o's block b is bytes (o * nb + b) * 16 .. + 16 of `q`, whose
+    // length is rows * nb * 16; activation row i's block b ends at i * k + (b + 1) * 32
+    // <= m * k.
+    let weights = |o: usize, b: usize| {
+        let i = o * nb + b;
+        let codes =
+            _mm512_cvtepu8_epi32(_mm_loadu_si128(q.as_ptr().add(i * HALF) as *const __m128i));
+        let table = _mm512_add_ps(
+            _mm512_mul_ps(iota, _mm512_set1_ps(d[i])),
+            _mm512_set1_ps(mn[i]),
+        );
+        (
+            _mm512_permutexvar_ps(codes, table),
+            _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table),
+        )
+    };
+    if m == 1 {
+        const GROUP: usize = 4;
+        let x = |b: usize| {
+            let p = xs.as_ptr().add(b * BLOCK);
+            (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(HALF)))
         };
-        if m == 1 {
-            let block = |b: usize| {
-                let (lo, hi) = codes(b);
-                let x = xs.as_ptr().add(b * BLOCK);
-                let qx = _mm512_fmadd_ps(
-                    lo,
-                    _mm512_loadu_ps(x),
-                    _mm512_mul_ps(hi, _mm512_loadu_ps(x.add(HALF))),
-                );
-                (qx, _mm512_set1_ps(dr[b]))
-            };
-            let (mut even, mut odd) = (_mm512_setzero_ps(), _mm512_setzero_ps());
-            let mut b = 0;
-            while b + 1 < nb {
-                let (qx, dv) = block(b);
-                even = _mm512_fmadd_ps(qx, dv, even);
-                let (qx, dv) = block(b + 1);
-                odd = _mm512_fmadd_ps(qx, dv, odd);
-                b += 2;
+        let mut o = 0;
+        while o + GROUP <= rows {
+            let mut acc = [_mm512_setzero_ps(); 2 * GROUP];
+            for b in 0..nb {
+                let (xl, xh) = x(b);
+                for r in 0..GROUP {
+                    let (lo, hi) = weights(o + r, b);
+                    acc[2 * r] = _mm512_fmadd_ps(lo, xl, acc[2 * r]);
+                    acc[2 * r + 1] = _mm512_fmadd_ps(hi, xh, acc[2 * r + 1]);
+                }
             }
-            if b < nb {
-                let (qx, dv) = block(b);
-                even = _mm512_fmadd_ps(qx, dv, even);
+            for r in 0..GROUP {
+                out[o + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[2 * r], acc[2 * r + 1]));
             }
-            out[o] = _mm512_reduce_add_ps(_mm512_add_ps(even, odd)) + super::kernels::dot(mr, sums);
-            continue;
+            o += GROUP;
         }
-        // Several rows: each block is dequantized once (multiply, then add, as the
-        // dequantizer does) and shared by the rows, two FMAs per row.
+        for (o, y) in out.iter_mut().enumerate().take(rows).skip(o) {
+            let (mut lo_acc, mut hi_acc) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+            for b in 0..nb {
+                let ((lo, hi), (xl, xh)) = (weights(o, b), x(b));
+                lo_acc = _mm512_fmadd_ps(lo, xl, lo_acc);
+                hi_acc = _mm512_fmadd_ps(hi, xh, hi_acc);
+            }
+            *y = _mm512_reduce_add_ps(_mm512_add_ps(lo_acc, hi_acc));
+        }
+        return;
+    }
+    // Several rows share each block's weights.
+    for o in 0..rows {
         rows_avx512(xs, m, k, &mut out[o * m..(o + 1) * m], nb, |b| {
-            let (lo, hi) = codes(b);
-            let (dv, mv) = (_mm512_set1_ps(dr[b]), _mm512_set1_ps(mr[b]));
-            (
-                _mm512_add_ps(_mm512_mul_ps(lo, dv), mv),
-                _mm512_add_ps(_mm512_mul_ps(hi, dv), mv),
-            )
+            weights(o, b)
         });
     }
-}
-
-/// Sum of each 32-wide block of every activation row: `(m, cols / 32)`.
-fn block_sums(xs: &[f32]) -> Vec<f32> {
-    xs.chunks_exact(BLOCK).map(|b| b.iter().sum()).collect()
 }
 
 /// One weight row against `m` activation rows: `block(b)` yields block `b`'s 32 weights
