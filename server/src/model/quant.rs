@@ -277,30 +277,85 @@ fn q8_rows(xs: &[f32], m: usize, k: usize, q: &[i8], s: &[f32], out: &mut [f32])
     q8_rows_generic(xs, m, k, q, s, out)
 }
 
-/// AVX-512 version. Each block of 32 weights is widened to f32 and scaled once, then
-/// multiplied into up to eight activation rows with two independent accumulators per
-/// row. With several rows (batched decoding) the product is compute-bound, and this
-/// keeps the FMA units busy instead of waiting on one accumulator chain per row.
+/// AVX-512 version: each block of 32 weights is widened to f32 and scaled once, then
+/// multiplied into the activation rows ([`one_row_avx512`], [`rows_avx512`]).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn q8_rows_avx512(xs: &[f32], m: usize, k: usize, q: &[i8], s: &[f32], out: &mut [f32]) {
     use std::arch::x86_64::*;
     let nb = k / BLOCK;
-    for (o, (qr, sr)) in q.chunks_exact(k).zip(s.chunks_exact(nb)).enumerate() {
+    let rows = s.len() / nb;
+    // Block `b` of weight row `o` as two vectors, each weight `q * scale` as GGML forms it.
+    // SAFETY: row o's block b is elements (o * nb + b) * 32 .. + 32 of `q`, whose length
+    // is rows * k.
+    let weights = |o: usize, b: usize| {
+        let i = o * nb + b;
+        let sv = _mm512_set1_ps(s[i]);
+        let widen = |at: usize| {
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                q.as_ptr().add(at) as *const __m128i
+            )))
+        };
+        (
+            _mm512_mul_ps(widen(i * BLOCK), sv),
+            _mm512_mul_ps(widen(i * BLOCK + HALF), sv),
+        )
+    };
+    if m == 1 {
+        return one_row_avx512(xs, rows, nb, out, weights);
+    }
+    for o in 0..rows {
         rows_avx512(xs, m, k, &mut out[o * m..(o + 1) * m], nb, |b| {
-            let c = b * BLOCK;
-            let sv = _mm512_set1_ps(sr[b]);
-            // SAFETY: c + 32 <= k, the length of `qr`.
-            let widen = |at: usize| {
-                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                    qr.as_ptr().add(at) as *const __m128i
-                )))
-            };
-            (
-                _mm512_mul_ps(widen(c), sv),
-                _mm512_mul_ps(widen(c + HALF), sv),
-            )
+            weights(o, b)
         });
+    }
+}
+
+/// One activation row against `rows` weight rows, `weights(o, b)` giving block `b` of
+/// row `o` as two vectors. Four weight rows go through together: they share each
+/// activation load, keep eight independent accumulator chains, and their horizontal sums
+/// (the main per-row cost when a row is 18 blocks) overlap.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn one_row_avx512(
+    x: &[f32],
+    rows: usize,
+    nb: usize,
+    out: &mut [f32],
+    weights: impl Fn(usize, usize) -> (std::arch::x86_64::__m512, std::arch::x86_64::__m512),
+) {
+    use std::arch::x86_64::*;
+    const GROUP: usize = 4;
+    // SAFETY: block b of the activation row ends at (b + 1) * 32 <= nb * 32, its length.
+    let xb = |b: usize| {
+        let p = x.as_ptr().add(b * BLOCK);
+        (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(HALF)))
+    };
+    let mut o = 0;
+    while o + GROUP <= rows {
+        let mut acc = [_mm512_setzero_ps(); 2 * GROUP];
+        for b in 0..nb {
+            let (xl, xh) = xb(b);
+            for r in 0..GROUP {
+                let (lo, hi) = weights(o + r, b);
+                acc[2 * r] = _mm512_fmadd_ps(lo, xl, acc[2 * r]);
+                acc[2 * r + 1] = _mm512_fmadd_ps(hi, xh, acc[2 * r + 1]);
+            }
+        }
+        for r in 0..GROUP {
+            out[o + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[2 * r], acc[2 * r + 1]));
+        }
+        o += GROUP;
+    }
+    for (o, y) in out.iter_mut().enumerate().take(rows).skip(o) {
+        let (mut lo_acc, mut hi_acc) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        for b in 0..nb {
+            let ((lo, hi), (xl, xh)) = (weights(o, b), xb(b));
+            lo_acc = _mm512_fmadd_ps(lo, xl, lo_acc);
+            hi_acc = _mm512_fmadd_ps(hi, xh, hi_acc);
+        }
+        *y = _mm512_reduce_add_ps(_mm512_add_ps(lo_acc, hi_acc));
     }
 }
 
@@ -320,9 +375,6 @@ fn q41_rows(xs: &[f32], m: usize, k: usize, q: &[u8], d: &[f32], mn: &[f32], out
 /// weights are the f32 weights bit for bit), and each code picks its weight with a lane
 /// permute, which reads only the low four bits of its index, so the low nibbles need no
 /// masking. That takes the work off the port the int-to-float conversions queued on.
-/// With one activation row (single-stream decoding) four weight rows go through together:
-/// they share each activation load, keep eight independent accumulator chains, and their
-/// four horizontal sums, the main per-row cost at 18 blocks a row, overlap.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn q41_rows_avx512(
@@ -358,37 +410,7 @@ unsafe fn q41_rows_avx512(
         )
     };
     if m == 1 {
-        const GROUP: usize = 4;
-        let x = |b: usize| {
-            let p = xs.as_ptr().add(b * BLOCK);
-            (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(HALF)))
-        };
-        let mut o = 0;
-        while o + GROUP <= rows {
-            let mut acc = [_mm512_setzero_ps(); 2 * GROUP];
-            for b in 0..nb {
-                let (xl, xh) = x(b);
-                for r in 0..GROUP {
-                    let (lo, hi) = weights(o + r, b);
-                    acc[2 * r] = _mm512_fmadd_ps(lo, xl, acc[2 * r]);
-                    acc[2 * r + 1] = _mm512_fmadd_ps(hi, xh, acc[2 * r + 1]);
-                }
-            }
-            for r in 0..GROUP {
-                out[o + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[2 * r], acc[2 * r + 1]));
-            }
-            o += GROUP;
-        }
-        for (o, y) in out.iter_mut().enumerate().take(rows).skip(o) {
-            let (mut lo_acc, mut hi_acc) = (_mm512_setzero_ps(), _mm512_setzero_ps());
-            for b in 0..nb {
-                let ((lo, hi), (xl, xh)) = (weights(o, b), x(b));
-                lo_acc = _mm512_fmadd_ps(lo, xl, lo_acc);
-                hi_acc = _mm512_fmadd_ps(hi, xh, hi_acc);
-            }
-            *y = _mm512_reduce_add_ps(_mm512_add_ps(lo_acc, hi_acc));
-        }
-        return;
+        return one_row_avx512(xs, rows, nb, out, weights);
     }
     // Several rows share each block's weights.
     for o in 0..rows {
@@ -400,8 +422,9 @@ unsafe fn q41_rows_avx512(
 
 /// One weight row against `m` activation rows: `block(b)` yields block `b`'s 32 weights
 /// as two f32 vectors, which are multiplied into up to eight rows at a time with two
-/// accumulators per row (several rows make the product compute-bound; independent
-/// accumulators keep the FMA units busy).
+/// accumulators per row. With several rows (batched decoding) the product is
+/// compute-bound, and independent accumulators keep the FMA units busy instead of
+/// waiting on one chain per row.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
