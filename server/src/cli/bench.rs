@@ -76,7 +76,8 @@ pub struct SampleArgs {
     /// Timed iterations (after one warm-up).
     #[arg(long, default_value_t = 3)]
     iters: usize,
-    /// `fast`: Q8_0 decode weights + f32 rescoring; `exact`: f32 decode.
+    /// `fast`: block-quantized decode weights (exact for a Q4_1 GGUF; otherwise 8-bit
+    /// plus f32 rescoring); `exact`: f32 decode.
     #[arg(long, value_enum, default_value_t = Mode::Fast)]
     mode: Mode,
     /// Nucleus mass of the sampler (1 = the whole vocabulary, no truncation).
@@ -90,7 +91,7 @@ pub struct SampleArgs {
 /// Decode mode flag.
 #[derive(Clone, Copy, clap::ValueEnum)]
 pub enum Mode {
-    /// Q8_0 decode weights, f32 rescoring.
+    /// Block-quantized decode weights (f32 rescoring unless they are exact).
     Fast,
     /// f32 decode.
     Exact,

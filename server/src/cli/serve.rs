@@ -49,7 +49,8 @@ pub struct ServeArgs {
 /// Sampling weights (reported log-probabilities are the trainer's in both).
 #[derive(Clone, Copy, ValueEnum)]
 enum Mode {
-    /// 8-bit weights pick tokens, f32 weights score them.
+    /// Block-quantized weights pick tokens: a Q4_1 model's own exact 4-bit blocks, or
+    /// 8-bit copies whose picks the f32 weights then score.
     Fast,
     /// f32 weights pick and score tokens.
     Exact,

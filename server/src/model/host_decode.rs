@@ -112,7 +112,7 @@ fn host(t: &Tensor) -> candle_core::Result<Vec<f32>> {
 /// adapters' factors and the norm weights (a few MB), so build it once per sampling call.
 pub struct HostDecoder<'m> {
     model: &'m Transformer,
-    /// The 8-bit decode weights; `None` decodes with the f32 weights.
+    /// The block-quantized decode weights; `None` decodes with the f32 weights.
     dec: Option<&'m DecodeWeights>,
     adapters: Vec<HostAdapter>,
     blocks: Vec<HostBlock>,
@@ -131,7 +131,7 @@ pub struct StepRow {
 }
 
 impl<'m> HostDecoder<'m> {
-    /// A decoder for `model` with `adapters`, using the 8-bit decode weights when
+    /// A decoder for `model` with `adapters`, using the block-quantized decode weights when
     /// `quantized` and the f32 weights otherwise; `None` when the model is not on the CPU
     /// in `f32` (callers then use [`Transformer::forward_cached`]).
     pub fn new(

@@ -96,7 +96,7 @@ pub struct Transformer {
     /// Frozen weights in the Hugging Face layout.
     pub weights: BaseWeights,
     rope: Rope,
-    /// Q8_0 copies for decoding, built on first use.
+    /// Block-quantized copies for decoding, built on first use.
     decode: std::sync::OnceLock<DecodeWeights>,
     /// Per block, q/k/v and gate/up weights stacked so each group is one matmul.
     fused: Vec<FusedLayer>,
@@ -291,7 +291,7 @@ impl Transformer {
 
     /// Runs `batch` through the model appending to each sequence's KV cache, and returns
     /// the next-token logits of each sequence's last row, `(seqs, vocab)`. With
-    /// `quantized`, the frozen projections use the Q8_0 decode weights.
+    /// `quantized`, the frozen projections use the block-quantized decode weights.
     pub fn forward_cached(
         &self,
         batch: &PackedBatch,
@@ -489,7 +489,7 @@ impl Transformer {
             down,
         } = self.projections(index, &targets);
         let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
-        // The frozen products come from the f32 weights, or the Q8_0 decode weights.
+        // The frozen products come from the f32 weights, or the decode weights.
         let project = |x: &Tensor,
                        p: &Projection,
                        quantized: Option<&DecodeLinear>|
