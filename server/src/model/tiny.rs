@@ -198,7 +198,10 @@ pub fn tiny_model_q4_1(arch: Arch, seed: u64) -> Result<LoadedModel, ModelError>
         if !w.dims()[1].is_multiple_of(32) {
             return Ok(w.clone());
         }
-        let q = QTensor::quantize(w, GgmlDType::Q4_1)?;
+        // A fresh buffer first: `QTensor::quantize` reads the whole storage under a view
+        // (the trainer's weights are views of its stacked buffers), not the view.
+        let own = Tensor::from_vec(w.flatten_all()?.to_vec1::<f32>()?, w.dims(), w.device())?;
+        let q = QTensor::quantize(&own, GgmlDType::Q4_1)?;
         Ok(q.dequantize(&Device::Cpu)?)
     };
     let mut w = model.transformer.weights.clone();
