@@ -483,13 +483,7 @@ pub fn dot(w: &[f32], x: &[f32]) -> f32 {
 mod tests {
     use super::*;
 
-    use crate::model::test_util::{max_abs_diff, uniform};
-
-    fn randn(rows: usize, cols: usize, seed: u64) -> Tensor {
-        uniform(&[rows, cols], 1.0, seed)
-            .to_dtype(DType::F32)
-            .unwrap()
-    }
+    use crate::model::test_util::{max_abs_diff, uniform_matrix as randn};
 
     fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
         max_abs_diff(a, b)

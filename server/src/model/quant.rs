@@ -301,6 +301,24 @@ unsafe fn q8_rows_avx512(xs: &[f32], m: usize, k: usize, q: &[i8], s: &[f32], ou
             _mm512_mul_ps(widen(i * BLOCK + HALF), sv),
         )
     };
+    products_avx512(xs, m, k, rows, out, weights)
+}
+
+/// `(rows, m)` products of `m` activation rows with `rows` weight rows, `weights(o, b)`
+/// giving block `b` of row `o` as two vectors: [`one_row_avx512`] for one activation
+/// row, else [`rows_avx512`] per weight row (the rows share each block's weights).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn products_avx512(
+    xs: &[f32],
+    m: usize,
+    k: usize,
+    rows: usize,
+    out: &mut [f32],
+    weights: impl Fn(usize, usize) -> (std::arch::x86_64::__m512, std::arch::x86_64::__m512),
+) {
+    let nb = k / BLOCK;
     if m == 1 {
         return one_row_avx512(xs, rows, nb, out, weights);
     }
@@ -409,15 +427,7 @@ unsafe fn q41_rows_avx512(
             _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table),
         )
     };
-    if m == 1 {
-        return one_row_avx512(xs, rows, nb, out, weights);
-    }
-    // Several rows share each block's weights.
-    for o in 0..rows {
-        rows_avx512(xs, m, k, &mut out[o * m..(o + 1) * m], nb, |b| {
-            weights(o, b)
-        });
-    }
+    products_avx512(xs, m, k, rows, out, weights)
 }
 
 /// One weight row against `m` activation rows: `block(b)` yields block `b`'s 32 weights
@@ -520,13 +530,7 @@ mod tests {
     use candle_core::quantized::{GgmlDType, QTensor};
     use candle_core::Device;
 
-    use crate::model::test_util::{max_abs_diff, uniform};
-
-    fn randn(rows: usize, cols: usize, seed: u64) -> Tensor {
-        uniform(&[rows, cols], 1.0, seed)
-            .to_dtype(DType::F32)
-            .unwrap()
-    }
+    use crate::model::test_util::{max_abs_diff, uniform_matrix as randn};
 
     /// `w` through GGML's quantizer and back: what a GGUF file of that type holds.
     fn through(w: &Tensor, dtype: GgmlDType) -> Tensor {

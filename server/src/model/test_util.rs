@@ -11,6 +11,13 @@ pub fn uniform(shape: &[usize], bound: f64, seed: u64) -> Tensor {
     Tensor::from_vec(v, shape, &Device::Cpu).expect("shape matches")
 }
 
+/// An f32 `(rows, cols)` matrix of values uniform in `(-1, 1)`, deterministic in `seed`.
+pub fn uniform_matrix(rows: usize, cols: usize, seed: u64) -> Tensor {
+    uniform(&[rows, cols], 1.0, seed)
+        .to_dtype(DType::F32)
+        .expect("f32")
+}
+
 /// `max |a - b|`, in f64.
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
     (a - b)
