@@ -69,12 +69,6 @@ impl QuantMatrix {
         }
     }
 
-    /// Always Q8 (exact only when `w` happens to be made of Q8 blocks).
-    pub fn q8(w: &Tensor) -> Result<Self> {
-        let (rows, cols, data) = Self::data(w)?;
-        Ok(Self::q8_from(&data, rows, cols))
-    }
-
     fn data(w: &Tensor) -> Result<(usize, usize, Vec<f32>)> {
         let (rows, cols) = w.dims2()?;
         if !cols.is_multiple_of(BLOCK) {
@@ -580,7 +574,6 @@ mod tests {
         assert!(q.exact());
         products_match(&q, &w, 1e-5);
         assert!(QuantMatrix::new(&randn(2, 30, 1)).is_err());
-        assert!(QuantMatrix::q8(&randn(2, 30, 1)).is_err());
     }
 
     #[test]

@@ -155,14 +155,39 @@ impl Eval {
     }
 }
 
-async fn evaluate(
-    doctor: &SamplingClient,
-    patient: &LatestPatient,
-    tok: &Tokenizer,
-    held_out: &[Case],
+/// What a held-out evaluation needs besides the doctor's weights.
+struct HeldOut<'a> {
+    cases: &'a [Case],
+    patient: &'a LatestPatient,
+    tok: &'a Tokenizer,
     max_turns: usize,
-    greedy: &Generation,
-) -> anyhow::Result<Eval> {
+    greedy: &'a Generation,
+}
+
+impl HeldOut<'_> {
+    /// Evaluates `doctor` and the latest patient, and adds the point at `step` to both
+    /// curves.
+    async fn evaluate(
+        &self,
+        doctor: &SamplingClient,
+        step: usize,
+        curves: &mut Curves,
+    ) -> anyhow::Result<Eval> {
+        let e = evaluate(doctor, self).await?;
+        curves.push("doctor diagnosis accuracy", step, e.diagnosis_accuracy);
+        curves.push("patient exam correct", step, e.exam_correct);
+        Ok(e)
+    }
+}
+
+async fn evaluate(doctor: &SamplingClient, h: &HeldOut<'_>) -> anyhow::Result<Eval> {
+    let HeldOut {
+        cases: held_out,
+        patient,
+        tok,
+        max_turns,
+        greedy,
+    } = *h;
     let dialogues = play(doctor, patient, tok, held_out, 1, max_turns, greedy, greedy).await?;
     let (correct, doctor_rewards, patient_rewards) = score(&dialogues, held_out);
     let examples = dialogues
@@ -253,6 +278,13 @@ async fn main() -> anyhow::Result<()> {
     ));
 
     let greedy = Generation::greedy(TURN_TOKENS).within(conn.max_context);
+    let exam = HeldOut {
+        cases: &held_out,
+        patient: &latest_patient,
+        tok: &tok,
+        max_turns: args.max_turns,
+        greedy: &greedy,
+    };
     let mut curves = Curves::new(&["doctor diagnosis accuracy", "patient exam correct"]);
     let bar = progress(c.steps);
     bar.set_prefix(mode);
@@ -265,17 +297,7 @@ async fn main() -> anyhow::Result<()> {
         let patient_version = latest_patient.borrow().0;
         // The last point is taken after the patient has drained the queue, below.
         if step % args.eval_every.max(1) == 0 && step < c.steps {
-            let e = evaluate(
-                &doctor_sampler,
-                &latest_patient,
-                &tok,
-                &held_out,
-                args.max_turns,
-                &greedy,
-            )
-            .await?;
-            curves.push("doctor diagnosis accuracy", step, e.diagnosis_accuracy);
-            curves.push("patient exam correct", step, e.exam_correct);
+            let e = exam.evaluate(&doctor_sampler, step, &mut curves).await?;
             run.log(
                 &json!({"step": step, "patient_version": patient_version, "eval": e.to_json()}),
             )?;
@@ -407,17 +429,7 @@ async fn main() -> anyhow::Result<()> {
     }
     // Final held-out numbers with both final weights.
     let doctor_sampler = doctor.save_weights_and_get_sampling_client().await?;
-    let e = evaluate(
-        &doctor_sampler,
-        &latest_patient,
-        &tok,
-        &held_out,
-        args.max_turns,
-        &greedy,
-    )
-    .await?;
-    curves.push("doctor diagnosis accuracy", c.steps, e.diagnosis_accuracy);
-    curves.push("patient exam correct", c.steps, e.exam_correct);
+    let e = exam.evaluate(&doctor_sampler, c.steps, &mut curves).await?;
     run.log(&json!({"step": c.steps, "final": true, "eval": e.to_json()}))?;
     run.sample(&json!({"step": c.steps, "final": true, "dialogues": e.examples}))?;
 
