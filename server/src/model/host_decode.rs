@@ -18,6 +18,8 @@
 //! float summation order; tests check the two agree.
 
 use candle_core::{DType, Tensor};
+use multiversion::multiversion;
+use rayon::prelude::*;
 
 use super::decode::DecodeWeights;
 use super::kernels::dot;
@@ -34,7 +36,6 @@ struct HostLora {
     a: Vec<f32>,
     /// `B^T`, `(r, out)`: row `j` is added to `y` with weight `u_j`, a vectorised axpy.
     bt: Vec<f32>,
-    rank: usize,
     scale: f32,
 }
 
@@ -43,20 +44,27 @@ impl HostLora {
         Ok(Self {
             a: a.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?,
             bt: b.to_dtype(DType::F32)?.t()?.flatten_all()?.to_vec1()?,
-            rank: a.dims()[0],
             scale: scale as f32,
         })
     }
 
     /// Adds the adapter's delta for input row `x` to output row `y`.
     fn apply(&self, x: &[f32], y: &mut [f32]) {
-        let k = x.len();
-        for j in 0..self.rank {
-            let u = dot(&self.a[j * k..(j + 1) * k], x) * self.scale;
-            let row = &self.bt[j * y.len()..(j + 1) * y.len()];
-            for (o, &b) in y.iter_mut().zip(row) {
-                *o += u * b;
-            }
+        lora_delta(&self.a, &self.bt, self.scale, x, y);
+    }
+}
+
+/// `y += scale * B (A x)` with `a` = `A` `(r, in)` and `bt` = `B^T` `(r, out)`, both
+/// row-major. Compiled for AVX-512 and AVX2 too, picked at run time: the default target
+/// has only SSE2, and this is serial work on every row of every decode step. The lanes
+/// are explicit ([`dot`]), so every version computes the same floats.
+#[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2+fma"))]
+fn lora_delta(a: &[f32], bt: &[f32], scale: f32, x: &[f32], y: &mut [f32]) {
+    let (k, n) = (x.len(), y.len());
+    for (aj, bj) in a.chunks_exact(k).zip(bt.chunks_exact(n)) {
+        let u = dot(aj, x) * scale;
+        for (o, &b) in y.iter_mut().zip(bj) {
+            *o += u * b;
         }
     }
 }
@@ -89,6 +97,25 @@ impl HostAdapter {
             layers,
             head: pair(Target::LmHead)?,
         })
+    }
+}
+
+/// One row's outputs at several sites, to add that row's adapter deltas to.
+type SiteOutputs<'a> = Vec<(Site, &'a mut [f32])>;
+
+/// Where an adapter's factors apply: a block's projection, or the LM head.
+#[derive(Debug, Clone, Copy)]
+enum Site {
+    Layer(usize, Proj),
+    Head,
+}
+
+impl HostAdapter {
+    fn lora(&self, site: Site) -> Option<&HostLora> {
+        match site {
+            Site::Layer(l, p) => self.layers[l][p as usize].as_ref(),
+            Site::Head => self.head.as_ref(),
+        }
     }
 }
 
@@ -254,7 +281,7 @@ impl<'m> HostDecoder<'m> {
                 v: &v,
                 kv_dim: hkv * hd,
             };
-            kv::attend_host(li, new, &spans, caches, hq, hkv, &mut attn)?;
+            kv::attend_host(li, new, &spans, caches, hq, &mut attn)?;
             let o = self.project(&attn, rows, li, Proj::O)?;
             add_into(&mut h, &o);
             let x2 = rms_rows(&h, d, &block.post, eps);
@@ -273,15 +300,7 @@ impl<'m> HostDecoder<'m> {
             Some(dec) => dec.lm_head.forward_host(&xf, m)?,
             None => matmul_t_host(&xf, m, self.model.weights.lm_head())?,
         };
-        let vocab = logits.len() / m;
-        for (i, r) in rows.iter().enumerate() {
-            if let Some(l) = r.adapter.and_then(|a| self.adapters[a].head.as_ref()) {
-                l.apply(
-                    &xf[i * d..(i + 1) * d],
-                    &mut logits[i * vocab..(i + 1) * vocab],
-                );
-            }
-        }
+        self.add_deltas(&xf, rows, vec![(Site::Head, &mut logits)]);
         Ok(logits)
     }
 
@@ -313,22 +332,20 @@ impl<'m> HostDecoder<'m> {
             }
         };
         let width: usize = parts.iter().map(|(_, w)| w).sum();
-        let k = x.len() / m;
         let mut out: [Vec<f32>; N] = std::array::from_fn(|i| Vec::with_capacity(m * parts[i].1));
-        for (i, (yr, r)) in y.chunks_exact(width).zip(rows).enumerate() {
+        for yr in y.chunks_exact(width) {
             let mut start = 0;
-            for ((p, w), o) in parts.iter().zip(out.iter_mut()) {
-                let begin = o.len();
+            for ((_, w), o) in parts.iter().zip(out.iter_mut()) {
                 o.extend_from_slice(&yr[start..start + w]);
-                if let Some(l) = r
-                    .adapter
-                    .and_then(|a| self.adapters[a].layers[layer][*p as usize].as_ref())
-                {
-                    l.apply(&x[i * k..(i + 1) * k], &mut o[begin..]);
-                }
                 start += w;
             }
         }
+        let sites = parts
+            .iter()
+            .zip(out.iter_mut())
+            .map(|((p, _), o)| (Site::Layer(layer, *p), o.as_mut_slice()))
+            .collect();
+        self.add_deltas(x, rows, sites);
         Ok(out)
     }
 
@@ -357,16 +374,43 @@ impl<'m> HostDecoder<'m> {
                 matmul_t_host(x, m, &w.weight)?
             }
         };
-        let (k, n) = (x.len() / m, y.len() / m);
-        for (i, r) in rows.iter().enumerate() {
-            if let Some(l) = r
-                .adapter
-                .and_then(|a| self.adapters[a].layers[layer][p as usize].as_ref())
-            {
-                l.apply(&x[i * k..(i + 1) * k], &mut y[i * n..(i + 1) * n]);
+        self.add_deltas(x, rows, vec![(Site::Layer(layer, p), &mut y)]);
+        Ok(y)
+    }
+
+    /// Adds every row's own adapter delta to the outputs of `sites`, each `(site, y)`
+    /// with `y` the `(rows, width)` output of that site for input `x`. Rows run in
+    /// parallel: this is per-row work that the shared weight pass cannot take.
+    fn add_deltas(&self, x: &[f32], rows: &[StepRow], sites: Vec<(Site, &mut [f32])>) {
+        let m = rows.len();
+        let k = x.len() / m;
+        let mut per_row: Vec<SiteOutputs> =
+            (0..m).map(|_| Vec::with_capacity(sites.len())).collect();
+        for (site, y) in sites {
+            let width = y.len() / m;
+            for (row, yr) in per_row.iter_mut().zip(y.chunks_exact_mut(width)) {
+                row.push((site, yr));
             }
         }
-        Ok(y)
+        let add = |((r, x), outs): ((&StepRow, &[f32]), SiteOutputs)| {
+            let Some(a) = r.adapter else { return };
+            for (site, y) in outs {
+                if let Some(l) = self.adapters[a].lora(site) {
+                    l.apply(x, y);
+                }
+            }
+        };
+        if m == 1 {
+            rows.iter()
+                .zip(x.chunks_exact(k))
+                .zip(per_row)
+                .for_each(add);
+        } else {
+            rows.par_iter()
+                .zip(x.par_chunks(k))
+                .zip(per_row)
+                .for_each(add);
+        }
     }
 }
 

@@ -6,6 +6,7 @@
 //! tensors and attention goes through [`ops::attention`], the same code training uses.
 
 use candle_core::{DType, Device, Tensor};
+use multiversion::multiversion;
 use rayon::prelude::*;
 
 use super::kernels::dot;
@@ -68,7 +69,7 @@ pub fn cached_attention(
     kv_heads: usize,
 ) -> candle_core::Result<Tensor> {
     if q.device().is_cpu() && q.dtype() == DType::F32 {
-        return host_attention(index, q, k, v, seqs, caches, heads, kv_heads);
+        return host_attention(index, q, k, v, seqs, caches, heads);
     }
     let mut outs = Vec::with_capacity(seqs.len());
     for (s, cache) in seqs.iter().zip(caches.iter_mut()) {
@@ -91,7 +92,6 @@ pub fn cached_attention(
     Tensor::cat(&outs, 0)
 }
 
-#[allow(clippy::too_many_arguments)]
 fn host_attention(
     index: usize,
     q: &Tensor,
@@ -100,7 +100,6 @@ fn host_attention(
     seqs: &[SeqSpan],
     caches: &mut [&mut KvCache],
     heads: usize,
-    kv_heads: usize,
 ) -> candle_core::Result<Tensor> {
     let (rows, qd) = q.dims2()?;
     let kv_dim = k.dims()[1];
@@ -119,7 +118,6 @@ fn host_attention(
         seqs,
         caches,
         heads,
-        kv_heads,
         &mut out,
     )?;
     Tensor::from_vec(out, (rows, qd), &Device::Cpu)
@@ -146,7 +144,6 @@ pub fn attend_host(
     seqs: &[SeqSpan],
     caches: &mut [&mut KvCache],
     heads: usize,
-    kv_heads: usize,
     out: &mut [f32],
 ) -> candle_core::Result<()> {
     let HostQkv {
@@ -157,7 +154,6 @@ pub fn attend_host(
     } = new;
     let qd = out.len() / seqs.iter().map(|s| s.len).sum::<usize>().max(1);
     let hd = qd / heads;
-    let group = heads / kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
     // Split the output rows by sequence so each sequence's work owns its slice.
     let mut chunks: Vec<&mut [f32]> = Vec::with_capacity(seqs.len());
@@ -187,39 +183,69 @@ pub fn attend_host(
             let total = ck.len() / kv_dim;
             let (ck, cv) = (&*ck, &*cv);
             let q_rows = &qv[s.start * qd..(s.start + s.len) * qd];
-            out_rows
-                .par_chunks_mut(qd)
-                .zip(q_rows.par_chunks(qd))
-                .enumerate()
-                .for_each(|(i, (o, qr))| {
-                    let visible = total - s.len + i + 1;
-                    let mut p = vec![0f32; visible];
-                    for h in 0..heads {
-                        let g = h / group;
-                        let qh = &qr[h * hd..(h + 1) * hd];
-                        let mut max = f32::NEG_INFINITY;
-                        for (j, pj) in p.iter_mut().enumerate() {
-                            let kj = &ck[j * kv_dim + g * hd..j * kv_dim + (g + 1) * hd];
-                            *pj = dot(qh, kj) * scale;
-                            max = max.max(*pj);
-                        }
-                        let mut sum = 0f32;
-                        for pj in p.iter_mut() {
-                            *pj = exp_f32(*pj - max);
-                            sum += *pj;
-                        }
-                        let oh = &mut o[h * hd..(h + 1) * hd];
-                        oh.iter_mut().for_each(|x| *x = 0.0);
-                        for (j, pj) in p.iter().enumerate() {
-                            let w = pj / sum;
-                            let vj = &cv[j * kv_dim + g * hd..j * kv_dim + (g + 1) * hd];
-                            for (x, y) in oh.iter_mut().zip(vj) {
-                                *x += w * y;
-                            }
-                        }
-                    }
-                });
+            let attend = |(i, (o, qr)): (usize, (&mut [f32], &[f32]))| {
+                let cache = HostLayer {
+                    k: ck,
+                    v: cv,
+                    visible: total - s.len + i + 1,
+                    kv_dim,
+                };
+                attend_row(qr, cache, hd, scale, o);
+            };
+            // A decode step has one row per sequence: no second level of tasks for it.
+            if s.len == 1 {
+                let rows = out_rows.chunks_exact_mut(qd).zip(q_rows.chunks_exact(qd));
+                rows.enumerate().for_each(attend);
+            } else {
+                let rows = out_rows.par_chunks_mut(qd).zip(q_rows.par_chunks(qd));
+                rows.enumerate().for_each(attend);
+            }
             Ok(())
         })?;
     Ok(())
+}
+/// One layer's cached keys and values of a sequence, `(tokens, kv_dim)` each, of which
+/// the first `visible` rows are attended to.
+#[derive(Clone, Copy)]
+struct HostLayer<'a> {
+    k: &'a [f32],
+    v: &'a [f32],
+    visible: usize,
+    kv_dim: usize,
+}
+
+/// Attention of one query row `q` (`heads` heads of `hd`) over `cache`, written to
+/// `out`. Compiled for AVX-512 and AVX2 too, picked at run time (the default target has
+/// only SSE2); the lanes are explicit ([`dot`]), so every version computes the same
+/// floats.
+#[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2+fma"))]
+fn attend_row(q: &[f32], cache: HostLayer<'_>, hd: usize, scale: f32, out: &mut [f32]) {
+    let HostLayer {
+        k,
+        v,
+        visible,
+        kv_dim,
+    } = cache;
+    let group = q.len() / kv_dim;
+    let mut p = vec![0f32; visible];
+    for (h, (qh, oh)) in q.chunks_exact(hd).zip(out.chunks_exact_mut(hd)).enumerate() {
+        let at = (h / group) * hd;
+        let mut max = f32::NEG_INFINITY;
+        for (j, pj) in p.iter_mut().enumerate() {
+            *pj = dot(qh, &k[j * kv_dim + at..j * kv_dim + at + hd]) * scale;
+            max = max.max(*pj);
+        }
+        let mut sum = 0f32;
+        for pj in p.iter_mut() {
+            *pj = exp_f32(*pj - max);
+            sum += *pj;
+        }
+        oh.fill(0.0);
+        for (j, pj) in p.iter().enumerate() {
+            let w = pj / sum;
+            for (x, y) in oh.iter_mut().zip(&v[j * kv_dim + at..j * kv_dim + at + hd]) {
+                *x += w * y;
+            }
+        }
+    }
 }

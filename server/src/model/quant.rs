@@ -272,7 +272,7 @@ fn q8_rows(xs: &[f32], m: usize, k: usize, q: &[i8], s: &[f32], out: &mut [f32])
 }
 
 /// AVX-512 version: each block of 32 weights is widened to f32 and scaled once, then
-/// multiplied into the activation rows ([`one_row_avx512`], [`rows_avx512`]).
+/// multiplied into the activation rows ([`products_avx512`]).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn q8_rows_avx512(xs: &[f32], m: usize, k: usize, q: &[i8], s: &[f32], out: &mut [f32]) {
@@ -300,7 +300,7 @@ unsafe fn q8_rows_avx512(xs: &[f32], m: usize, k: usize, q: &[i8], s: &[f32], ou
 
 /// `(rows, m)` products of `m` activation rows with `rows` weight rows, `weights(o, b)`
 /// giving block `b` of row `o` as two vectors: [`one_row_avx512`] for one activation
-/// row, else [`rows_avx512`] per weight row (the rows share each block's weights).
+/// row, else [`Tile::run`] over up to eight activation rows at a time.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
@@ -312,14 +312,98 @@ unsafe fn products_avx512(
     out: &mut [f32],
     weights: impl Fn(usize, usize) -> (std::arch::x86_64::__m512, std::arch::x86_64::__m512),
 ) {
-    let nb = k / BLOCK;
     if m == 1 {
-        return one_row_avx512(xs, rows, nb, out, weights);
+        return one_row_avx512(xs, rows, k / BLOCK, out, weights);
     }
-    for o in 0..rows {
-        rows_avx512(xs, m, k, &mut out[o * m..(o + 1) * m], nb, |b| {
-            weights(o, b)
-        });
+    let tile = Tile { xs, m, k, rows };
+    let mut first = 0;
+    while first < m {
+        let r = (m - first).min(8);
+        // The row count is a constant inside, so the accumulators stay in registers.
+        match r {
+            2 => tile.run::<2>(first, out, &weights),
+            3 => tile.run::<3>(first, out, &weights),
+            4 => tile.run::<4>(first, out, &weights),
+            5 => tile.run::<5>(first, out, &weights),
+            6 => tile.run::<6>(first, out, &weights),
+            7 => tile.run::<7>(first, out, &weights),
+            8 => tile.run::<8>(first, out, &weights),
+            _ => tile.run::<1>(first, out, &weights),
+        }
+        first += r;
+    }
+}
+
+/// The activation rows and shape of a several-rows product with `(rows, m)` outputs.
+#[cfg(target_arch = "x86_64")]
+struct Tile<'a> {
+    xs: &'a [f32],
+    m: usize,
+    k: usize,
+    rows: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Tile<'_> {
+    /// Activation rows `first .. first + R` against every weight row, two weight rows at
+    /// a time: each activation load feeds both, and the `2 R` accumulators (one per pair
+    /// of rows, a block's two halves chained into it) keep both FMA units busy. With
+    /// eight rows this is 1.3-1.7x faster than one weight row at a time with two
+    /// accumulators per activation row; three or four weight rows at a time are slower
+    /// again (more accumulators than registers).
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn run<const R: usize>(
+        &self,
+        first: usize,
+        out: &mut [f32],
+        weights: &impl Fn(usize, usize) -> (std::arch::x86_64::__m512, std::arch::x86_64::__m512),
+    ) {
+        let mut o = 0;
+        while o + 2 <= self.rows {
+            self.group::<R, 2>(first, o, out, weights);
+            o += 2;
+        }
+        if o < self.rows {
+            self.group::<R, 1>(first, o, out, weights);
+        }
+    }
+
+    /// Activation rows `first .. first + R` against weight rows `o .. o + W`.
+    // Indices keep the register tile `acc[g][j]` readable.
+    #[allow(clippy::needless_range_loop)]
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn group<const R: usize, const W: usize>(
+        &self,
+        first: usize,
+        o: usize,
+        out: &mut [f32],
+        weights: &impl Fn(usize, usize) -> (std::arch::x86_64::__m512, std::arch::x86_64::__m512),
+    ) {
+        use std::arch::x86_64::*;
+        let (m, k) = (self.m, self.k);
+        debug_assert!(first + R <= m && o + W <= self.rows && self.xs.len() >= m * k);
+        let x0 = self.xs.as_ptr().add(first * k);
+        let mut acc = [[_mm512_setzero_ps(); R]; W];
+        for b in 0..k / BLOCK {
+            let w: [(__m512, __m512); W] = std::array::from_fn(|g| weights(o + g, b));
+            for j in 0..R {
+                // SAFETY: activation row first + j < m has k columns, and block b ends
+                // at (b + 1) * 32 <= k.
+                let x = x0.add(j * k + b * BLOCK);
+                let (xl, xh) = (_mm512_loadu_ps(x), _mm512_loadu_ps(x.add(HALF)));
+                for g in 0..W {
+                    let lo = _mm512_fmadd_ps(w[g].0, xl, acc[g][j]);
+                    acc[g][j] = _mm512_fmadd_ps(w[g].1, xh, lo);
+                }
+            }
+        }
+        for (g, row) in acc.iter().enumerate() {
+            for (j, &a) in row.iter().enumerate() {
+                out[(o + g) * m + first + j] = _mm512_reduce_add_ps(a);
+            }
+        }
     }
 }
 
@@ -422,46 +506,6 @@ unsafe fn q41_rows_avx512(
         )
     };
     products_avx512(xs, m, k, rows, out, weights)
-}
-
-/// One weight row against `m` activation rows: `block(b)` yields block `b`'s 32 weights
-/// as two f32 vectors, which are multiplied into up to eight rows at a time with two
-/// accumulators per row. With several rows (batched decoding) the product is
-/// compute-bound, and independent accumulators keep the FMA units busy instead of
-/// waiting on one chain per row.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-#[inline]
-unsafe fn rows_avx512(
-    xs: &[f32],
-    m: usize,
-    k: usize,
-    out: &mut [f32],
-    nb: usize,
-    block: impl Fn(usize) -> (std::arch::x86_64::__m512, std::arch::x86_64::__m512),
-) {
-    use std::arch::x86_64::*;
-    const ROWS: usize = 8;
-    let mut mi = 0;
-    while mi < m {
-        let r = (m - mi).min(ROWS);
-        let mut lo_acc = [_mm512_setzero_ps(); ROWS];
-        let mut hi_acc = [_mm512_setzero_ps(); ROWS];
-        for b in 0..nb {
-            let (lo, hi) = block(b);
-            let c = b * BLOCK;
-            for j in 0..r {
-                // SAFETY: (mi + j) < m rows of k columns, and c + 32 <= k.
-                let x = xs.as_ptr().add((mi + j) * k + c);
-                lo_acc[j] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x), lo_acc[j]);
-                hi_acc[j] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x.add(HALF)), hi_acc[j]);
-            }
-        }
-        for j in 0..r {
-            out[mi + j] = _mm512_reduce_add_ps(_mm512_add_ps(lo_acc[j], hi_acc[j]));
-        }
-        mi += r;
-    }
 }
 
 fn q8_rows_generic(xs: &[f32], m: usize, k: usize, q: &[i8], s: &[f32], out: &mut [f32]) {

@@ -3,6 +3,7 @@
 //! (the compiler must otherwise keep a float reduction in order). The fused kernels
 //! ([`super::kernels`]) use them in the softmaxes and SwiGLU.
 
+use multiversion::multiversion;
 use num_traits::Float;
 
 use super::kernels::Real;
@@ -28,10 +29,13 @@ pub fn exp_f32(x: f32) -> f32 {
 }
 
 /// Lanes of the accumulators in [`row_max`] and [`sum_exp`]: independent partial results
-/// let the compiler vectorise a reduction it must otherwise keep in order.
+/// let the compiler vectorise a reduction it must otherwise keep in order. The reductions
+/// are compiled for AVX-512 and AVX2 too and picked at run time (the default target has
+/// only SSE2); with the lanes explicit, every version computes the same floats.
 const LANES: usize = 16;
 
 /// The largest element of a row.
+#[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2+fma"))]
 pub fn row_max<T: Real>(row: &[T]) -> T {
     let mut acc = [T::neg_infinity(); LANES];
     let chunks = row.chunks_exact(LANES);
@@ -48,6 +52,7 @@ pub fn row_max<T: Real>(row: &[T]) -> T {
 }
 
 /// `sum_i row_i`.
+#[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2+fma"))]
 pub fn sum<T: Real>(row: &[T]) -> T {
     let mut acc = [T::zero(); LANES];
     let chunks = row.chunks_exact(LANES);
@@ -62,6 +67,7 @@ pub fn sum<T: Real>(row: &[T]) -> T {
 }
 
 /// `sum_i e^(row_i - shift)`.
+#[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2+fma"))]
 pub fn sum_exp<T: Real>(row: &[T], shift: T) -> T {
     let mut acc = [T::zero(); LANES];
     let chunks = row.chunks_exact(LANES);
@@ -75,6 +81,12 @@ pub fn sum_exp<T: Real>(row: &[T], shift: T) -> T {
         .iter()
         .fold(T::zero(), |s, &v| s + (v - shift).fast_exp());
     acc.iter().fold(s, |s, &v| s + v)
+}
+
+/// `e^((x - shift) * scale)` of every element of `row`.
+#[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2+fma"))]
+pub fn exp_scaled(row: &[f32], shift: f32, scale: f32) -> Vec<f32> {
+    row.iter().map(|&x| exp_f32((x - shift) * scale)).collect()
 }
 
 #[cfg(test)]

@@ -6,8 +6,10 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Tensor};
 use rand::{rngs::StdRng, SeedableRng};
+use rayon::prelude::*;
 
 use super::logits::{token_logprob, Picker};
+use crate::model::decode::EXACT_ROWS;
 use crate::model::host_decode::{HostDecoder, StepRow};
 use crate::model::transformer::TopK;
 use crate::model::{Adapter, KvCache, ModelError, PackedBatch, TextTokenizer, Transformer};
@@ -175,8 +177,13 @@ pub fn sample_timed(
         let lp: Vec<f32> = lp.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
         (logits, Some(lp), alternatives)
     } else {
+        // A short prompt goes through the decode weights when those are the f32 weights
+        // exactly: their kernels beat the f32 product for so few rows.
+        let rows: usize = jobs.iter().map(|j| j.prompt.len()).sum();
+        let through_decode_weights =
+            quantized && rows <= EXACT_ROWS && model.decode_weights()?.exact();
         (
-            model.forward_cached(&batch, adapters, &mut refs, false)?,
+            model.forward_cached(&batch, adapters, &mut refs, through_decode_weights)?,
             None,
             Vec::new(),
         )
@@ -211,7 +218,9 @@ pub fn sample_timed(
     // The sort is stable: the samples of a request keep their order.
     streams.sort_by_key(|st| jobs[st.job].adapter);
     loop {
-        for st in streams.iter_mut().filter(|s| !s.done) {
+        // Each stream picks from its own logits with its own generator, so streams pick
+        // in parallel: a pick reads the whole vocabulary row.
+        let pick = |st: &mut Stream| -> Result<(), ModelError> {
             let job = &jobs[st.job];
             let tok = job.picker.pick(&st.logits, &mut st.rng);
             st.out.tokens.push(tok as u32);
@@ -226,6 +235,15 @@ pub fn sample_timed(
             } else if st.out.tokens.len() >= job.max_tokens {
                 st.done = true;
             }
+            Ok(())
+        };
+        if streams.len() > 1 {
+            streams
+                .par_iter_mut()
+                .filter(|s| !s.done)
+                .try_for_each(pick)?;
+        } else {
+            streams.iter_mut().filter(|s| !s.done).try_for_each(pick)?;
         }
         let mut live: Vec<&mut Stream> = streams.iter_mut().filter(|s| !s.done).collect();
         if live.is_empty() {

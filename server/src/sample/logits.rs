@@ -2,7 +2,7 @@
 
 use rand::{rngs::StdRng, Rng};
 
-use crate::model::vector_math::{exp_f32, row_max, sum, sum_exp};
+use crate::model::vector_math::{exp_f32, exp_scaled, row_max, sum, sum_exp};
 
 /// How to pick tokens.
 #[derive(Debug, Clone, PartialEq)]
@@ -48,49 +48,57 @@ impl Picker {
             return argmax(logits);
         }
         let rank = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
-        let mut idx: Vec<usize> = (0..logits.len()).collect();
-        let k = self.top_k.unwrap_or(logits.len()).clamp(1, logits.len());
-        if k < idx.len() {
-            idx.select_nth_unstable_by(k - 1, rank);
-            idx.truncate(k);
-            idx.sort_unstable_by(rank);
+        let n = logits.len();
+        // Candidate ids, ranked as far as top-k needs; `None` is the whole vocabulary in
+        // id order (no truncation yet).
+        let mut idx: Option<Vec<usize>> = None;
+        let k = self.top_k.unwrap_or(n).clamp(1, n);
+        if k < n {
+            let mut top: Vec<usize> = (0..n).collect();
+            top.select_nth_unstable_by(k - 1, rank);
+            top.truncate(k);
+            top.sort_unstable_by(rank);
+            idx = Some(top);
         }
-        let max = idx
-            .iter()
-            .map(|&i| logits[i])
-            .fold(f32::NEG_INFINITY, f32::max);
         // Unnormalised probabilities by token id, each computed once: over the whole
         // vocabulary this softmax is most of a pick's cost.
         let inv_t = (1.0 / self.temperature) as f32;
-        let weights: Vec<f32> = if idx.len() == logits.len() {
-            logits.iter().map(|&x| exp_f32((x - max) * inv_t)).collect()
-        } else {
-            let mut w = vec![0f32; logits.len()];
-            for &i in &idx {
-                w[i] = exp_f32((logits[i] - max) * inv_t);
+        let weights: Vec<f32> = match &idx {
+            None => exp_scaled(logits, row_max(logits), inv_t),
+            Some(top) => {
+                let max = logits[top[0]];
+                let mut w = vec![0f32; n];
+                for &i in top {
+                    w[i] = exp_f32((logits[i] - max) * inv_t);
+                }
+                w
             }
-            w
         };
         let total = sum(&weights) as f64;
         if self.top_p < 1.0 {
-            let keep = nucleus(&mut idx, self.top_p, |i| weights[i] as f64 / total, rank);
-            idx.truncate(keep);
+            let top = idx.get_or_insert_with(|| (0..n).collect());
+            let keep = nucleus(top, self.top_p, |i| weights[i] as f64 / total, rank);
+            top.truncate(keep);
         }
         // Walk the candidates' cumulative mass to a uniform point in it.
-        let mass: f64 = if self.top_p < 1.0 {
-            idx.iter().map(|&i| weights[i] as f64).sum()
-        } else {
-            total
+        let (candidates, mass): (Box<dyn Iterator<Item = usize>>, f64) = match &idx {
+            Some(top) => (
+                Box::new(top.iter().copied()),
+                top.iter().map(|&i| weights[i] as f64).sum(),
+            ),
+            None => (Box::new(0..n), total),
         };
         let mut u = rng.random::<f64>() * mass;
-        for &i in &idx {
+        let mut last = 0;
+        for i in candidates {
             let w = weights[i] as f64;
             if u < w {
                 return i;
             }
             u -= w;
+            last = i;
         }
-        *idx.last().expect("at least one candidate")
+        last
     }
 }
 
