@@ -15,6 +15,7 @@ pub mod kernels;
 pub mod kv;
 pub mod lora;
 pub mod ops;
+pub mod pool;
 pub mod quant;
 pub mod tiny;
 pub mod tokenizer;

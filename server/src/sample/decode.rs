@@ -11,6 +11,7 @@ use rayon::prelude::*;
 use super::logits::{token_logprob, Picker};
 use crate::model::decode::EXACT_ROWS;
 use crate::model::host_decode::{HostDecoder, StepRow};
+use crate::model::pool::on_pool;
 use crate::model::transformer::TopK;
 use crate::model::{Adapter, KvCache, ModelError, PackedBatch, TextTokenizer, Transformer};
 
@@ -126,6 +127,16 @@ pub fn sample(
 
 /// [`sample`], also returning how long each phase took.
 pub fn sample_timed(
+    model: &Transformer,
+    tokenizer: &TextTokenizer,
+    adapters: &[&Adapter],
+    jobs: &[SampleJob],
+    mode: DecodeMode,
+) -> Result<(Vec<SampleOutput>, SampleTimings), ModelError> {
+    on_pool(|| sample_on_pool(model, tokenizer, adapters, jobs, mode))
+}
+
+fn sample_on_pool(
     model: &Transformer,
     tokenizer: &TextTokenizer,
     adapters: &[&Adapter],

@@ -6,6 +6,7 @@ pub mod loss;
 
 use candle_core::Tensor;
 
+use crate::model::pool::on_pool;
 use crate::model::{Adapter, AdapterGrads, ModelError, PackedBatch, Transformer};
 pub use loss::{Loss, LossEval, TokenInputs};
 
@@ -58,6 +59,15 @@ pub struct DatumResult {
 /// losses) through the model once. With `with_grad`, returns each adapter's gradient;
 /// adapters without datums get an empty gradient.
 pub fn forward_backward(
+    model: &Transformer,
+    adapters: &[&Adapter],
+    jobs: &[DatumJob],
+    with_grad: bool,
+) -> Result<(Vec<DatumResult>, Vec<AdapterGrads>), TrainError> {
+    on_pool(|| forward_backward_on_pool(model, adapters, jobs, with_grad))
+}
+
+fn forward_backward_on_pool(
     model: &Transformer,
     adapters: &[&Adapter],
     jobs: &[DatumJob],
