@@ -98,6 +98,14 @@ impl HostAdapter {
             head: pair(Target::LmHead)?,
         })
     }
+
+    /// The factors that apply at `site`, if the adapter trains it.
+    fn lora(&self, site: Site) -> Option<&HostLora> {
+        match site {
+            Site::Layer(l, p) => self.layers[l][p as usize].as_ref(),
+            Site::Head => self.head.as_ref(),
+        }
+    }
 }
 
 /// One row's outputs at several sites, to add that row's adapter deltas to.
@@ -108,15 +116,6 @@ type SiteOutputs<'a> = Vec<(Site, &'a mut [f32])>;
 enum Site {
     Layer(usize, Proj),
     Head,
-}
-
-impl HostAdapter {
-    fn lora(&self, site: Site) -> Option<&HostLora> {
-        match site {
-            Site::Layer(l, p) => self.layers[l][p as usize].as_ref(),
-            Site::Head => self.head.as_ref(),
-        }
-    }
 }
 
 /// Per-block vectors of the base model in host form, copied once per decoder.
