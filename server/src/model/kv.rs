@@ -204,6 +204,7 @@ pub fn attend_host(
         })?;
     Ok(())
 }
+
 /// One layer's cached keys and values of a sequence, `(tokens, kv_dim)` each, of which
 /// the first `visible` rows are attended to.
 #[derive(Clone, Copy)]
@@ -214,8 +215,8 @@ struct HostLayer<'a> {
     kv_dim: usize,
 }
 
-/// Attention of one query row `q` (`heads` heads of `hd`) over `cache`, written to
-/// `out`. Compiled for AVX-512 and AVX2 too, picked at run time (the default target has
+/// Attention of one query row `q` (its heads, `hd` values each) over `cache`, written
+/// to `out`; consecutive query heads share a key/value head. Compiled for AVX-512 and AVX2 too, picked at run time (the default target has
 /// only SSE2); the lanes are explicit ([`dot`]), so every version computes the same
 /// floats.
 #[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2+fma"))]
