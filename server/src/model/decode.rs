@@ -64,6 +64,12 @@ impl DecodeLinear {
         self.quant.as_ref().map_or("f32", QuantMatrix::format)
     }
 
+    /// Whether a product of `m` rows goes through the block weights (otherwise it is
+    /// the f32 product, and callers may as well take their own f32 path).
+    pub fn quantizes(&self, m: usize) -> bool {
+        self.quant_for(m).is_some()
+    }
+
     /// The block weights, if they take a product of `m` rows.
     fn quant_for(&self, m: usize) -> Option<&QuantMatrix> {
         let limit = |q: &QuantMatrix| {

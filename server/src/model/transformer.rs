@@ -489,12 +489,13 @@ impl Transformer {
             down,
         } = self.projections(index, &targets);
         let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
-        // The frozen products come from the f32 weights, or the decode weights.
+        // The frozen products come from the f32 weights, or the decode weights when
+        // those take this many rows (else the fused f32 path with its LoRA kernels).
         let project = |x: &Tensor,
                        p: &Projection,
                        quantized: Option<&DecodeLinear>|
          -> candle_core::Result<(Tensor, PartCaches)> {
-            match quantized {
+            match quantized.filter(|d| d.quantizes(x.dims()[0])) {
                 Some(d) => adapted::add_deltas(x, d.forward(x)?, p.parts, segs, adapters),
                 None => adapted::forward(x, p, segs, adapters),
             }

@@ -9,7 +9,6 @@ use rand::{rngs::StdRng, SeedableRng};
 use rayon::prelude::*;
 
 use super::logits::{token_logprob, Picker};
-use crate::model::decode::EXACT_ROWS;
 use crate::model::host_decode::{HostDecoder, StepRow};
 use crate::model::pool::on_pool;
 use crate::model::transformer::TopK;
@@ -188,11 +187,10 @@ fn sample_on_pool(
         let lp: Vec<f32> = lp.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
         (logits, Some(lp), alternatives)
     } else {
-        // A short prompt goes through the decode weights when those are the f32 weights
-        // exactly: their kernels beat the f32 product for so few rows.
-        let rows: usize = jobs.iter().map(|j| j.prompt.len()).sum();
-        let through_decode_weights =
-            quantized && rows <= EXACT_ROWS && model.decode_weights()?.exact();
+        // Prompts may go through the decode weights only when those are the f32 weights
+        // exactly; each product then picks its kernel by row count (a short prompt is
+        // faster through the block kernels, a long one stays f32).
+        let through_decode_weights = quantized && model.decode_weights()?.exact();
         (
             model.forward_cached(&batch, adapters, &mut refs, through_decode_weights)?,
             None,

@@ -81,25 +81,30 @@ impl Picker {
             top.truncate(keep);
         }
         // Walk the candidates' cumulative mass to a uniform point in it.
-        let (candidates, mass): (Box<dyn Iterator<Item = usize>>, f64) = match &idx {
-            Some(top) => (
-                Box::new(top.iter().copied()),
-                top.iter().map(|&i| weights[i] as f64).sum(),
-            ),
-            None => (Box::new(0..n), total),
-        };
-        let mut u = rng.random::<f64>() * mass;
-        let mut last = 0;
-        for i in candidates {
-            let w = weights[i] as f64;
-            if u < w {
-                return i;
+        let u = rng.random::<f64>();
+        match &idx {
+            Some(top) => {
+                let mass: f64 = top.iter().map(|&i| weights[i] as f64).sum();
+                walk(top.iter().copied(), &weights, u * mass)
             }
-            u -= w;
-            last = i;
+            None => walk(0..n, &weights, u * total),
         }
-        last
     }
+}
+
+/// The candidate at which the cumulative weight of `candidates` (in order) passes `u`;
+/// the last one if rounding leaves `u` beyond them all.
+fn walk(candidates: impl Iterator<Item = usize>, weights: &[f32], mut u: f64) -> usize {
+    let mut last = 0;
+    for i in candidates {
+        let w = weights[i] as f64;
+        if u < w {
+            return i;
+        }
+        u -= w;
+        last = i;
+    }
+    last
 }
 
 /// Orders the head of `idx` by `rank` and returns how many of its most likely tokens
