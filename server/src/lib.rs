@@ -7,6 +7,7 @@
 pub mod api;
 pub mod embedded;
 pub mod engine;
+pub mod memory;
 pub mod model;
 pub mod sample;
 pub mod server;

@@ -4,10 +4,9 @@ mod cli;
 
 use clap::{Parser, Subcommand};
 
-/// Tensors are large and short-lived; glibc's malloc returns them to the OS and
-/// page-faults them back in on every step, mimalloc keeps them.
+/// Tensors are large and short-lived: see `lathe_server::memory`.
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: lathe_server::memory::MiMalloc = lathe_server::memory::MiMalloc;
 
 /// Lathe: one frozen base model, many LoRA training sessions.
 #[derive(Parser)]
@@ -29,6 +28,7 @@ enum Command {
 }
 
 fn main() -> anyhow::Result<()> {
+    lathe_server::memory::keep_freed_memory();
     pin_thread_count();
     tracing_subscriber::fmt()
         .with_env_filter(

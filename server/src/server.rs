@@ -140,6 +140,7 @@ fn stored_secret(path: &Path, make: impl FnOnce() -> String) -> Result<(String, 
 
 /// Starts a server on `model` inside the current tokio runtime.
 pub async fn start(model: LoadedModel, config: ServerConfig) -> Result<RunningServer, ServeError> {
+    crate::memory::keep_freed_memory();
     let dir = &config.data_dir;
     std::fs::create_dir_all(dir).map_err(io_err(format!("creating {}", dir.display())))?;
     let (api_keys, generated_key) = if config.api_keys.is_empty() {

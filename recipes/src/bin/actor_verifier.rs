@@ -25,6 +25,10 @@ use lathe_recipes::run::{mean, progress, Curves};
 use lathe_recipes::setup::{init_tracing, save_final, start, AgentSessions, CommonArgs, Start};
 use serde_json::json;
 
+/// The embedded server's tensors are large and short-lived: see `lathe_server::memory`.
+#[global_allocator]
+static GLOBAL: lathe_server::memory::MiMalloc = lathe_server::memory::MiMalloc;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Loss {
     /// Tinker's `importance_sampling`.

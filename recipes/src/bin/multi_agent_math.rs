@@ -18,6 +18,10 @@ use lathe_recipes::run::progress;
 use lathe_recipes::setup::{init_tracing, start, AgentSessions, CommonArgs, Start};
 use serde_json::json;
 
+/// The embedded server's tensors are large and short-lived: see `lathe_server::memory`.
+#[global_allocator]
+static GLOBAL: lathe_server::memory::MiMalloc = lathe_server::memory::MiMalloc;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Objective {
     /// Cross-entropy on the known answer (MinT's recipe).

@@ -23,6 +23,10 @@ use lathe_recipes::run::{mean, progress, Curves};
 use lathe_recipes::setup::{init_tracing, save_final, start, CommonArgs, Start};
 use serde_json::json;
 
+/// The embedded server's tensors are large and short-lived: see `lathe_server::memory`.
+#[global_allocator]
+static GLOBAL: lathe_server::memory::MiMalloc = lathe_server::memory::MiMalloc;
+
 /// Solvers, rewriters and a selector on one policy, trained on the pooled samples.
 #[derive(Parser, Debug)]
 #[command(name = "solve_rewrite_select", about)]

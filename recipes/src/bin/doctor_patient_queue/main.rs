@@ -46,6 +46,10 @@ use queue::{locked_step, patient_loop, QueueItem, StepLock};
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, watch};
 
+/// The embedded server's tensors are large and short-lived: see `lathe_server::memory`.
+#[global_allocator]
+static GLOBAL: lathe_server::memory::MiMalloc = lathe_server::memory::MiMalloc;
+
 /// A doctor and a patient co-trained through a message queue.
 #[derive(Parser, Debug)]
 #[command(name = "doctor_patient_queue", about)]

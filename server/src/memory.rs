@@ -1,0 +1,28 @@
+//! The allocator Lathe's binaries use, and how it is tuned for training.
+//!
+//! Tensors are large and short-lived. glibc's malloc returns large blocks to the OS as
+//! soon as they are freed. mimalloc keeps them, but by default it still returns idle
+//! memory after a delay of about a second. Either way, the next pass page-faults every
+//! page back in, and the kernel zeroes each one first. Binaries declare
+//! `#[global_allocator] static GLOBAL: lathe_server::memory::MiMalloc = MiMalloc;`, and
+//! the server turns the delayed return off ([`keep_freed_memory`]).
+
+pub use mimalloc::MiMalloc;
+
+/// The index of mimalloc's `purge_delay` option. It is 15 in both its v2 and v3
+/// headers; `libmimalloc-sys` does not name it.
+const PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+
+/// Keeps memory freed by mimalloc mapped, for the process's lifetime, instead of
+/// returning it to the OS after a delay. The resident size stays at its peak, and the
+/// next training pass needs that peak again anyway.
+///
+/// Measured on the default model: eight sessions' 512-token `forward_backward`, run after
+/// a few seconds of single-session work, took 2.8 s. With memory kept it took 1.75 s,
+/// the same as back-to-back passes.
+///
+/// This has no effect unless mimalloc is the global allocator.
+pub fn keep_freed_memory() {
+    // SAFETY: setting an option is thread-safe and valid at any time.
+    unsafe { libmimalloc_sys::mi_option_set(PURGE_DELAY, -1) }
+}
