@@ -66,13 +66,31 @@ pub fn is_sorry(reply: &str) -> bool {
     reply.to_lowercase().contains("sorry")
 }
 
+/// The symptoms that tell apart the diseases that can cause `complaint`: every other
+/// symptom of those diseases.
+pub fn relevant_symptoms(complaint: &str) -> Vec<&'static str> {
+    let mut relevant: Vec<&'static str> = DISEASES
+        .iter()
+        .filter(|d| d.symptoms.contains(&complaint))
+        .flat_map(|d| d.symptoms)
+        .filter(|s| *s != complaint)
+        .collect();
+    relevant.sort_unstable();
+    relevant.dedup();
+    relevant
+}
+
 /// The doctor's reward for a finished dialogue: its `diagnosis` (if any), its `turns` as
 /// `(question, patient reply)`, and how many of its turns held two or more questions.
 ///
 /// MrlX's rubric, with one rule standing in for a patient that a small model cannot be
 /// trusted to be: an answered question earns +1 only when it asks about a symptom not
-/// yet named in the dialogue (the complaint counts as named); any other answered question
-/// earns nothing, and a "sorry" still costs 2. MrlX's capable patient refuses questions
+/// yet named in the dialogue (the complaint counts as named) that belongs to a disease
+/// able to cause the complaint ([`relevant_symptoms`]), i.e. a question that narrows the
+/// diagnosis; any other answered question earns nothing, and a "sorry" still costs 2.
+/// Without the relevance rule the doctor learned to ask every patient about a sore
+/// throat, a sure +1, and then to diagnose strep throat, the disease whose index line
+/// follows it (held-out accuracy 0.22 -> 0.06 in 12 steps). MrlX's capable patient refuses questions
 /// off its case; a 135M patient answers them, and the doctor learned, in turn, to ask
 /// anything ("What is your name?") and to re-ask the complaint ("Do you have nausea?"
 /// to a patient who opened with nausea) for +1 a turn — and the patient, asked only
@@ -86,12 +104,15 @@ pub fn doctor_reward<'a>(
     case: &Case,
 ) -> f64 {
     let accuracy = diagnosis.map_or(0.0, |t| 5.0 * token_f1(t, case.disease.name));
+    let relevant = relevant_symptoms(case.complaint);
     let mut named = vec![case.complaint];
     let information: f64 = turns
         .into_iter()
         .map(|(question, reply)| {
             let asked = mentioned(question);
-            let new = asked.iter().any(|s| !named.contains(s));
+            let new = asked
+                .iter()
+                .any(|s| !named.contains(s) && relevant.contains(s));
             named.extend(asked);
             if is_sorry(reply) {
                 -2.0
@@ -233,19 +254,47 @@ mod tests {
             doctor_reward(Some("flu"), [chills, chills, complaint], 0, &case),
             5.0 + 1.0
         );
-        // A symptom the patient lacks is information too.
+        // A symptom the patient lacks is information too, when it tells apart the
+        // complaint's causes: fever is flu or strep throat, and strep throat brings a
+        // sore throat.
+        let sore = ("Question: Do you have a sore throat?", "No.");
+        assert_eq!(
+            doctor_reward(Some("flu"), [sore, chills], 0, &case),
+            5.0 + 2.0
+        );
+        // A rash causes no fever: asking about it narrows nothing.
         let rash = ("Question: Do you have a rash?", "No.");
         assert_eq!(
             doctor_reward(Some("flu"), [rash, chills], 0, &case),
-            5.0 + 2.0
+            5.0 + 1.0
         );
         // The patient answered, but the question is about no symptom: 0, not +1.
         let name = ("Question: What is your name?", "John.");
         assert_eq!(doctor_reward(Some("flu"), [name], 0, &case), 5.0);
         let refused = ("Question: What is your name?", SORRY);
         assert_eq!(doctor_reward(Some("flu"), [refused], 0, &case), 5.0 - 2.0);
-        let symptom = ("Question: Do you have a rash?", "No.");
+        let symptom = ("Question: Do you have body aches?", "No.");
         assert_eq!(doctor_reward(Some("flu"), [symptom], 0, &case), 5.0 + 1.0);
+    }
+
+    #[test]
+    fn relevant_symptoms_are_those_of_the_complaints_possible_causes() {
+        // Fever: flu (cough, body aches, chills) or strep throat (sore throat, swollen
+        // glands, headache).
+        let mut want = vec![
+            "body aches",
+            "chills",
+            "cough",
+            "headache",
+            "sore throat",
+            "swollen glands",
+        ];
+        want.sort_unstable();
+        assert_eq!(relevant_symptoms("fever"), want);
+        // A rash has one cause, allergy.
+        let mut want = vec!["itchy eyes", "runny nose", "sneezing"];
+        want.sort_unstable();
+        assert_eq!(relevant_symptoms("rash"), want);
     }
 
     #[test]

@@ -8,8 +8,9 @@
 //! in place of MrlX's reference F1 and LLM judge:
 //!
 //! * doctor = 5 × token F1 of the diagnosis with the reference, + 1 per answered question
-//!   about a symptom not yet named in the dialogue, − 2 per "sorry" reply, 0 for any other
-//!   answered question (the complaint again, or no symptom at all),
+//!   about a symptom not yet named in the dialogue that one of the complaint's possible
+//!   causes has, − 2 per "sorry" reply, 0 for any other answered question (the complaint
+//!   again, a symptom that narrows nothing, or no symptom at all),
 //!   − 2 per doctor turn with two or more `?`, − 5 when no diagnosis is given
 //!   (MrlX's precedence bug, which penalised a *present* recommendation, is fixed); see
 //!   `clinic::doctor_reward`;
