@@ -7,7 +7,9 @@ mod common;
 use candle_core::{DType, Device, Tensor};
 use common::*;
 use lathe_server::model::{Adapter, AdapterGrads, Arch, LoadedModel, LoraSpec, Proj, Target};
-use lathe_server::train::{forward_backward, DatumJob, Loss, TokenInputs};
+use lathe_server::train::{
+    forward_backward, forward_backward_in_passes, DatumJob, Loss, TokenInputs,
+};
 
 fn grads_of(model: &LoadedModel, adapters: &[&Adapter], jobs: &[DatumJob]) -> Vec<AdapterGrads> {
     forward_backward(&model.transformer, adapters, jobs, true)
@@ -249,6 +251,63 @@ fn mixed_equals_separate(arch: Arch, dtype: DType, tol: f64) {
                     rel_diff(db, sb) < tol,
                     "{arch:?} {t:?} dB differs by {}",
                     rel_diff(db, sb)
+                );
+            }
+        }
+    }
+}
+
+/// A batch cut into passes (a datum or two each) gives the same per-datum results and
+/// summed gradients as one pass: exactly up to rounding in f64.
+#[test]
+fn a_batch_run_in_passes_equals_one_pass() {
+    for (dtype, tol) in [(DType::F64, 1e-10), (DType::F32, 1e-4)] {
+        let model32 = tiny(Arch::Llama);
+        let vocab = model32.transformer.config.vocab_size;
+        let a = random_adapter(&model32, full_spec(4), 31)
+            .to_dtype(dtype)
+            .unwrap();
+        let b = random_adapter(&model32, full_spec(2), 32)
+            .to_dtype(dtype)
+            .unwrap();
+        let model = LoadedModel {
+            transformer: model32.transformer.to_dtype(dtype).unwrap(),
+            ..model32
+        };
+        let jobs = vec![
+            ce_job(1, 10, vocab, 0),
+            ce_job(2, 6, vocab, 1),
+            ce_job(3, 8, vocab, 0),
+            ce_job(4, 5, vocab, 1),
+            ce_job(5, 3, vocab, 0),
+        ];
+        let adapters = [&a, &b];
+        let (whole_out, whole_grads) =
+            forward_backward_in_passes(&model.transformer, &adapters, &jobs, true, usize::MAX)
+                .unwrap();
+        // 12 tokens a pass: datums in adapter order (10, 8, 3 tokens for adapter 0, then
+        // 6 and 5 for adapter 1) make three passes: [10], [8, 3], [6, 5].
+        let (cut_out, cut_grads) =
+            forward_backward_in_passes(&model.transformer, &adapters, &jobs, true, 12).unwrap();
+        for (w, c) in whole_out.iter().zip(&cut_out) {
+            assert!((w.loss - c.loss).abs() < tol * w.loss.abs().max(1.0));
+            for (x, y) in w.logprobs.iter().zip(&c.logprobs) {
+                assert!((x - y).abs() < 1e-5 * x.abs().max(1.0), "{x} vs {y}");
+            }
+        }
+        for (whole, cut) in whole_grads.iter().zip(&cut_grads) {
+            assert_eq!(whole.pairs.len(), cut.pairs.len());
+            for (t, (da, db)) in &whole.pairs {
+                let (ca, cb) = &cut.pairs[t];
+                assert!(
+                    rel_diff(da, ca) < tol,
+                    "{dtype:?} {t:?} dA {}",
+                    rel_diff(da, ca)
+                );
+                assert!(
+                    rel_diff(db, cb) < tol,
+                    "{dtype:?} {t:?} dB {}",
+                    rel_diff(db, cb)
                 );
             }
         }
