@@ -239,20 +239,19 @@ fn mixed_equals_separate(arch: Arch, dtype: DType, tol: f64) {
                     );
                 }
             }
-            assert_eq!(mixed_grads[ai].pairs.len(), alone_grads[0].pairs.len());
-            for (t, (da, db)) in &mixed_grads[ai].pairs {
-                let (sa, sb) = &alone_grads[0].pairs[t];
-                assert!(
-                    rel_diff(da, sa) < tol,
-                    "{arch:?} {t:?} dA differs by {}",
-                    rel_diff(da, sa)
-                );
-                assert!(
-                    rel_diff(db, sb) < tol,
-                    "{arch:?} {t:?} dB differs by {}",
-                    rel_diff(db, sb)
-                );
-            }
+            assert_grads_close(&mixed_grads[ai], &alone_grads[0], tol, &format!("{arch:?}"));
+        }
+    }
+}
+
+/// Both gradients cover the same targets, every dA and dB within `tol` (relative).
+fn assert_grads_close(got: &AdapterGrads, want: &AdapterGrads, tol: f64, what: &str) {
+    assert_eq!(got.pairs.len(), want.pairs.len(), "{what}: targets");
+    for (t, (da, db)) in &got.pairs {
+        let (wa, wb) = &want.pairs[t];
+        for (name, g, w) in [("dA", da, wa), ("dB", db, wb)] {
+            let d = rel_diff(g, w);
+            assert!(d < tol, "{what} {t:?} {name} differs by {d}");
         }
     }
 }
@@ -296,20 +295,7 @@ fn a_batch_run_in_passes_equals_one_pass() {
             }
         }
         for (whole, cut) in whole_grads.iter().zip(&cut_grads) {
-            assert_eq!(whole.pairs.len(), cut.pairs.len());
-            for (t, (da, db)) in &whole.pairs {
-                let (ca, cb) = &cut.pairs[t];
-                assert!(
-                    rel_diff(da, ca) < tol,
-                    "{dtype:?} {t:?} dA {}",
-                    rel_diff(da, ca)
-                );
-                assert!(
-                    rel_diff(db, cb) < tol,
-                    "{dtype:?} {t:?} dB {}",
-                    rel_diff(db, cb)
-                );
-            }
+            assert_grads_close(cut, whole, tol, &format!("{dtype:?}"));
         }
     }
 }
