@@ -90,8 +90,8 @@ pub fn relevant_symptoms(complaint: &str) -> Vec<&'static str> {
 /// diagnosis; any other answered question earns nothing, and a "sorry" still costs 2.
 /// Without the relevance rule the doctor learned to ask every patient about a sore
 /// throat, a sure +1, and then to diagnose strep throat, the disease whose index line
-/// follows it (held-out accuracy 0.22 -> 0.06 in 12 steps). MrlX's capable patient refuses questions
-/// off its case; a 135M patient answers them, and the doctor learned, in turn, to ask
+/// follows it (held-out accuracy 0.22 -> 0.06 at step 12). MrlX's capable patient
+/// refuses questions off its case; a 135M patient answers them, and the doctor learned, in turn, to ask
 /// anything ("What is your name?") and to re-ask the complaint ("Do you have nausea?"
 /// to a patient who opened with nausea) for +1 a turn — and the patient, asked only
 /// about symptoms it had, learned to answer "Yes." to everything. Scoring off-topic

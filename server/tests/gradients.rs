@@ -183,29 +183,36 @@ fn mixed_adapter_batch_equals_separate_runs() {
     }
 }
 
+/// A tiny `arch` model and two random adapters on it (spec and seed each), all in
+/// `dtype`.
+fn tiny_with_adapters(
+    arch: Arch,
+    dtype: DType,
+    specs: [(LoraSpec, u64); 2],
+) -> (LoadedModel, Adapter, Adapter) {
+    let model32 = tiny(arch);
+    let [a, b] = specs.map(|(spec, seed)| {
+        random_adapter(&model32, spec, seed)
+            .to_dtype(dtype)
+            .unwrap()
+    });
+    let model = LoadedModel {
+        transformer: model32.transformer.to_dtype(dtype).unwrap(),
+        ..model32
+    };
+    (model, a, b)
+}
+
 fn mixed_equals_separate(arch: Arch, dtype: DType, tol: f64) {
     {
-        let model32 = tiny(arch);
-        let vocab = model32.transformer.config.vocab_size;
-        let a = random_adapter(&model32, full_spec(4), 21)
-            .to_dtype(dtype)
-            .unwrap();
-        let b = random_adapter(
-            &model32,
-            LoraSpec {
-                rank: 2,
-                train_attn: true,
-                train_mlp: false,
-                train_unembed: false,
-            },
-            22,
-        )
-        .to_dtype(dtype)
-        .unwrap();
-        let model = LoadedModel {
-            transformer: model32.transformer.to_dtype(dtype).unwrap(),
-            ..model32
+        let attn_only = LoraSpec {
+            rank: 2,
+            train_attn: true,
+            train_mlp: false,
+            train_unembed: false,
         };
+        let (model, a, b) = tiny_with_adapters(arch, dtype, [(full_spec(4), 21), (attn_only, 22)]);
+        let vocab = model.transformer.config.vocab_size;
         // Interleaved on purpose: the batch must regroup rows by adapter.
         let jobs = vec![
             ce_job(1, 10, vocab, 0),
@@ -261,18 +268,9 @@ fn assert_grads_close(got: &AdapterGrads, want: &AdapterGrads, tol: f64, what: &
 #[test]
 fn a_batch_run_in_passes_equals_one_pass() {
     for (dtype, tol) in [(DType::F64, 1e-10), (DType::F32, 1e-4)] {
-        let model32 = tiny(Arch::Llama);
-        let vocab = model32.transformer.config.vocab_size;
-        let a = random_adapter(&model32, full_spec(4), 31)
-            .to_dtype(dtype)
-            .unwrap();
-        let b = random_adapter(&model32, full_spec(2), 32)
-            .to_dtype(dtype)
-            .unwrap();
-        let model = LoadedModel {
-            transformer: model32.transformer.to_dtype(dtype).unwrap(),
-            ..model32
-        };
+        let (model, a, b) =
+            tiny_with_adapters(Arch::Llama, dtype, [(full_spec(4), 31), (full_spec(2), 32)]);
+        let vocab = model.transformer.config.vocab_size;
         let jobs = vec![
             ce_job(1, 10, vocab, 0),
             ce_job(2, 6, vocab, 1),

@@ -216,9 +216,9 @@ struct HostLayer<'a> {
 }
 
 /// Attention of one query row `q` (its heads, `hd` values each) over `cache`, written
-/// to `out`; consecutive query heads share a key/value head. Compiled for AVX-512 and AVX2 too, picked at run time (the default target has
-/// only SSE2); the lanes are explicit ([`dot`]), so every version computes the same
-/// floats.
+/// to `out`; consecutive query heads share a key/value head. Compiled for AVX-512 and
+/// AVX2 too, picked at run time (the default target has only SSE2); the lanes are
+/// explicit ([`dot`]), so every version computes the same floats.
 #[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2+fma"))]
 fn attend_row(q: &[f32], cache: HostLayer<'_>, hd: usize, scale: f32, out: &mut [f32]) {
     let HostLayer {
