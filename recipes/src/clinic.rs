@@ -80,52 +80,107 @@ pub fn relevant_symptoms(complaint: &str) -> Vec<&'static str> {
     relevant
 }
 
-/// The doctor's reward for a finished dialogue: its `diagnosis` (if any), its `turns` as
-/// `(question, patient reply)`, and how many of its turns held two or more questions.
+/// The doctor's rewards for one dialogue, turn by turn. Their sum is the dialogue's
+/// reward in MrlX's rubric; apart, they say which turn earned what, so that a turn is
+/// credited only with what it and the turns after it earned (see [`Self::returns`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DoctorRewards {
+    /// Per question, in order: information (+1, 0 or −2) plus compliance (−2 when the
+    /// line holds two or more `?`).
+    pub questions: Vec<f64>,
+    /// The diagnosis turn: 5 × the diagnosis's token F1 with the reference, or −5 when no
+    /// diagnosis was given.
+    pub diagnosis: f64,
+}
+
+impl DoctorRewards {
+    /// The dialogue's reward: every turn's, summed.
+    pub fn total(&self) -> f64 {
+        self.questions.iter().sum::<f64>() + self.diagnosis
+    }
+
+    /// The reward-to-go of each doctor turn, the questions' in order and then the
+    /// diagnosis turn's: what the turn and the turns after it earned. A turn cannot change
+    /// what came before it, so crediting it with earlier rewards only adds noise: a
+    /// dialogue's good question would otherwise raise its wrong diagnosis too.
+    pub fn returns(&self) -> Vec<f64> {
+        let mut to_go = self.diagnosis;
+        let mut out = vec![to_go];
+        for q in self.questions.iter().rev() {
+            to_go += q;
+            out.push(to_go);
+        }
+        out.reverse();
+        out
+    }
+}
+
+/// The doctor's rewards for a finished dialogue: its `diagnosis` (if any) and its `turns`
+/// as `(question, patient reply)`.
 ///
 /// MrlX's rubric, with one rule standing in for a patient that a small model cannot be
-/// trusted to be: an answered question earns +1 only when it asks about a symptom not
-/// yet named in the dialogue (the complaint counts as named) that belongs to a disease
+/// trusted to be: an answered question earns +1 only when it is one question (ending in
+/// `?`) about one symptom not yet named in the dialogue (the complaint counts as named) that belongs to a disease
 /// able to cause the complaint ([`relevant_symptoms`]), i.e. a question that narrows the
 /// diagnosis; any other answered question earns nothing, and a "sorry" still costs 2.
 /// Without the relevance rule the doctor learned to ask every patient about a sore
 /// throat, a sure +1, and then to diagnose strep throat, the disease whose index line
 /// follows it (held-out accuracy 0.22 -> 0.06 at step 12). MrlX's capable patient
-/// refuses questions off its case; a 135M patient answers them, and the doctor learned, in turn, to ask
-/// anything ("What is your name?") and to re-ask the complaint ("Do you have nausea?"
-/// to a patient who opened with nausea) for +1 a turn — and the patient, asked only
-/// about symptoms it had, learned to answer "Yes." to everything. Scoring off-topic
-/// questions as a refusal (−2) instead made every sampled question a risk, and the
-/// doctor stopped asking, which starved the patient.
-pub fn doctor_reward<'a>(
+/// refuses questions off its case; a 135M patient answers them, and the doctor learned,
+/// in turn, to ask anything ("What is your name?") and to re-ask the complaint ("Do you
+/// have nausea?" to a patient who opened with nausea) for +1 a turn — and the patient,
+/// asked only about symptoms it had, learned to answer "Yes." to everything. Scoring
+/// off-topic questions as a refusal (−2) instead made every sampled question a risk, and
+/// the doctor stopped asking, which starved the patient.
+///
+/// MrlX's −2 for two or more question marks looked at the patient's messages (the user
+/// role in the doctor's list); here it applies to the doctor's question line, as meant.
+/// Its −5 for a missing diagnosis fired when a recommendation was present (operator
+/// precedence); here it fires when the diagnosis is missing.
+pub fn doctor_rewards<'a>(
     diagnosis: Option<&str>,
     turns: impl IntoIterator<Item = (&'a str, &'a str)>,
-    multi_questions: usize,
     case: &Case,
-) -> f64 {
-    let accuracy = diagnosis.map_or(0.0, |t| 5.0 * token_f1(t, case.disease.name));
+) -> DoctorRewards {
     let relevant = relevant_symptoms(case.complaint);
     let mut named = vec![case.complaint];
-    let information: f64 = turns
+    let questions = turns
         .into_iter()
         .map(|(question, reply)| {
             let asked = mentioned(question);
-            let new = asked
-                .iter()
-                .any(|s| !named.contains(s) && relevant.contains(s));
+            // One question about one symptom: a line that lists symptoms asks nothing.
+            let new = match asked[..] {
+                [s] => {
+                    question.trim_end().ends_with('?')
+                        && !named.contains(&s)
+                        && relevant.contains(&s)
+                }
+                _ => false,
+            };
             named.extend(asked);
-            if is_sorry(reply) {
+            let information = if is_sorry(reply) {
                 -2.0
             } else if new {
                 1.0
             } else {
                 0.0
-            }
+            };
+            let compliance = if question.matches('?').count() >= 2 {
+                -2.0
+            } else {
+                0.0
+            };
+            information + compliance
         })
-        .sum();
-    let missing = diagnosis.is_none_or(|t| t.trim().is_empty());
-    let compliance = -2.0 * multi_questions as f64 - if missing { 5.0 } else { 0.0 };
-    accuracy + information + compliance
+        .collect();
+    let diagnosis = match diagnosis.filter(|t| !t.trim().is_empty()) {
+        Some(t) => 5.0 * token_f1(t, case.disease.name),
+        None => -5.0,
+    };
+    DoctorRewards {
+        questions,
+        diagnosis,
+    }
 }
 
 /// The patient's reward for one reply to `question`.
@@ -139,9 +194,17 @@ pub fn patient_reward(question: &str, reply: &str, case: &Case) -> f64 {
         .iter()
         .filter(|s| !asked.contains(s) && case.has(s))
         .count();
+    // Whether the patient has an asked symptom is the requested fact, either way: a
+    // symptom it has must be confirmed, one it lacks denied.
     let mut missed = asked
         .iter()
-        .filter(|s| case.has(s) && !(yes || said.contains(s)))
+        .filter(|s| {
+            if case.has(s) {
+                !(yes || said.contains(s))
+            } else {
+                !no
+            }
+        })
         .count();
     // A question about nothing in the case asks for the refusal the prompt prescribes.
     if asked.is_empty() && !is_sorry(reply) {
@@ -213,9 +276,12 @@ mod tests {
         // Denying a symptom the patient has: missed and contradicted.
         let r = patient_reward(q, "No.", &case);
         assert!((r - (1.0 + 0.8 + 0.8) / 3.0).abs() < 1e-12);
-        // Claiming a symptom the patient lacks.
-        let r = patient_reward("Question: Do you have a rash?", "Yes, a rash.", &case);
-        assert!(r < 1.0);
+        // Claiming a symptom the patient lacks costs as much as denying one it has: the
+        // requested fact is missed and the case contradicted (otherwise "Yes." to
+        // everything would be the safe answer).
+        let r = patient_reward("Question: Do you have a rash?", "Yes.", &case);
+        assert!((r - (1.0 + 0.8 + 0.8) / 3.0).abs() < 1e-12);
+        assert!(patient_reward("Question: Do you have a rash?", "I have a cough.", &case) < 1.0);
         assert_eq!(
             patient_reward("Question: Do you have a rash?", "No, I don't.", &case),
             1.0
@@ -227,20 +293,45 @@ mod tests {
         let case = flu_case();
         let asked = "Question: Do you have chills?";
         assert_eq!(
-            doctor_reward(Some(" flu"), [(asked, "Yes.")], 0, &case),
+            doctor_reward(Some(" flu"), [(asked, "Yes.")], &case),
             5.0 + 1.0
         );
         assert!(diagnosis_correct(" flu", &case));
         assert!(!diagnosis_correct("flu or allergy", &case));
-        let turns = [(asked, "Yes."), (asked, SORRY)];
+        // Two questions in one line cost 2, a refusal 2.
+        let two = "Question: Do you have chills? Or a rash?";
+        let turns = [(asked, "Yes."), (two, SORRY)];
         assert_eq!(
-            doctor_reward(Some(" flu"), turns, 1, &case),
+            doctor_reward(Some(" flu"), turns, &case),
             5.0 + 1.0 - 2.0 - 2.0
         );
-        assert_eq!(doctor_reward(None, turns, 1, &case), 1.0 - 2.0 - 2.0 - 5.0);
+        assert_eq!(doctor_reward(None, turns, &case), 1.0 - 2.0 - 2.0 - 5.0);
         // A recommendation never costs anything (MrlX's precedence bug did that).
-        assert_eq!(doctor_reward(Some(" "), [], 0, &case), -5.0);
+        assert_eq!(doctor_reward(Some(" "), [], &case), -5.0);
         assert!((token_f1("common flu", "flu") - 2.0 / 3.0).abs() < 1e-12);
+    }
+
+    /// The dialogue's total, for the rubric's tests.
+    fn doctor_reward<'a>(
+        diagnosis: Option<&str>,
+        turns: impl IntoIterator<Item = (&'a str, &'a str)>,
+        case: &Case,
+    ) -> f64 {
+        doctor_rewards(diagnosis, turns, case).total()
+    }
+
+    #[test]
+    fn each_turn_is_credited_with_what_it_and_later_turns_earned() {
+        let case = flu_case();
+        let chills = ("Question: Do you have chills?", "Yes.");
+        let refused = ("Question: What is your name?", SORRY);
+        let r = doctor_rewards(Some("flu"), [refused, chills], &case);
+        assert_eq!(r.questions, [-2.0, 1.0]);
+        assert_eq!(r.diagnosis, 5.0);
+        assert_eq!(r.returns(), [4.0, 6.0, 5.0]);
+        assert_eq!(r.total(), r.returns()[0]);
+        let r = doctor_rewards(Some("allergy"), [], &case);
+        assert_eq!(r.returns(), [0.0]);
     }
 
     #[test]
@@ -249,9 +340,9 @@ mod tests {
         // The complaint (fever) is already named; chills is new, once.
         let complaint = ("Question: Do you have a fever?", "Yes.");
         let chills = ("Question: Do you have chills?", "Yes.");
-        assert_eq!(doctor_reward(Some("flu"), [complaint], 0, &case), 5.0);
+        assert_eq!(doctor_reward(Some("flu"), [complaint], &case), 5.0);
         assert_eq!(
-            doctor_reward(Some("flu"), [chills, chills, complaint], 0, &case),
+            doctor_reward(Some("flu"), [chills, chills, complaint], &case),
             5.0 + 1.0
         );
         // A symptom the patient lacks is information too, when it tells apart the
@@ -259,22 +350,27 @@ mod tests {
         // sore throat.
         let sore = ("Question: Do you have a sore throat?", "No.");
         assert_eq!(
-            doctor_reward(Some("flu"), [sore, chills], 0, &case),
+            doctor_reward(Some("flu"), [sore, chills], &case),
             5.0 + 2.0
         );
         // A rash causes no fever: asking about it narrows nothing.
         let rash = ("Question: Do you have a rash?", "No.");
         assert_eq!(
-            doctor_reward(Some("flu"), [rash, chills], 0, &case),
+            doctor_reward(Some("flu"), [rash, chills], &case),
             5.0 + 1.0
         );
         // The patient answered, but the question is about no symptom: 0, not +1.
         let name = ("Question: What is your name?", "John.");
-        assert_eq!(doctor_reward(Some("flu"), [name], 0, &case), 5.0);
+        assert_eq!(doctor_reward(Some("flu"), [name], &case), 5.0);
         let refused = ("Question: What is your name?", SORRY);
-        assert_eq!(doctor_reward(Some("flu"), [refused], 0, &case), 5.0 - 2.0);
+        assert_eq!(doctor_reward(Some("flu"), [refused], &case), 5.0 - 2.0);
         let symptom = ("Question: Do you have body aches?", "No.");
-        assert_eq!(doctor_reward(Some("flu"), [symptom], 0, &case), 5.0 + 1.0);
+        assert_eq!(doctor_reward(Some("flu"), [symptom], &case), 5.0 + 1.0);
+        // One question about one symptom: a list of symptoms, or no question, earns nothing.
+        let list = ("Possible diagnoses: flu, sore throat, chills?", "Yes.");
+        assert_eq!(doctor_reward(Some("flu"), [list], &case), 5.0);
+        let statement = ("You have chills.", "Yes.");
+        assert_eq!(doctor_reward(Some("flu"), [statement], &case), 5.0);
     }
 
     #[test]

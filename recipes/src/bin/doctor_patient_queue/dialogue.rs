@@ -3,41 +3,22 @@
 
 use lathe::{SamplingClient, Tokenizer};
 use lathe_recipes::clinic::SORRY;
-use lathe_recipes::data::{Case, DISEASES};
+use lathe_recipes::data::{symptom_vocabulary, Case, DISEASES};
 use lathe_recipes::rollout::{sample_prompts, Generation, Sample};
 use tokio::sync::watch;
 
 /// New tokens per turn, either role.
 pub(crate) const TURN_TOKENS: usize = 16;
 
-/// The doctor's instructions. A 32B doctor knows medicine; a 135M one knows none of the
-/// synthetic table, so the header gives it the table as its textbook, indexed by symptom
-/// ("fever: flu or strep throat."): a small model finds the complaint's line and copies
-/// what follows it more readily than it finds the disease whose list holds the complaint.
-/// Measured on the base model over all 24 disease × complaint openings, greedy: 0.38 of
-/// first-turn diagnoses right with the index, 0.25 with the table by disease.
+/// The doctor's instructions: the diagnoses and symptoms it may name, the turn format and
+/// a one-shot example off the table. Like MrlX's doctor it must know which symptoms point
+/// to which disease; that is what it learns.
 fn doctor_header() -> String {
-    let mut symptoms: Vec<&str> = Vec::new();
-    for d in DISEASES {
-        for s in d.symptoms {
-            if !symptoms.contains(&s) {
-                symptoms.push(s);
-            }
-        }
-    }
-    let index: String = symptoms
-        .iter()
-        .map(|s| {
-            let causes: Vec<&str> = DISEASES
-                .iter()
-                .filter(|d| d.symptoms.contains(s))
-                .map(|d| d.name)
-                .collect();
-            format!("{s}: {}.\n", causes.join(" or "))
-        })
-        .collect();
+    let diseases: Vec<&str> = DISEASES.iter().map(|d| d.name).collect();
     format!(
-        "You are a doctor. Each symptom and the diseases that cause it:\n{index}Each turn, ask 'Question: Do you have <symptom>?' or answer 'Diagnosis: <disease>'.\nExample:\nPatient: I have a rash.\nDoctor: Question: Do you have itchy eyes?\nPatient: Yes.\nDoctor: Diagnosis: allergy.\nA new patient:\n"
+        "You are a doctor. Possible diagnoses: {}. Symptoms you can ask about: {}.\nEach turn, ask 'Question: Do you have <symptom>?' or answer 'Diagnosis: <disease>'.\nExample:\nPatient: I have a toothache.\nDoctor: Question: Do you have a swollen jaw?\nPatient: Yes.\nDoctor: Diagnosis: tooth abscess.\nA new patient:\n",
+        diseases.join(", "),
+        symptom_vocabulary().join(", "),
     )
 }
 
@@ -61,8 +42,6 @@ pub(crate) struct Dialogue {
     /// The patient's samples with their prompts and the patient update that sampled
     /// them, one per reply.
     pub(crate) patient_samples: Vec<(Vec<i64>, Sample, u64)>,
-    /// Doctor turns with two or more question marks.
-    pub(crate) multi_questions: usize,
 }
 
 impl Dialogue {
@@ -178,9 +157,6 @@ pub(crate) async fn play(
             } else if let Some(at) = line.find("Diagnosis:") {
                 d.diagnosis = Some(line[at + "Diagnosis:".len()..].to_string());
             } else {
-                if line.matches('?').count() >= 2 {
-                    d.multi_questions += 1;
-                }
                 questions.push((i, line));
             }
         }

@@ -33,10 +33,12 @@ use std::time::Duration;
 
 use clap::Parser;
 use dialogue::{play, Dialogue, LatestPatient, TURN_TOKENS};
-use lathe::types::AdamParams;
+use lathe::types::{AdamParams, Datum};
 use lathe::{SamplingClient, Tokenizer};
-use lathe_recipes::advantages::group_normalised;
-use lathe_recipes::clinic::{diagnosis_correct, doctor_reward, patient_exam, patient_reward};
+use lathe_recipes::advantages::normalised_within;
+use lathe_recipes::clinic::{
+    diagnosis_correct, doctor_rewards, patient_exam, patient_reward, DoctorRewards,
+};
 use lathe_recipes::data::{batch_at, cases, Case};
 use lathe_recipes::rollout::{
     ratio_mean, sample_prompts, trajectory_data, Generation, Sample, StepOutcome,
@@ -60,6 +62,9 @@ struct Args {
     /// Use one session for both roles even if two could be created.
     #[arg(long)]
     force_fallback: bool,
+    /// What each doctor turn's reward-to-go is compared with.
+    #[arg(long, value_enum, default_value_t = Baseline::Batch)]
+    baseline: Baseline,
     /// Cases per doctor step.
     #[arg(long, default_value_t = 4)]
     batch: usize,
@@ -106,6 +111,67 @@ const DOCTOR: usize = 0;
 const PATIENT: usize = 1;
 /// Held-out dialogues written to `samples.jsonl` per evaluation.
 const EXAMPLES: usize = 4;
+
+/// What a doctor turn's reward-to-go is compared with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Baseline {
+    /// The same turn of every dialogue in the step: a doctor that gives one diagnosis to
+    /// every patient is still told which patients it got wrong.
+    Batch,
+    /// The same turn of the case's own dialogues (GRPO's group, as MrlX): once a group
+    /// agrees it carries no signal, and in measured runs the doctor collapsed to one
+    /// diagnosis for every patient.
+    Group,
+}
+
+/// Which turn of a dialogue a doctor sample is, for its baseline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Turn {
+    Question(usize),
+    Diagnosis,
+}
+
+/// The doctor's training data: each turn carries its reward-to-go
+/// ([`DoctorRewards::returns`]) normalised against the same kind of turn within the
+/// `baseline`'s scope; a dialogue's turns merge into one datum.
+fn doctor_data(
+    dialogues: &[(usize, Dialogue)],
+    rewards: &[DoctorRewards],
+    baseline: Baseline,
+) -> Vec<Datum> {
+    let mut returns = Vec::new();
+    let mut keys = Vec::new();
+    for ((case, d), r) in dialogues.iter().zip(rewards) {
+        let to_go = r.returns();
+        debug_assert_eq!(to_go.len(), d.doctor_samples.len(), "one return per turn");
+        for t in 0..to_go.len().min(d.doctor_samples.len()) {
+            let turn = if t + 1 == to_go.len() {
+                Turn::Diagnosis
+            } else {
+                Turn::Question(t)
+            };
+            let scope = match baseline {
+                Baseline::Batch => None,
+                Baseline::Group => Some(*case),
+            };
+            returns.push(to_go[t]);
+            keys.push((scope, turn));
+        }
+    }
+    let mut advantages = normalised_within(&returns, &keys).into_iter();
+    let mut data = Vec::new();
+    for ((_, d), r) in dialogues.iter().zip(rewards) {
+        let n = r.returns().len().min(d.doctor_samples.len());
+        let turns: Vec<(&[i64], &Sample, f64)> = d.doctor_samples[..n]
+            .iter()
+            .zip(advantages.by_ref())
+            .filter(|(_, adv)| *adv != 0.0)
+            .map(|((p, s), adv)| (&p[..], s, adv))
+            .collect();
+        data.extend(trajectory_data(&turns));
+    }
+    data
+}
 
 /// The exam's mean reward and the fraction of replies with full marks.
 async fn examine_patient(
@@ -194,7 +260,8 @@ async fn evaluate(doctor: &SamplingClient, h: &HeldOut<'_>) -> anyhow::Result<Ev
         greedy,
     } = *h;
     let dialogues = play(doctor, patient, tok, held_out, 1, max_turns, greedy, greedy).await?;
-    let (correct, doctor_rewards, patient_rewards) = score(&dialogues, held_out);
+    let (correct, doctor, patient_rewards) = score(&dialogues, held_out);
+    let doctor_rewards: Vec<f64> = doctor.iter().map(DoctorRewards::total).collect();
     let examples = dialogues
         .iter()
         .take(EXAMPLES)
@@ -219,8 +286,11 @@ async fn evaluate(doctor: &SamplingClient, h: &HeldOut<'_>) -> anyhow::Result<Ev
     })
 }
 
-/// Per dialogue: diagnosis correct (0/1), doctor reward; per reply: patient reward.
-fn score(dialogues: &[(usize, Dialogue)], cases: &[Case]) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+/// Per dialogue: diagnosis correct (0/1), the doctor's rewards; per reply: patient reward.
+fn score(
+    dialogues: &[(usize, Dialogue)],
+    cases: &[Case],
+) -> (Vec<f64>, Vec<DoctorRewards>, Vec<f64>) {
     let mut correct = Vec::new();
     let mut doctor = Vec::new();
     let mut patient = Vec::new();
@@ -231,12 +301,11 @@ fn score(dialogues: &[(usize, Dialogue)], cases: &[Case]) -> (Vec<f64>, Vec<f64>
                 .as_deref()
                 .is_some_and(|t| diagnosis_correct(t, case)),
         )));
-        doctor.push(doctor_reward(
+        doctor.push(doctor_rewards(
             d.diagnosis.as_deref(),
             d.turns
                 .iter()
                 .map(|(q, reply)| (q.as_str(), reply.as_str())),
-            d.multi_questions,
             case,
         ));
         patient.extend(d.turns.iter().map(|(q, a)| patient_reward(q, a, case)));
@@ -337,22 +406,7 @@ async fn main() -> anyhow::Result<()> {
         .await?;
         let (correct, rewards, patient_rewards) = score(&dialogues, &batch);
 
-        // Doctor: every turn of a dialogue carries the dialogue's advantage; groups are
-        // the dialogues of one case.
-        let mut data = Vec::new();
-        for (case, chunk) in dialogues.chunks(args.group.max(1)).enumerate() {
-            let group_rewards = &rewards[case * args.group.max(1)..][..chunk.len()];
-            for ((_, d), adv) in chunk.iter().zip(group_normalised(group_rewards)) {
-                if adv != 0.0 {
-                    let turns: Vec<(&[i64], &Sample, f64)> = d
-                        .doctor_samples
-                        .iter()
-                        .map(|(p, s)| (&p[..], s, adv))
-                        .collect();
-                    data.extend(trajectory_data(&turns));
-                }
-            }
-        }
+        let data = doctor_data(&dialogues, &rewards, args.baseline);
         // The agreement check comes from the step's own pass; a step with nothing to
         // train on is checked with a forward pass over the first turns.
         let unchecked = if data.is_empty() {
@@ -406,7 +460,7 @@ async fn main() -> anyhow::Result<()> {
             "queue/sent": queued,
             "queue/depth": args.queue_capacity - queue_tx.capacity(),
             "agents": {"doctor": {
-                "reward_mean": mean(&rewards),
+                "reward_mean": mean(&rewards.iter().map(DoctorRewards::total).collect::<Vec<_>>()),
                 "accuracy": mean(&correct),
                 "loss": outcome.as_ref().map(|o| o.loss),
                 "datums": data.len(),
