@@ -84,6 +84,9 @@ mod tests {
         let b = group_normalised(&[5.0, 7.0]);
         assert_eq!(got, [a[0], b[0], a[1], b[1], a[2], 0.0]);
         // One key for all is the batch baseline.
-        assert_eq!(normalised_within(&values, &[(); 6]), group_normalised(&values));
+        assert_eq!(
+            normalised_within(&values, &[(); 6]),
+            group_normalised(&values)
+        );
     }
 }

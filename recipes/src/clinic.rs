@@ -51,12 +51,14 @@ pub fn token_f1(text: &str, reference: &str) -> f64 {
 }
 
 /// Whether a diagnosis names exactly the right disease of the table.
+/// Names are matched as whole words, as the reward's token F1 reads them ("influenza" is
+/// not "flu").
 pub fn diagnosis_correct(text: &str, case: &Case) -> bool {
-    let lower = text.to_lowercase();
+    let spaced = format!(" {} ", words(text).join(" "));
     let named: Vec<&str> = DISEASES
         .iter()
         .map(|d| d.name)
-        .filter(|n| lower.contains(n))
+        .filter(|n| spaced.contains(&format!(" {n} ")))
         .collect();
     named == [case.disease.name]
 }
@@ -298,6 +300,8 @@ mod tests {
         );
         assert!(diagnosis_correct(" flu", &case));
         assert!(!diagnosis_correct("flu or allergy", &case));
+        assert!(diagnosis_correct("Flu.", &case));
+        assert!(!diagnosis_correct("influenza", &case));
         // Two questions in one line cost 2, a refusal 2.
         let two = "Question: Do you have chills? Or a rash?";
         let turns = [(asked, "Yes."), (two, SORRY)];
@@ -349,16 +353,10 @@ mod tests {
         // complaint's causes: fever is flu or strep throat, and strep throat brings a
         // sore throat.
         let sore = ("Question: Do you have a sore throat?", "No.");
-        assert_eq!(
-            doctor_reward(Some("flu"), [sore, chills], &case),
-            5.0 + 2.0
-        );
+        assert_eq!(doctor_reward(Some("flu"), [sore, chills], &case), 5.0 + 2.0);
         // A rash causes no fever: asking about it narrows nothing.
         let rash = ("Question: Do you have a rash?", "No.");
-        assert_eq!(
-            doctor_reward(Some("flu"), [rash, chills], &case),
-            5.0 + 1.0
-        );
+        assert_eq!(doctor_reward(Some("flu"), [rash, chills], &case), 5.0 + 1.0);
         // The patient answered, but the question is about no symptom: 0, not +1.
         let name = ("Question: What is your name?", "John.");
         assert_eq!(doctor_reward(Some("flu"), [name], &case), 5.0);

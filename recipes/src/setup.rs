@@ -8,12 +8,15 @@ use lathe::types::LoraConfig;
 use lathe::{ServiceClient, TrainingClient};
 use lathe_server::server::{RunningServer, ServerConfig};
 
+/// Training steps of a recipe that names no default of its own.
+pub const DEFAULT_STEPS: usize = 12;
+
 /// Flags of every recipe.
 #[derive(Args, Debug, Clone)]
 pub struct CommonArgs {
-    /// Training steps.
-    #[arg(long, default_value_t = 12)]
-    pub steps: usize,
+    /// Training steps (default: the recipe's own, 12 unless its help says otherwise).
+    #[arg(long)]
+    pub steps: Option<usize>,
     /// Seed of data, sampling and adapters.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -40,6 +43,11 @@ pub struct CommonArgs {
 }
 
 impl CommonArgs {
+    /// `--steps`, or the recipe's default.
+    pub fn steps_or(&self, default: usize) -> usize {
+        self.steps.unwrap_or(default)
+    }
+
     /// `--lr`, or the recipe's default.
     pub fn lr_or(&self, default: f64) -> f64 {
         self.lr.unwrap_or(default)

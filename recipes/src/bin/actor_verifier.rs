@@ -281,6 +281,7 @@ async fn main() -> anyhow::Result<()> {
     init_tracing();
     let args = Args::parse();
     let c = &args.common;
+    let steps = c.steps_or(lathe_recipes::setup::DEFAULT_STEPS);
     let Start { mut run, conn, tok } = start("actor_verifier", c).await?;
     let roles = if args.single_agent { 1 } else { 2 };
     let sessions = AgentSessions::open(&conn, roles, args.force_fallback, |i| c.lora(i)).await?;
@@ -308,9 +309,9 @@ async fn main() -> anyhow::Result<()> {
     } else {
         Curves::new(&["final correct"])
     };
-    let bar = progress(c.steps);
+    let bar = progress(steps);
     bar.set_prefix(mode);
-    for step in 0..=c.steps {
+    for step in 0..=steps {
         let solver = trainers[SOLVER]
             .save_weights_and_get_sampling_client()
             .await?;
@@ -322,7 +323,7 @@ async fn main() -> anyhow::Result<()> {
             solver.clone()
         };
         let samplers = [solver, verifier];
-        if step % args.eval_every.max(1) == 0 || step == c.steps {
+        if step % args.eval_every.max(1) == 0 || step == steps {
             let greedy = Generation::greedy(SOLVER_TOKENS).within(conn.max_context);
             let e = evaluate(&samplers, &tok, &held_out, verify, &greedy).await?;
             curves.push("final correct", step, e.final_correct);
@@ -339,7 +340,7 @@ async fn main() -> anyhow::Result<()> {
                 e.final_correct, e.first_correct, e.verifier_accuracy
             ));
         }
-        if step == c.steps {
+        if step == steps {
             break;
         }
         let problems: Vec<Problem> = batch_at(&train, step, args.batch);
@@ -504,7 +505,7 @@ async fn main() -> anyhow::Result<()> {
         "recipe": "actor_verifier",
         "mode": if args.single_agent { "single-agent" } else { mode },
         "fallback_reason": sessions.fallback_reason,
-        "steps": c.steps,
+        "steps": steps,
         "base_model": conn.base_model,
         "held_out": curves.to_json(),
         "criterion": criterion,

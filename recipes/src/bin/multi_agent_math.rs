@@ -119,6 +119,7 @@ async fn main() -> anyhow::Result<()> {
     init_tracing();
     let args = Args::parse();
     let c = &args.common;
+    let steps = c.steps_or(lathe_recipes::setup::DEFAULT_STEPS);
     let Start { mut run, conn, tok } = start("multi_agent_math", c).await?;
     let sessions = AgentSessions::open(&conn, 2, args.force_fallback, |i| c.lora(i)).await?;
     let trainers = [sessions.trainer(0).clone(), sessions.trainer(1).clone()];
@@ -133,9 +134,9 @@ async fn main() -> anyhow::Result<()> {
         ..Default::default()
     };
     let mut curves: [Vec<(usize, f64)>; 2] = [Vec::new(), Vec::new()];
-    let bar = progress(c.steps);
+    let bar = progress(steps);
     bar.set_prefix(format!("{mode_name} {:?}", args.objective).to_lowercase());
-    for step in 0..=c.steps {
+    for step in 0..=steps {
         let samplers = [
             trainers[0].save_weights_and_get_sampling_client().await?,
             if distinct == 2 {
@@ -144,7 +145,7 @@ async fn main() -> anyhow::Result<()> {
                 trainers[0].save_weights_and_get_sampling_client().await?
             },
         ];
-        if step % args.eval_every.max(1) == 0 || step == c.steps {
+        if step % args.eval_every.max(1) == 0 || step == steps {
             let acc = evaluate(&samplers, &tok, &held_out, conn.max_context).await?;
             for r in 0..2 {
                 curves[r].push((step, acc[r]));
@@ -152,7 +153,7 @@ async fn main() -> anyhow::Result<()> {
             run.log(&json!({"step": step, "eval": {"A": acc[0], "B": acc[1]}}))?;
             bar.set_message(format!("held-out acc A {:.2} B {:.2}", acc[0], acc[1]));
         }
-        if step == c.steps {
+        if step == steps {
             break;
         }
         let problems: Vec<Problem> = batch_at(&train, step, args.batch);
@@ -276,7 +277,7 @@ async fn main() -> anyhow::Result<()> {
         "mode": mode_name,
         "fallback_reason": fallback_reason,
         "objective": format!("{:?}", args.objective).to_lowercase(),
-        "steps": c.steps,
+        "steps": steps,
         "base_model": conn.base_model,
         "held_out_accuracy": {
             "A": {"before": before[0], "after": after[0], "curve": curves[0]},

@@ -316,6 +316,7 @@ async fn main() -> anyhow::Result<()> {
     init_tracing();
     let args = Args::parse();
     let c = &args.common;
+    let steps = c.steps_or(lathe_recipes::setup::DEFAULT_STEPS);
     let n = args.num_parallel.max(1);
     let Start { mut run, conn, tok } = start("solve_rewrite_select", c).await?;
     let trainer = conn
@@ -328,11 +329,11 @@ async fn main() -> anyhow::Result<()> {
         ..Default::default()
     };
     let mut curves = Curves::new(&["raw reward", "team correct", "selector pick", "random pick"]);
-    let bar = progress(c.steps);
+    let bar = progress(steps);
     bar.set_prefix("shared policy");
-    for step in 0..=c.steps {
+    for step in 0..=steps {
         let sampler = trainer.save_weights_and_get_sampling_client().await?;
-        if step % args.eval_every.max(1) == 0 || step == c.steps {
+        if step % args.eval_every.max(1) == 0 || step == steps {
             // One fixed seed: evaluations differ only by the weights.
             let generation = Generation::sampled(ANSWER_TOKENS, args.temperature, 99_991)
                 .within(conn.max_context);
@@ -354,7 +355,7 @@ async fn main() -> anyhow::Result<()> {
                 s.raw_reward, s.pick_accuracy, s.random_pick
             ));
         }
-        if step == c.steps {
+        if step == steps {
             break;
         }
         let problems: Vec<Problem> = batch_at(&train, step, args.batch);
@@ -420,7 +421,7 @@ async fn main() -> anyhow::Result<()> {
     let summary = json!({
         "recipe": "solve_rewrite_select",
         "mode": "shared-policy",
-        "steps": c.steps,
+        "steps": steps,
         "num_parallel": n,
         "base_model": conn.base_model,
         "held_out": curves.to_json(),

@@ -221,11 +221,10 @@ mod tests {
         let p = d.doctor_prompt(&case, true);
         assert!(p.ends_with("Patient: Yes.\nDoctor: Diagnosis:"));
         assert!(p.contains("Patient: I have fever.\n"));
-        // The doctor's textbook: every symptom with the diseases that cause it.
-        assert!(p.contains("\nfever: flu or strep throat.\n"));
-        assert!(p.contains("\nswollen glands: strep throat.\n"));
-        // Seven symptoms have two causes; the eighth " or " is the instructions'.
-        assert_eq!(p.matches(" or ").count(), 8);
+        // The doctor is told what it may name, not which symptom points where.
+        assert!(p.contains("Possible diagnoses: flu, common cold, migraine,"));
+        assert!(p.contains("swollen glands"));
+        assert!(!p.contains("fever: flu"));
         let p = d.patient_prompt(&case, "Question: Do you have a cough?");
         assert!(p.contains("Symptoms: fever, cough, chills."));
         assert!(p.ends_with("Doctor: Question: Do you have a cough?\nPatient:"));

@@ -4,27 +4,34 @@
 //! (the doctor asks one question per turn or diagnoses), trains the doctor, and pushes each
 //! dialogue's patient replies onto the queue; the patient loop trains off-policy from the
 //! queue, drops dialogues older than `--max-staleness` patient updates, and publishes a
-//! fresh sampler after every update. Rewards are rules over the synthetic case table (`data::DISEASES`)
-//! in place of MrlX's reference F1 and LLM judge:
+//! fresh sampler after every update. Rewards are rules over the synthetic case table
+//! (`data::DISEASES`) in place of MrlX's reference F1 and LLM judge:
 //!
 //! * doctor = 5 × token F1 of the diagnosis with the reference, + 1 per answered question
-//!   about a symptom not yet named in the dialogue that one of the complaint's possible
-//!   causes has, − 2 per "sorry" reply, 0 for any other answered question (the complaint
-//!   again, a symptom that narrows nothing, or no symptom at all),
+//!   (one `?`, one symptom) about a symptom not yet named in the dialogue that one of the
+//!   complaint's possible causes has, − 2 per "sorry" reply, 0 for any other answered
+//!   question (the complaint again, a symptom that narrows nothing, a list, no symptom),
 //!   − 2 per doctor turn with two or more `?`, − 5 when no diagnosis is given
 //!   (MrlX's precedence bug, which penalised a *present* recommendation, is fixed); see
-//!   `clinic::doctor_reward`;
+//!   `clinic::doctor_rewards`;
 //! * patient, per reply = mean of information control (1 − 0.2 × symptoms volunteered that
-//!   were not asked), completeness (1 − 0.2 × asked symptoms the patient has but did not
-//!   confirm) and consistency (1 − 0.2 × statements contradicting the case).
+//!   were not asked), completeness (1 − 0.2 × asked symptoms not confirmed when the
+//!   patient has them, or not denied when it lacks them) and consistency (1 − 0.2 ×
+//!   statements contradicting the case).
+//!
+//! Credit: each doctor turn trains on its reward-to-go (what it and the later turns
+//! earned), normalised against the same turn of every dialogue in the step
+//! (`--baseline batch`; `group` is MrlX's per-prompt GRPO group). The patient's replies
+//! are normalised over its update's batch.
 //!
 //! The run ends cleanly: when the doctor finishes it closes the queue, the patient trains on
 //! what is left and stops. When the second session cannot be created (or with
 //! `--force-fallback`) one session plays both roles, still through the queue.
 //!
 //! Adapted to a small model: prompts are raw text, one line per turn; the doctor's header
-//! holds the case table indexed by symptom (the medical knowledge a 135M model lacks) and
-//! a one-shot example; at the turn cap the doctor's line starts with `Diagnosis:`.
+//! lists the diagnoses and symptoms it may name and a one-shot example off the table; at
+//! the turn cap the doctor's line starts with `Diagnosis:`. Which symptoms point to which
+//! disease the doctor learns, as MrlX's does.
 
 mod dialogue;
 mod queue;
@@ -104,6 +111,9 @@ struct Args {
     patient_top_p: f64,
 }
 
+/// Doctor steps when `--steps` is not given: `recipes.md` gives the doctor 50 steps to
+/// gain 0.2 in held-out accuracy.
+const DEFAULT_STEPS: usize = 50;
 /// Adam learning rate when `--lr` is not given: at 5e-4 the doctor collapsed to one
 /// diagnosis for every patient within four steps.
 const DEFAULT_LR: f64 = 2e-4;
@@ -318,6 +328,7 @@ async fn main() -> anyhow::Result<()> {
     init_tracing();
     let args = Args::parse();
     let c = &args.common;
+    let steps = c.steps_or(DEFAULT_STEPS);
     let Start { mut run, conn, tok } = start("doctor_patient_queue", c).await?;
     let sessions = AgentSessions::open(&conn, 2, args.force_fallback, |i| c.lora(i)).await?;
     let mode = sessions.mode();
@@ -360,17 +371,17 @@ async fn main() -> anyhow::Result<()> {
         greedy: &greedy,
     };
     let mut curves = Curves::new(&["doctor diagnosis accuracy", "patient exam correct"]);
-    let bar = progress(c.steps);
+    let bar = progress(steps);
     bar.set_prefix(mode);
     let mut sent = 0usize;
-    for step in 0..=c.steps {
+    for step in 0..=steps {
         while let Ok(record) = records_rx.try_recv() {
             run.log(&record)?;
         }
         let doctor_sampler = doctor.save_weights_and_get_sampling_client().await?;
         let patient_version = latest_patient.borrow().0;
         // The last point is taken after the patient has drained the queue, below.
-        if step % args.eval_every.max(1) == 0 && step < c.steps {
+        if step % args.eval_every.max(1) == 0 && step < steps {
             let e = exam.evaluate(&doctor_sampler, step, &mut curves).await?;
             run.log(
                 &json!({"step": step, "patient_version": patient_version, "eval": e.to_json()}),
@@ -381,7 +392,7 @@ async fn main() -> anyhow::Result<()> {
                 e.diagnosis_accuracy, e.exam_correct
             ));
         }
-        if step == c.steps {
+        if step == steps {
             break;
         }
         let batch: Vec<Case> = batch_at(&train, step, args.batch);
@@ -488,9 +499,9 @@ async fn main() -> anyhow::Result<()> {
     }
     // Final held-out numbers with both final weights.
     let doctor_sampler = doctor.save_weights_and_get_sampling_client().await?;
-    let e = exam.evaluate(&doctor_sampler, c.steps, &mut curves).await?;
-    run.log(&json!({"step": c.steps, "final": true, "eval": e.to_json()}))?;
-    run.sample(&json!({"step": c.steps, "final": true, "dialogues": e.examples}))?;
+    let e = exam.evaluate(&doctor_sampler, steps, &mut curves).await?;
+    run.log(&json!({"step": steps, "final": true, "eval": e.to_json()}))?;
+    run.sample(&json!({"step": steps, "final": true, "dialogues": e.examples}))?;
 
     let mut checkpoints = serde_json::Map::new();
     if sessions.distinct() == 2 {
@@ -516,7 +527,7 @@ async fn main() -> anyhow::Result<()> {
         "recipe": "doctor_patient_queue",
         "mode": mode,
         "fallback_reason": sessions.fallback_reason,
-        "steps": c.steps,
+        "steps": steps,
         "patient_dialogues_sent": sent,
         "base_model": conn.base_model,
         "held_out": curves.to_json(),
@@ -540,3 +551,82 @@ async fn main() -> anyhow::Result<()> {
 /// at step 8); README, recipe table.
 const CRITERION_DOCTOR_GAIN: f64 = 0.2;
 const CRITERION_PATIENT_GAIN: f64 = 0.1;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lathe_recipes::advantages::group_normalised;
+    use lathe_recipes::data::DISEASES;
+
+    fn case(disease: usize, complaint: usize) -> Case {
+        let d = DISEASES[disease];
+        Case {
+            disease: d,
+            complaint: d.symptoms[complaint],
+            symptoms: d.symptoms[..3].to_vec(),
+        }
+    }
+
+    /// A dialogue of `questions` then `diagnosis`; each doctor turn's prompt extends the
+    /// one before, as in a real transcript.
+    fn dialogue(questions: &[(&str, &str)], diagnosis: &str) -> Dialogue {
+        let mut prompt = vec![1, 2, 3];
+        let mut d = Dialogue::default();
+        for (i, (q, a)) in questions.iter().enumerate() {
+            let sample = Sample {
+                tokens: vec![10 + i as i64],
+                logprobs: vec![-1.0],
+                text: q.to_string(),
+            };
+            d.doctor_samples.push((prompt.clone(), sample.clone()));
+            prompt.extend(&sample.tokens);
+            prompt.push(99); // the patient's reply
+            d.turns.push((q.to_string(), a.to_string()));
+        }
+        let sample = Sample {
+            tokens: vec![50],
+            logprobs: vec![-1.0],
+            text: diagnosis.into(),
+        };
+        d.doctor_samples.push((prompt, sample));
+        d.diagnosis = Some(diagnosis.into());
+        d
+    }
+
+    fn advantages(data: &[Datum]) -> Vec<Vec<f64>> {
+        data.iter()
+            .map(|d| d.loss_fn_inputs["advantages"].data.clone())
+            .collect()
+    }
+
+    #[test]
+    fn each_doctor_turn_is_compared_with_the_same_turn_of_the_batch() {
+        let flu = case(0, 0); // fever
+        let cold = case(1, 0); // cough
+        let chills = ("Question: Do you have chills?", "Yes.");
+        let dialogues = vec![
+            (0, dialogue(&[chills], "flu")),
+            (0, dialogue(&[chills], "migraine")),
+            (1, dialogue(&[], "common cold")),
+            (1, dialogue(&[], "common cold")),
+        ];
+        let cases = [flu, cold];
+        let (_, rewards, _) = score(&dialogues, &cases);
+        let batch = advantages(&doctor_data(&dialogues, &rewards, Baseline::Batch));
+        // Diagnosis turns: 5, 0, 5, 5 against their batch mean; the two questions (6 and
+        // 1 to go) against each other.
+        let dx = group_normalised(&[5.0, 0.0, 5.0, 5.0]);
+        let q = group_normalised(&[6.0, 1.0]);
+        assert_eq!(batch.len(), 4);
+        let last = |a: &Vec<f64>| *a.last().unwrap();
+        for (i, a) in batch.iter().enumerate() {
+            assert!((last(a) - dx[i]).abs() < 1e-6, "{batch:?}");
+        }
+        let first = |a: &Vec<f64>| a.iter().copied().find(|x| *x != 0.0).unwrap();
+        assert!((first(&batch[0]) - q[0]).abs() < 1e-6);
+        assert!((first(&batch[1]) - q[1]).abs() < 1e-6);
+        // Within each case's own group, the agreeing second case carries no signal.
+        let group = advantages(&doctor_data(&dialogues, &rewards, Baseline::Group));
+        assert_eq!(group.len(), 2, "{group:?}");
+    }
+}
