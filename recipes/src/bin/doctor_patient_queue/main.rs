@@ -7,7 +7,8 @@
 //! fresh sampler after every update. Rewards are rules over the synthetic case table
 //! (`data::DISEASES`) in place of MrlX's reference F1 and LLM judge:
 //!
-//! * doctor = 5 × token F1 of the diagnosis with the reference, + 1 per answered question
+//! * doctor = 5 for the right diagnosis (exact, as `recipes.md` asks; MrlX's token F1
+//!   paid half for "food allergy"), + 1 per answered question
 //!   (one `?`, one symptom) about a symptom not yet named in the dialogue that one of the
 //!   complaint's possible causes has, − 2 per "sorry" reply, 0 for any other answered
 //!   question (the complaint again, a symptom that narrows nothing, a list, no symptom),
