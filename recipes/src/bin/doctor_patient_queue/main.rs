@@ -30,9 +30,11 @@
 //! `--force-fallback`) one session plays both roles, still through the queue.
 //!
 //! Adapted to a small model: prompts are raw text, one line per turn; the doctor's header
-//! lists the diagnoses and symptoms it may name and a one-shot example off the table; at
-//! the turn cap the doctor's line starts with `Diagnosis:`. Which symptoms point to which
-//! disease the doctor learns, as MrlX's does.
+//! holds the case table indexed by symptom (the medical knowledge a 32B doctor brings and
+//! a 135M one lacks) and a one-shot example; at the turn cap the doctor's line starts
+//! with `Diagnosis:`. Without the table (the doctor told only the names it may use) it
+//! started at 0.06 held-out and, in 50 steps, learned to diagnose at once without asking,
+//! which starved the patient of questions; held-out accuracy never passed 0.22.
 
 mod dialogue;
 mod queue;
