@@ -173,6 +173,10 @@ pub fn patient_reward(question: &str, reply: &str, case: &Case) -> f64 {
     let lower = format!(" {} ", words(reply).join(" "));
     let yes = lower.contains(" yes ");
     let no = lower.contains(" no ") || lower.contains(" not ") || lower.contains(" don t ");
+    // A bare reply that says both ("Yes, no. No.") answers nothing: it neither confirms
+    // nor denies. A 50-step run learned it, since it dodged both penalties either way.
+    let hedged = yes && no && said.is_empty();
+    let (yes, no) = if hedged { (false, false) } else { (yes, no) };
     let volunteered = said
         .iter()
         .filter(|s| !asked.contains(s) && case.has(s))
@@ -269,6 +273,11 @@ mod tests {
             patient_reward("Question: Do you have a rash?", "No, I don't.", &case),
             1.0
         );
+        // Yes and no at once confirms nothing and denies nothing.
+        for q in [q, "Question: Do you have a rash?"] {
+            let r = patient_reward(q, "Yes, no. No.", &case);
+            assert!((r - (1.0 + 0.8 + 1.0) / 3.0).abs() < 1e-12, "{q}: {r}");
+        }
     }
 
     #[test]
