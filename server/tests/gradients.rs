@@ -204,50 +204,48 @@ fn tiny_with_adapters(
 }
 
 fn mixed_equals_separate(arch: Arch, dtype: DType, tol: f64) {
-    {
-        let attn_only = LoraSpec {
-            rank: 2,
-            train_attn: true,
-            train_mlp: false,
-            train_unembed: false,
-        };
-        let (model, a, b) = tiny_with_adapters(arch, dtype, [(full_spec(4), 21), (attn_only, 22)]);
-        let vocab = model.transformer.config.vocab_size;
-        // Interleaved on purpose: the batch must regroup rows by adapter.
-        let jobs = vec![
-            ce_job(1, 10, vocab, 0),
-            ce_job(2, 6, vocab, 1),
-            ce_job(3, 8, vocab, 0),
-            ce_job(4, 5, vocab, 1),
-        ];
-        let (mixed_out, mixed_grads) =
-            forward_backward(&model.transformer, &[&a, &b], &jobs, true).unwrap();
-        for (ai, adapter) in [&a, &b].into_iter().enumerate() {
-            let own: Vec<DatumJob> = jobs
-                .iter()
-                .filter(|j| j.adapter == ai)
-                .map(|j| DatumJob {
-                    adapter: 0,
-                    ..j.clone()
-                })
-                .collect();
-            let (alone_out, alone_grads) =
-                forward_backward(&model.transformer, &[adapter], &own, true).unwrap();
-            let mixed_for_adapter: Vec<_> = jobs
-                .iter()
-                .zip(&mixed_out)
-                .filter(|(j, _)| j.adapter == ai)
-                .collect();
-            for ((_, m), s) in mixed_for_adapter.iter().zip(&alone_out) {
-                for (x, y) in m.logprobs.iter().zip(&s.logprobs) {
-                    assert!(
-                        (x - y).abs() < 1e-5 * x.abs().max(1.0),
-                        "{arch:?} logprob {x} vs {y}"
-                    );
-                }
+    let attn_only = LoraSpec {
+        rank: 2,
+        train_attn: true,
+        train_mlp: false,
+        train_unembed: false,
+    };
+    let (model, a, b) = tiny_with_adapters(arch, dtype, [(full_spec(4), 21), (attn_only, 22)]);
+    let vocab = model.transformer.config.vocab_size;
+    // Interleaved on purpose: the batch must regroup rows by adapter.
+    let jobs = vec![
+        ce_job(1, 10, vocab, 0),
+        ce_job(2, 6, vocab, 1),
+        ce_job(3, 8, vocab, 0),
+        ce_job(4, 5, vocab, 1),
+    ];
+    let (mixed_out, mixed_grads) =
+        forward_backward(&model.transformer, &[&a, &b], &jobs, true).unwrap();
+    for (ai, adapter) in [&a, &b].into_iter().enumerate() {
+        let own: Vec<DatumJob> = jobs
+            .iter()
+            .filter(|j| j.adapter == ai)
+            .map(|j| DatumJob {
+                adapter: 0,
+                ..j.clone()
+            })
+            .collect();
+        let (alone_out, alone_grads) =
+            forward_backward(&model.transformer, &[adapter], &own, true).unwrap();
+        let mixed_for_adapter: Vec<_> = jobs
+            .iter()
+            .zip(&mixed_out)
+            .filter(|(j, _)| j.adapter == ai)
+            .collect();
+        for ((_, m), s) in mixed_for_adapter.iter().zip(&alone_out) {
+            for (x, y) in m.logprobs.iter().zip(&s.logprobs) {
+                assert!(
+                    (x - y).abs() < 1e-5 * x.abs().max(1.0),
+                    "{arch:?} logprob {x} vs {y}"
+                );
             }
-            assert_grads_close(&mixed_grads[ai], &alone_grads[0], tol, &format!("{arch:?}"));
         }
+        assert_grads_close(&mixed_grads[ai], &alone_grads[0], tol, &format!("{arch:?}"));
     }
 }
 

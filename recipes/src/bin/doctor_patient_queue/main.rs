@@ -152,32 +152,34 @@ fn doctor_data(
     rewards: &[DoctorRewards],
     baseline: Baseline,
 ) -> Vec<Datum> {
+    let scope = |case: usize| match baseline {
+        Baseline::Batch => None,
+        Baseline::Group => Some(case),
+    };
+    let to_go: Vec<Vec<f64>> = rewards.iter().map(DoctorRewards::returns).collect();
     let mut returns = Vec::new();
     let mut keys = Vec::new();
-    for ((case, d), r) in dialogues.iter().zip(rewards) {
-        let to_go = r.returns();
-        debug_assert_eq!(to_go.len(), d.doctor_samples.len(), "one return per turn");
-        for t in 0..to_go.len().min(d.doctor_samples.len()) {
-            let turn = if t + 1 == to_go.len() {
+    for ((case, d), g) in dialogues.iter().zip(&to_go) {
+        debug_assert_eq!(g.len(), d.doctor_samples.len(), "one return per turn");
+        for (t, &r) in g.iter().enumerate() {
+            let turn = if t + 1 == g.len() {
                 Turn::Diagnosis
             } else {
                 Turn::Question(t)
             };
-            let scope = match baseline {
-                Baseline::Batch => None,
-                Baseline::Group => Some(*case),
-            };
-            returns.push(to_go[t]);
-            keys.push((scope, turn));
+            returns.push(r);
+            keys.push((scope(*case), turn));
         }
     }
     let mut advantages = normalised_within(&returns, &keys).into_iter();
     let mut data = Vec::new();
-    for ((_, d), r) in dialogues.iter().zip(rewards) {
-        let n = r.returns().len().min(d.doctor_samples.len());
-        let turns: Vec<(&[i64], &Sample, f64)> = d.doctor_samples[..n]
+    for ((_, d), g) in dialogues.iter().zip(&to_go) {
+        // Every return takes its advantage off the iterator, trained on or not.
+        let turn_advantages: Vec<f64> = advantages.by_ref().take(g.len()).collect();
+        let turns: Vec<(&[i64], &Sample, f64)> = d
+            .doctor_samples
             .iter()
-            .zip(advantages.by_ref())
+            .zip(turn_advantages)
             .filter(|(_, adv)| *adv != 0.0)
             .map(|((p, s), adv)| (&p[..], s, adv))
             .collect();
