@@ -177,6 +177,12 @@ pub fn patient_reward(question: &str, reply: &str, case: &Case) -> f64 {
     // nor denies. A 50-step run learned it, since it dodged both penalties either way.
     let hedged = yes && no && said.is_empty();
     let (yes, no) = if hedged { (false, false) } else { (yes, no) };
+    // Evading a symptom question, by hedging or by the refusal the prompt keeps for
+    // questions off the case, misses the fact and contradicts the case, which answers it.
+    // Scored as a miss alone, evasion (0.93) matched a patient that guesses (1 or 0.87)
+    // and beat it on questions off the case, and a 50-step run learned to say "sorry" to
+    // every question, which then cost every doctor question 2.
+    let evaded = !asked.is_empty() && (hedged || is_sorry(reply));
     let volunteered = said
         .iter()
         .filter(|s| !asked.contains(s) && case.has(s))
@@ -198,6 +204,7 @@ pub fn patient_reward(question: &str, reply: &str, case: &Case) -> f64 {
         missed += 1;
     }
     let mut conflicts = said.iter().filter(|s| !case.has(s) && !no).count();
+    conflicts += usize::from(evaded);
     conflicts += asked.iter().filter(|s| case.has(s) && no && !yes).count();
     conflicts += asked.iter().filter(|s| !case.has(s) && yes && !no).count();
     let rate = |n: usize| (1.0 - 0.2 * n as f64).max(0.0);
@@ -273,11 +280,18 @@ mod tests {
             patient_reward("Question: Do you have a rash?", "No, I don't.", &case),
             1.0
         );
-        // Yes and no at once confirms nothing and denies nothing.
+        // Yes and no at once, or a refusal, evades the question: the fact is missed and
+        // the case, which answers it, contradicted. Evasion scores no better than a wrong
+        // answer, so it is not the safe reply to a question the patient cannot tell.
         for q in [q, "Question: Do you have a rash?"] {
-            let r = patient_reward(q, "Yes, no. No.", &case);
-            assert!((r - (1.0 + 0.8 + 1.0) / 3.0).abs() < 1e-12, "{q}: {r}");
+            for evasion in ["Yes, no. No.", SORRY, "I am sorry, I cannot answer this."] {
+                let r = patient_reward(q, evasion, &case);
+                assert!((r - (1.0 + 0.8 + 0.8) / 3.0).abs() < 1e-12, "{q}: {evasion}: {r}");
+            }
         }
+        // Off the case, the refusal is the right reply and anything else misses it.
+        assert_eq!(patient_reward("Question: How old are you?", SORRY, &case), 1.0);
+        assert!(patient_reward("Question: How old are you?", "25.", &case) < 1.0);
     }
 
     #[test]
