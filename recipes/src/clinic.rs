@@ -286,11 +286,17 @@ mod tests {
         for q in [q, "Question: Do you have a rash?"] {
             for evasion in ["Yes, no. No.", SORRY, "I am sorry, I cannot answer this."] {
                 let r = patient_reward(q, evasion, &case);
-                assert!((r - (1.0 + 0.8 + 0.8) / 3.0).abs() < 1e-12, "{q}: {evasion}: {r}");
+                assert!(
+                    (r - (1.0 + 0.8 + 0.8) / 3.0).abs() < 1e-12,
+                    "{q}: {evasion}: {r}"
+                );
             }
         }
         // Off the case, the refusal is the right reply and anything else misses it.
-        assert_eq!(patient_reward("Question: How old are you?", SORRY, &case), 1.0);
+        assert_eq!(
+            patient_reward("Question: How old are you?", SORRY, &case),
+            1.0
+        );
         assert!(patient_reward("Question: How old are you?", "25.", &case) < 1.0);
     }
 

@@ -188,13 +188,23 @@ fn doctor_data(
     data
 }
 
-/// The exam's mean reward and the fraction of replies with full marks.
+/// The patient's held-out exam.
+struct Exam {
+    /// Mean reward of the replies.
+    reward: f64,
+    /// The fraction of replies with full marks.
+    correct: f64,
+    /// The first few cases' questions, replies and rewards, for `samples.jsonl`.
+    examples: Vec<Value>,
+}
+
+/// Puts every held-out case's exam questions to `patient`, greedily.
 async fn examine_patient(
     patient: &SamplingClient,
     tok: &Tokenizer,
     held_out: &[Case],
     greedy: &Generation,
-) -> anyhow::Result<(f64, f64)> {
+) -> anyhow::Result<Exam> {
     let mut asked = Vec::new();
     let mut prompts = Vec::new();
     for (i, case) in held_out.iter().enumerate() {
@@ -213,7 +223,25 @@ async fn examine_patient(
         .iter()
         .map(|&r| f64::from(u8::from(r >= 1.0 - 1e-9)))
         .collect();
-    Ok((mean(&rewards), mean(&perfect)))
+    let examples = asked
+        .iter()
+        .zip(&replies)
+        .zip(&rewards)
+        .take(EXAMPLES * 3)
+        .map(|(((case, q), r), reward)| {
+            json!({
+                "symptoms": case.symptoms,
+                "question": q,
+                "reply": r.samples[0].text.trim(),
+                "reward": reward,
+            })
+        })
+        .collect();
+    Ok(Exam {
+        reward: mean(&rewards),
+        correct: mean(&perfect),
+        examples,
+    })
 }
 
 /// Held-out numbers from greedy dialogues.
@@ -222,9 +250,8 @@ struct Eval {
     doctor_reward: f64,
     /// Mean reward of the patient's replies in the doctor's dialogues.
     patient_reward: f64,
-    /// The patient's exam: mean reward, and the fraction of replies with full marks.
-    exam_reward: f64,
-    exam_correct: f64,
+    /// The patient's exam.
+    exam: Exam,
     /// The first few dialogues, for `samples.jsonl`.
     examples: Vec<Value>,
 }
@@ -235,8 +262,8 @@ impl Eval {
             "doctor_diagnosis_accuracy": self.diagnosis_accuracy,
             "doctor_reward": self.doctor_reward,
             "patient_reward": self.patient_reward,
-            "patient_exam_reward": self.exam_reward,
-            "patient_exam_correct": self.exam_correct,
+            "patient_exam_reward": self.exam.reward,
+            "patient_exam_correct": self.exam.correct,
         })
     }
 }
@@ -261,7 +288,7 @@ impl HeldOut<'_> {
     ) -> anyhow::Result<Eval> {
         let e = evaluate(doctor, self).await?;
         curves.push("doctor diagnosis accuracy", step, e.diagnosis_accuracy);
-        curves.push("patient exam correct", step, e.exam_correct);
+        curves.push("patient exam correct", step, e.exam.correct);
         Ok(e)
     }
 }
@@ -290,13 +317,12 @@ async fn evaluate(doctor: &SamplingClient, h: &HeldOut<'_>) -> anyhow::Result<Ev
         })
         .collect();
     let latest = patient.borrow().1.clone();
-    let (exam_reward, exam_correct) = examine_patient(&latest, tok, held_out, greedy).await?;
+    let exam = examine_patient(&latest, tok, held_out, greedy).await?;
     Ok(Eval {
         diagnosis_accuracy: mean(&correct),
         doctor_reward: mean(&doctor_rewards),
         patient_reward: mean(&patient_rewards),
-        exam_reward,
-        exam_correct,
+        exam,
         examples,
     })
 }
@@ -391,10 +417,10 @@ async fn main() -> anyhow::Result<()> {
             run.log(
                 &json!({"step": step, "patient_version": patient_version, "eval": e.to_json()}),
             )?;
-            run.sample(&json!({"step": step, "dialogues": e.examples}))?;
+            run.sample(&json!({"step": step, "dialogues": e.examples, "exam": e.exam.examples}))?;
             bar.set_message(format!(
                 "held-out diagnosis {:.2}, patient exam {:.2}",
-                e.diagnosis_accuracy, e.exam_correct
+                e.diagnosis_accuracy, e.exam.correct
             ));
         }
         if step == steps {
@@ -506,7 +532,12 @@ async fn main() -> anyhow::Result<()> {
     let doctor_sampler = doctor.save_weights_and_get_sampling_client().await?;
     let e = exam.evaluate(&doctor_sampler, steps, &mut curves).await?;
     run.log(&json!({"step": steps, "final": true, "eval": e.to_json()}))?;
-    run.sample(&json!({"step": steps, "final": true, "dialogues": e.examples}))?;
+    run.sample(&json!({
+        "step": steps,
+        "final": true,
+        "dialogues": e.examples,
+        "exam": e.exam.examples,
+    }))?;
 
     let mut checkpoints = serde_json::Map::new();
     if sessions.distinct() == 2 {
