@@ -75,11 +75,15 @@ struct Args {
     /// What each doctor turn's reward-to-go is compared with.
     #[arg(long, value_enum, default_value_t = Baseline::Batch)]
     baseline: Baseline,
-    /// Cases per doctor step.
-    #[arg(long, default_value_t = 4)]
+    /// Cases per doctor step. Eight cases of four dialogues, rather than MrlX's groups
+    /// of eight: under the batch baseline the group does not set the baseline, and a
+    /// step that sees more complaints pulls less toward one diagnosis. Measured, 50
+    /// steps each (one run, with the patient's evasion fix in the second only): 4 × 8
+    /// held-out diagnosis 0.22 -> 0.28, 8 × 4 0.22 -> 0.50.
+    #[arg(long, default_value_t = 8)]
     batch: usize,
     /// Dialogues per case (the doctor's RL group; MrlX samples 8 per prompt).
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 4)]
     group: usize,
     /// Doctor turns per dialogue; the last one must diagnose.
     #[arg(long, default_value_t = 3)]
@@ -582,8 +586,9 @@ async fn main() -> anyhow::Result<()> {
 }
 
 /// The targets of `recipes.md` (doctor +0.2 within 50 steps; the patient's +0.1 applied
-/// to its exam, since its mean reply reward starts above 0.9). Not met on the default
-/// model: the measured curves are in the README's recipe table.
+/// to its exam, since its mean reply reward starts above 0.9). Half met on the default
+/// model: the doctor gained 0.28 in the default 50-step run, the patient's exam 0.02
+/// (the measured curves are in the README's recipe table).
 const CRITERION_DOCTOR_GAIN: f64 = 0.2;
 const CRITERION_PATIENT_GAIN: f64 = 0.1;
 
