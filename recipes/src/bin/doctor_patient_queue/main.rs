@@ -421,7 +421,11 @@ async fn main() -> anyhow::Result<()> {
             run.log(
                 &json!({"step": step, "patient_version": patient_version, "eval": e.to_json()}),
             )?;
-            run.sample(&json!({"step": step, "dialogues": e.examples, "exam": e.exam.examples}))?;
+            run.sample(&json!({
+                "step": step,
+                "dialogues": e.examples,
+                "exam": e.exam.examples,
+            }))?;
             bar.set_message(format!(
                 "held-out diagnosis {:.2}, patient exam {:.2}",
                 e.diagnosis_accuracy, e.exam.correct
