@@ -104,7 +104,8 @@ impl DoctorRewards {
 /// trusted to be: an answered question earns +1 only when it is one question (ending in
 /// `?`) about one symptom not yet named in the dialogue (the complaint counts as named)
 /// that belongs to a disease able to cause the complaint ([`relevant_symptoms`]), i.e. a
-/// question that narrows the diagnosis; any other answered question earns nothing, and a "sorry" still costs 2.
+/// question that narrows the diagnosis; any other answered question earns nothing, and a
+/// "sorry" still costs 2.
 /// Without the relevance rule the doctor learned to ask every patient about a sore
 /// throat, a sure +1, and then to diagnose strep throat, the disease whose index line
 /// follows it (held-out accuracy 0.22 -> 0.06 at step 12). MrlX's capable patient

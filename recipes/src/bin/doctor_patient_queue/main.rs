@@ -18,7 +18,8 @@
 //! * patient, per reply = mean of information control (1 − 0.2 × symptoms volunteered that
 //!   were not asked), completeness (1 − 0.2 × asked symptoms not confirmed when the
 //!   patient has them, or not denied when it lacks them) and consistency (1 − 0.2 ×
-//!   statements contradicting the case).
+//!   statements contradicting the case); refusing or hedging on a symptom question
+//!   counts as both a miss and a contradiction (see `clinic::patient_reward`).
 //!
 //! Credit: each doctor turn trains on its reward-to-go (what it and the later turns
 //! earned), normalised against the same turn of every dialogue in the step
