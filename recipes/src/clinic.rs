@@ -239,6 +239,44 @@ pub fn patient_exam(case: &Case, i: usize) -> [String; 3] {
     ]
 }
 
+/// Questions off the case for the patient's drills: none is an exam question
+/// ([`UNRELATED`]); the disease names are what the doctor asks once it guesses.
+fn drill_off_topic(k: usize) -> String {
+    const OTHER: [&str; 3] = [
+        "Question: What is your name?",
+        "Question: Do you smoke?",
+        "Question: How did you sleep?",
+    ];
+    let n = OTHER.len() + DISEASES.len();
+    match k % n {
+        i if i < OTHER.len() => OTHER[i].to_string(),
+        i => format!("Question: Do you have {}?", DISEASES[i - OTHER.len()].name),
+    }
+}
+
+/// The `k`-th drill for a training case's patient: a question about a symptom it has (not
+/// its complaint), one about a symptom it lacks (any of the table's, its own disease's
+/// missing one included), and one off the case. Successive `k` walk every choice.
+/// A 135M patient does not read its case from the doctor's few questions alone (the
+/// README's runs); these give every update questions whose answer its case decides.
+pub fn patient_drill(case: &Case, k: usize) -> [String; 3] {
+    let have: Vec<&str> = case
+        .symptoms
+        .iter()
+        .copied()
+        .filter(|s| *s != case.complaint)
+        .collect();
+    let lack: Vec<&str> = symptom_vocabulary()
+        .into_iter()
+        .filter(|s| !case.has(s))
+        .collect();
+    [
+        format!("Question: Do you have {}?", have[k % have.len()]),
+        format!("Question: Do you have {}?", lack[k % lack.len()]),
+        drill_off_topic(k),
+    ]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -412,5 +450,31 @@ mod tests {
             .iter()
             .all(|s| !case.disease.symptoms.contains(s)));
         assert!(mentioned(&exam[2]).is_empty());
+    }
+
+    #[test]
+    fn drills_ask_what_the_case_decides_and_never_the_exam() {
+        let case = flu_case();
+        let mut lacked = Vec::new();
+        for k in 0..40 {
+            let [have, lack, off] = patient_drill(&case, k);
+            assert!(mentioned(&have)
+                .iter()
+                .all(|s| case.has(s) && *s != "fever"));
+            let l = mentioned(&lack);
+            assert!(l.len() == 1 && !case.has(l[0]), "{lack}");
+            lacked.push(l[0]);
+            assert!(mentioned(&off).is_empty(), "{off}");
+            assert!(!UNRELATED.contains(&off.as_str()));
+            assert_eq!(patient_reward(&off, SORRY, &case), 1.0);
+        }
+        // Body aches, the flu symptom this patient lacks, is drilled too.
+        assert!(lacked.contains(&"body aches"));
+        lacked.sort_unstable();
+        lacked.dedup();
+        assert_eq!(
+            lacked.len(),
+            symptom_vocabulary().len() - case.symptoms.len()
+        );
     }
 }

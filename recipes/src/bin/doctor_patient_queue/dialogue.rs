@@ -101,7 +101,7 @@ impl Dialogue {
 }
 
 /// A turn's text without the other speaker's label it was stopped at.
-fn one_line(text: &str, other: &str) -> String {
+pub(crate) fn one_line(text: &str, other: &str) -> String {
     text.trim().trim_end_matches(other).trim().to_string()
 }
 

@@ -40,6 +40,7 @@
 mod dialogue;
 mod queue;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
@@ -56,7 +57,7 @@ use lathe_recipes::rollout::{
 };
 use lathe_recipes::run::{mean, progress, Curves};
 use lathe_recipes::setup::{init_tracing, save_final, start, AgentSessions, CommonArgs, Start};
-use queue::{locked_step, patient_loop, QueueItem, StepLock};
+use queue::{locked_step, patient_loop, Drills, QueueItem, StepLock};
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, watch};
 
@@ -117,6 +118,15 @@ struct Args {
     /// Nucleus mass of the patient's replies (MrlX: 0.95).
     #[arg(long, default_value_t = 0.95)]
     patient_top_p: f64,
+    /// Replies the patient samples to each of its drill questions (three per case of an
+    /// update: a symptom it has, one it lacks, one off the case); 0 trains it on the
+    /// doctor's dialogues alone, as MrlX.
+    #[arg(long, default_value_t = 4)]
+    drill_samples: usize,
+    /// Temperature of the drill replies: a patient that answers one way whatever its case
+    /// must sometimes sample the other answer to learn which is right.
+    #[arg(long, default_value_t = 1.0)]
+    drill_temperature: f64,
 }
 
 /// Doctor steps when `--steps` is not given: `recipes.md` gives the doctor 50 steps to
@@ -366,6 +376,8 @@ async fn main() -> anyhow::Result<()> {
     let c = &args.common;
     let steps = c.steps_or(DEFAULT_STEPS);
     let Start { mut run, conn, tok } = start("doctor_patient_queue", c).await?;
+    // Shared with the patient loop, which samples its drills.
+    let tok = Arc::new(tok);
     let sessions = AgentSessions::open(&conn, 2, args.force_fallback, |i| c.lora(i)).await?;
     let mode = sessions.mode();
     let doctor = sessions.trainer(DOCTOR).clone();
@@ -378,7 +390,7 @@ async fn main() -> anyhow::Result<()> {
 
     let (queue_tx, queue_rx) = mpsc::channel::<QueueItem>(args.queue_capacity.max(1));
     let first_patient = patient.save_weights_and_get_sampling_client().await?;
-    let (publish, latest_patient) = watch::channel((0u64, first_patient));
+    let (publish, latest_patient) = watch::channel((0u64, first_patient.clone()));
     let (records_tx, mut records_rx) = mpsc::unbounded_channel();
     let doctor_lock = StepLock::default();
     let patient_lock = if sessions.distinct() == 2 {
@@ -386,8 +398,21 @@ async fn main() -> anyhow::Result<()> {
     } else {
         doctor_lock.clone()
     };
+    let drills = Drills {
+        tok: Arc::clone(&tok),
+        samples: args.drill_samples,
+        generation: Generation::sampled(
+            TURN_TOKENS,
+            args.drill_temperature,
+            c.step_seed(0).wrapping_add(0x5eed),
+        )
+        .within(conn.max_context)
+        .stop_at(&["\n", "Doctor:"]),
+    };
     let patient_task = tokio::spawn(patient_loop(
         patient.clone(),
+        first_patient,
+        drills,
         patient_lock,
         queue_rx,
         publish,
@@ -479,6 +504,7 @@ async fn main() -> anyhow::Result<()> {
                 continue;
             }
             let item = QueueItem {
+                case: batch[*c_idx].clone(),
                 replies: d
                     .patient_samples
                     .iter()

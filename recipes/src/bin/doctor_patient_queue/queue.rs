@@ -1,19 +1,27 @@
 //! The patient's side of the queue: what a dialogue leaves on it, the staleness bound,
-//! and the patient's own train/sample loop.
+//! and the patient's own train/sample loop (which samples its drills).
 
 use std::sync::Arc;
 
 use lathe::types::{AdamParams, Datum, LossFn};
-use lathe::{SamplingClient, TrainingClient};
+use lathe::{SamplingClient, Tokenizer, TrainingClient};
 use lathe_recipes::advantages::group_normalised;
-use lathe_recipes::rollout::{ratio_mean, submit_step, trajectory_data, Sample, Step};
+use lathe_recipes::clinic::{patient_drill, patient_reward};
+use lathe_recipes::data::Case;
+use lathe_recipes::rollout::{
+    ratio_mean, sample_prompts, submit_step, trajectory_data, Generation, Sample, Step,
+};
 use lathe_recipes::run::mean;
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, watch, Mutex};
 
+use crate::dialogue::{one_line, Dialogue};
+
 /// One dialogue's patient side on the queue.
 #[derive(Debug, Clone)]
 pub(crate) struct QueueItem {
+    /// The patient's case.
+    pub(crate) case: Case,
     /// Per reply: its prompt, the sample and its reward.
     pub(crate) replies: Vec<(Vec<i64>, Sample, f64)>,
     /// The oldest patient update any of the replies was sampled from.
@@ -36,6 +44,73 @@ pub(crate) fn drop_stale(
     (kept, dropped)
 }
 
+/// The patient's drills: questions its case answers, put by the patient loop itself to
+/// its newest sampler for every case of an update's dialogues (`clinic::patient_drill`).
+/// An addition to MrlX, whose 32B patient reads its case unprompted: the README's runs
+/// show a 135M patient, trained on the doctor's questions alone, answering one way
+/// whatever its case.
+pub(crate) struct Drills {
+    pub(crate) tok: Arc<Tokenizer>,
+    /// Replies sampled per drill question; 0 turns the drills off.
+    pub(crate) samples: usize,
+    pub(crate) generation: Generation,
+}
+
+impl Drills {
+    /// Samples one drill of each distinct case in `items` from `patient`, which is
+    /// update `version`; `drilled` counts the drills so far, so that successive ones
+    /// walk every question. Each reply becomes an item of its own.
+    async fn sample(
+        &self,
+        patient: &SamplingClient,
+        items: &[QueueItem],
+        version: u64,
+        drilled: &mut usize,
+    ) -> anyhow::Result<Vec<QueueItem>> {
+        if self.samples == 0 {
+            return Ok(Vec::new());
+        }
+        let mut cases: Vec<&Case> = Vec::new();
+        for it in items {
+            if !cases.contains(&&it.case) {
+                cases.push(&it.case);
+            }
+        }
+        let mut asked = Vec::new();
+        for case in cases {
+            for q in patient_drill(case, *drilled) {
+                asked.push((case, q));
+            }
+            *drilled += 1;
+        }
+        let prompts: Vec<String> = asked
+            .iter()
+            .map(|(case, q)| Dialogue::default().patient_prompt(case, q))
+            .collect();
+        let generation = Generation {
+            seed: self
+                .generation
+                .seed
+                .wrapping_add(version.wrapping_mul(1_000_003)),
+            ..self.generation.clone()
+        };
+        let rollouts =
+            sample_prompts(patient, &self.tok, &prompts, self.samples, &generation).await?;
+        let mut drills = Vec::new();
+        for ((case, q), r) in asked.into_iter().zip(rollouts) {
+            for sample in r.samples {
+                let reward = patient_reward(&q, &one_line(&sample.text, "Doctor:"), case);
+                drills.push(QueueItem {
+                    case: case.clone(),
+                    replies: vec![(r.prompt.clone(), sample, reward)],
+                    version,
+                });
+            }
+        }
+        Ok(drills)
+    }
+}
+
 /// Held while a step's `forward_backward` and `optim_step` are submitted, so that in
 /// fallback mode (one session for both roles) the two loops' gradients never mix: the
 /// server runs a session's requests in submission order.
@@ -52,12 +127,15 @@ pub(crate) async fn locked_step(
     submit_step(trainer, data, LossFn::ImportanceSampling, adam).await
 }
 
-/// The patient's loop: waits for `batch` replies (or the queue's close), drops stale
-/// ones, trains, publishes a fresh sampler. Returns its per-update records when the doctor
-/// closes the queue and everything left is trained.
+/// The patient's loop: waits for `batch` dialogues (or the queue's close), drops stale
+/// ones, samples its drills from `sampler` (its newest weights), trains on both,
+/// publishes a fresh sampler. Returns when the doctor closes the queue and everything
+/// left is trained; its per-update records go to `records`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn patient_loop(
     trainer: TrainingClient,
+    mut sampler: SamplingClient,
+    drills: Drills,
     lock: StepLock,
     mut queue: mpsc::Receiver<QueueItem>,
     publish: watch::Sender<(u64, SamplingClient)>,
@@ -69,6 +147,7 @@ pub(crate) async fn patient_loop(
 ) -> anyhow::Result<()> {
     let mut version = 0u64;
     let mut dropped_total = 0usize;
+    let mut drilled = 0usize;
     loop {
         let mut items = Vec::with_capacity(batch);
         let open = queue.recv_many(&mut items, batch).await > 0;
@@ -87,13 +166,24 @@ pub(crate) async fn patient_loop(
             .iter()
             .map(|it| version.saturating_sub(it.version) as f64)
             .collect();
-        let (items, dropped) = drop_stale(items, version, max_staleness);
+        let (mut items, dropped) = drop_stale(items, version, max_staleness);
         dropped_total += dropped;
+        let drill_items = drills
+            .sample(&sampler, &items, version, &mut drilled)
+            .await?;
+        let drill_rewards: Vec<f64> = drill_items.iter().map(|it| it.replies[0].2).collect();
+        let dialogue_rewards: Vec<f64> = items
+            .iter()
+            .flat_map(|it| it.replies.iter().map(|r| r.2))
+            .collect();
+        items.extend(drill_items);
         let rewards: Vec<f64> = items
             .iter()
             .flat_map(|it| it.replies.iter().map(|r| r.2))
             .collect();
-        // Advantages over the whole batch; each dialogue's replies merge into one datum.
+        // Advantages over the whole batch, drills included: the same reply ("Yes.") is
+        // then worth more to a question the case confirms than to one it denies, even when
+        // every sample of a question agrees. Each dialogue's replies merge into one datum.
         // Per datum: whether its replies come from the current weights (the agreement
         // check's tokens; older ones are off policy by design).
         let mut advantages = group_normalised(&rewards).into_iter();
@@ -127,9 +217,9 @@ pub(crate) async fn patient_loop(
             Some(step) => {
                 let outcome = step.finish().await?;
                 version += 1;
-                let sampler = trainer.save_weights_and_get_sampling_client().await?;
+                sampler = trainer.save_weights_and_get_sampling_client().await?;
                 // The doctor may have finished and dropped its receiver; that is fine.
-                let _ = publish.send((version, sampler));
+                let _ = publish.send((version, sampler.clone()));
                 Some(outcome)
             }
             None => None,
@@ -141,10 +231,12 @@ pub(crate) async fn patient_loop(
         let _ = records.send(json!({
             "patient_update": version,
             "agents": {"patient": {
-                "reward_mean": mean(&rewards),
-                // Replies with full marks.
-                "accuracy": rewards.iter().filter(|&&r| r >= 1.0 - 1e-9).count() as f64
-                    / rewards.len().max(1) as f64,
+                // The replies in the doctor's dialogues.
+                "reward_mean": mean(&dialogue_rewards),
+                "accuracy": full_marks(&dialogue_rewards),
+                "drills": drill_rewards.len(),
+                "drill_reward_mean": mean(&drill_rewards),
+                "drill_accuracy": full_marks(&drill_rewards),
                 "loss": outcome.as_ref().map(|o| o.loss),
                 "datums": data.len(),
                 "ratio_mean": ratio,
@@ -160,6 +252,11 @@ pub(crate) async fn patient_loop(
     }
 }
 
+/// The fraction of `rewards` with full marks.
+fn full_marks(rewards: &[f64]) -> f64 {
+    rewards.iter().filter(|&&r| r >= 1.0 - 1e-9).count() as f64 / rewards.len().max(1) as f64
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -167,6 +264,7 @@ mod tests {
     #[test]
     fn stale_replies_are_dropped() {
         let item = |version| QueueItem {
+            case: lathe_recipes::data::cases(0, 0).0[0].clone(),
             replies: vec![(vec![1], Sample::default(), 0.0)],
             version,
         };
