@@ -189,12 +189,13 @@ pub fn patient_reward(question: &str, reply: &str, case: &Case) -> f64 {
         .filter(|s| !asked.contains(s) && case.has(s))
         .count();
     // Whether the patient has an asked symptom is the requested fact, either way: a
-    // symptom it has must be confirmed, one it lacks denied.
+    // symptom it has must be confirmed ("Yes.", or naming it without a denial: "I have a
+    // cough."), one it lacks denied.
     let mut missed = asked
         .iter()
         .filter(|s| {
             if case.has(s) {
-                !(yes || said.contains(s))
+                !(yes || (said.contains(s) && !no))
             } else {
                 !no
             }
@@ -306,9 +307,13 @@ mod tests {
         // Volunteering chills, which was not asked: information control 0.8.
         let r = patient_reward(q, "Yes, a cough and chills.", &case);
         assert!((r - (0.8 + 1.0 + 1.0) / 3.0).abs() < 1e-12);
-        // Denying a symptom the patient has: missed and contradicted.
-        let r = patient_reward(q, "No.", &case);
-        assert!((r - (1.0 + 0.8 + 0.8) / 3.0).abs() < 1e-12);
+        // Denying a symptom the patient has: missed and contradicted, whether or not the
+        // denial names it.
+        for denial in ["No.", "No, I do not have a cough."] {
+            let r = patient_reward(q, denial, &case);
+            assert!((r - (1.0 + 0.8 + 0.8) / 3.0).abs() < 1e-12, "{denial}: {r}");
+        }
+        assert_eq!(patient_reward(q, "I have a cough.", &case), 1.0);
         // Claiming a symptom the patient lacks costs as much as denying one it has: the
         // requested fact is missed and the case contradicted (otherwise "Yes." to
         // everything would be the safe answer).
