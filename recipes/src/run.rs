@@ -164,6 +164,12 @@ impl Curves {
     }
 }
 
+/// Mean of `values`, `None` when empty: for a metric that may have nothing to average
+/// (a JSON `null`, not a misleading 0).
+pub fn mean_of(values: &[f64]) -> Option<f64> {
+    (!values.is_empty()).then(|| mean(values))
+}
+
 /// Mean of `values` (0 when empty).
 pub fn mean(values: &[f64]) -> f64 {
     if values.is_empty() {

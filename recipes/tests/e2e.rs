@@ -157,6 +157,9 @@ fn doctor_patient_queue_terminates_cleanly_in_both_modes() {
         assert_eq!(received, s["patient_dialogues_sent"].as_u64().unwrap());
         for v in &patient_lines {
             assert!(v["queue/depth"].as_u64().unwrap() <= v["queue/capacity"].as_u64().unwrap());
+            // Every update drills each of its cases: three questions, four replies each.
+            let drills = v["agents"]["patient"]["drills"].as_u64().unwrap();
+            assert!(drills > 0 && drills % 12 == 0, "{v}");
         }
     }
     let _ = std::fs::remove_dir_all(root);

@@ -55,7 +55,7 @@ use lathe_recipes::data::{batch_at, cases, Case};
 use lathe_recipes::rollout::{
     ratio_mean, sample_prompts, trajectory_data, Generation, Sample, StepOutcome,
 };
-use lathe_recipes::run::{mean, progress, Curves};
+use lathe_recipes::run::{mean, mean_of, progress, Curves};
 use lathe_recipes::setup::{init_tracing, save_final, start, AgentSessions, CommonArgs, Start};
 use queue::{locked_step, patient_loop, Drills, QueueItem, StepLock};
 use serde_json::{json, Value};
@@ -127,6 +127,10 @@ struct Args {
     /// must sometimes sample the other answer to learn which is right.
     #[arg(long, default_value_t = 1.0)]
     drill_temperature: f64,
+    /// The patient's Adam learning rate (default: the doctor's, `--lr`). In fallback
+    /// mode one session plays both roles and each loop's steps use its own rate.
+    #[arg(long)]
+    patient_lr: Option<f64>,
 }
 
 /// Doctor steps when `--steps` is not given: `recipes.md` gives the doctor 50 steps to
@@ -263,8 +267,9 @@ async fn examine_patient(
 struct Eval {
     diagnosis_accuracy: f64,
     doctor_reward: f64,
-    /// Mean reward of the patient's replies in the doctor's dialogues.
-    patient_reward: f64,
+    /// Mean reward of the patient's replies in the doctor's dialogues (none when the
+    /// doctor asked nothing).
+    patient_reward: Option<f64>,
     /// The patient's exam.
     exam: Exam,
     /// The first few dialogues, for `samples.jsonl`.
@@ -336,7 +341,7 @@ async fn evaluate(doctor: &SamplingClient, h: &HeldOut<'_>) -> anyhow::Result<Ev
     Ok(Eval {
         diagnosis_accuracy: mean(&correct),
         doctor_reward: mean(&doctor_rewards),
-        patient_reward: mean(&patient_rewards),
+        patient_reward: mean_of(&patient_rewards),
         exam,
         examples,
     })
@@ -419,7 +424,10 @@ async fn main() -> anyhow::Result<()> {
         records_tx,
         args.patient_batch.unwrap_or(args.batch * args.group).max(1),
         args.max_staleness,
-        adam,
+        AdamParams {
+            learning_rate: args.patient_lr.unwrap_or(adam.learning_rate),
+            ..adam
+        },
         args.queue_capacity,
     ));
 
@@ -497,12 +505,11 @@ async fn main() -> anyhow::Result<()> {
         };
         let step_future = locked_step(&doctor_lock, &doctor, &data, adam).await?;
 
-        // The dialogues' patient sides go onto the queue while the doctor trains.
+        // The dialogues' patient sides go onto the queue while the doctor trains; one
+        // without a question still brings its case to the patient's drills (a doctor that
+        // stopped asking starved the patient of updates).
         let mut queued = 0;
         for (c_idx, d) in &dialogues {
-            if d.patient_samples.is_empty() {
-                continue;
-            }
             let item = QueueItem {
                 case: batch[*c_idx].clone(),
                 replies: d
@@ -517,7 +524,12 @@ async fn main() -> anyhow::Result<()> {
                         )
                     })
                     .collect(),
-                version: d.patient_samples.iter().map(|p| p.2).min().unwrap_or(0),
+                version: d
+                    .patient_samples
+                    .iter()
+                    .map(|p| p.2)
+                    .min()
+                    .unwrap_or(patient_version),
             };
             queue_tx
                 .send(item)
@@ -544,7 +556,7 @@ async fn main() -> anyhow::Result<()> {
                 // Doctor turns sampled; a dialogue's turns merge into one datum.
                 "turns": dialogues.iter().map(|(_, d)| d.doctor_samples.len()).sum::<usize>(),
                 "ratio_mean": outcome.as_ref().and_then(StepOutcome::ratio_mean).or(unchecked),
-                "patient_reward_mean": mean(&patient_rewards),
+                "patient_reward_mean": mean_of(&patient_rewards),
             }},
         }))?;
         bar.inc(1);

@@ -11,13 +11,14 @@ use lathe_recipes::data::Case;
 use lathe_recipes::rollout::{
     ratio_mean, sample_prompts, submit_step, trajectory_data, Generation, Sample, Step,
 };
-use lathe_recipes::run::mean;
+use lathe_recipes::run::{mean, mean_of};
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, watch, Mutex};
 
 use crate::dialogue::{one_line, Dialogue};
 
-/// One dialogue's patient side on the queue.
+/// One dialogue's patient side on the queue: its case and its replies (none when the
+/// doctor diagnosed at once; the case is still drilled).
 #[derive(Debug, Clone)]
 pub(crate) struct QueueItem {
     /// The patient's case.
@@ -232,10 +233,10 @@ pub(crate) async fn patient_loop(
             "patient_update": version,
             "agents": {"patient": {
                 // The replies in the doctor's dialogues.
-                "reward_mean": mean(&dialogue_rewards),
+                "reward_mean": mean_of(&dialogue_rewards),
                 "accuracy": full_marks(&dialogue_rewards),
                 "drills": drill_rewards.len(),
-                "drill_reward_mean": mean(&drill_rewards),
+                "drill_reward_mean": mean_of(&drill_rewards),
                 "drill_accuracy": full_marks(&drill_rewards),
                 "loss": outcome.as_ref().map(|o| o.loss),
                 "datums": data.len(),
@@ -252,9 +253,13 @@ pub(crate) async fn patient_loop(
     }
 }
 
-/// The fraction of `rewards` with full marks.
-fn full_marks(rewards: &[f64]) -> f64 {
-    rewards.iter().filter(|&&r| r >= 1.0 - 1e-9).count() as f64 / rewards.len().max(1) as f64
+/// The fraction of `rewards` with full marks (none of none).
+fn full_marks(rewards: &[f64]) -> Option<f64> {
+    let perfect: Vec<f64> = rewards
+        .iter()
+        .map(|&r| f64::from(u8::from(r >= 1.0 - 1e-9)))
+        .collect();
+    mean_of(&perfect)
 }
 
 #[cfg(test)]
