@@ -21,6 +21,11 @@
 //!   statements contradicting the case); refusing or hedging on a symptom question
 //!   counts as both a miss and a contradiction (see `clinic::patient_reward`).
 //!
+//! The patient also drills itself, an addition to MrlX (whose 32B patient reads its case
+//! unprompted): each update, its loop puts three questions per case of the update's
+//! dialogues to its newest sampler (a symptom it has, one it lacks, one off the case) and
+//! trains on the replies with the dialogues' (`--drill-samples`; see `queue::Drills`).
+//!
 //! Credit: each doctor turn trains on its reward-to-go (what it and the later turns
 //! earned), normalised against the same turn of every dialogue in the step
 //! (`--baseline batch`; `group` is MrlX's per-prompt GRPO group). The patient's replies
