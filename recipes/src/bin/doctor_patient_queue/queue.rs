@@ -47,9 +47,9 @@ pub(crate) fn drop_stale(
 
 /// The patient's drills: questions its case answers, put by the patient loop itself to
 /// its newest sampler for every case of an update's dialogues (`clinic::patient_drill`).
-/// An addition to MrlX, whose 32B patient reads its case unprompted: the README's runs
-/// show a 135M patient, trained on the doctor's questions alone, answering one way
-/// whatever its case.
+/// An addition to MrlX, whose 32B patient reads its case unprompted: a 135M patient
+/// trained on the doctor's questions alone answered one way whatever its case (exam
+/// 0.31 -> 0.33 in 50 steps); with drills it learned to answer by its case (0.31 -> 0.67).
 pub(crate) struct Drills {
     pub(crate) tok: Arc<Tokenizer>,
     /// Replies sampled per drill question; 0 turns the drills off.
