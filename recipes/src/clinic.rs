@@ -223,6 +223,14 @@ pub const UNRELATED: [&str; 3] = [
 /// The patient's held-out exam for case number `i`: a question about a symptom the
 /// patient has (not the complaint), one about a symptom they lack, one unrelated.
 pub fn patient_exam(case: &Case, i: usize) -> [String; 3] {
+    let lack = |s: &str| !case.disease.symptoms.contains(&s);
+    let [have, lack] = symptom_questions(case, lack, i);
+    [have, lack, UNRELATED[i % UNRELATED.len()].to_string()]
+}
+
+/// The `k`-th question about a symptom the case has (not its complaint), and the `k`-th
+/// about one of the table's symptoms for which `lacking` holds.
+fn symptom_questions(case: &Case, lacking: impl Fn(&str) -> bool, k: usize) -> [String; 2] {
     let have: Vec<&str> = case
         .symptoms
         .iter()
@@ -231,13 +239,10 @@ pub fn patient_exam(case: &Case, i: usize) -> [String; 3] {
         .collect();
     let lack: Vec<&str> = symptom_vocabulary()
         .into_iter()
-        .filter(|s| !case.disease.symptoms.contains(s))
+        .filter(|s| lacking(s))
         .collect();
-    [
-        format!("Question: Do you have {}?", have[i % have.len()]),
-        format!("Question: Do you have {}?", lack[i % lack.len()]),
-        UNRELATED[i % UNRELATED.len()].to_string(),
-    ]
+    let ask = |s: &str| format!("Question: Do you have {s}?");
+    [ask(have[k % have.len()]), ask(lack[k % lack.len()])]
 }
 
 /// Questions off the case for the patient's drills: none is an exam question
@@ -261,21 +266,8 @@ fn drill_off_topic(k: usize) -> String {
 /// A 135M patient does not read its case from the doctor's few questions alone (the
 /// README's runs); these give every update questions whose answer its case decides.
 pub fn patient_drill(case: &Case, k: usize) -> [String; 3] {
-    let have: Vec<&str> = case
-        .symptoms
-        .iter()
-        .copied()
-        .filter(|s| *s != case.complaint)
-        .collect();
-    let lack: Vec<&str> = symptom_vocabulary()
-        .into_iter()
-        .filter(|s| !case.has(s))
-        .collect();
-    [
-        format!("Question: Do you have {}?", have[k % have.len()]),
-        format!("Question: Do you have {}?", lack[k % lack.len()]),
-        drill_off_topic(k),
-    ]
+    let [have, lack] = symptom_questions(case, |s| !case.has(s), k);
+    [have, lack, drill_off_topic(k)]
 }
 
 #[cfg(test)]
