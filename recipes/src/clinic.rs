@@ -213,6 +213,16 @@ pub fn patient_reward(question: &str, reply: &str, case: &Case) -> f64 {
     (rate(volunteered) + rate(missed) + rate(conflicts)) / 3.0
 }
 
+/// The fraction of patient replies' `rewards` with full marks (`None` of none): the
+/// exam's score, and the patient's accuracy in training.
+pub fn full_marks(rewards: &[f64]) -> Option<f64> {
+    let perfect: Vec<f64> = rewards
+        .iter()
+        .map(|&r| f64::from(u8::from(r >= 1.0 - 1e-9)))
+        .collect();
+    crate::run::mean_of(&perfect)
+}
+
 /// Questions not about symptoms, for the patient's exam.
 pub const UNRELATED: [&str; 3] = [
     "Question: How old are you?",

@@ -54,7 +54,7 @@ use lathe::types::{AdamParams, Datum};
 use lathe::{SamplingClient, Tokenizer};
 use lathe_recipes::advantages::normalised_within;
 use lathe_recipes::clinic::{
-    diagnosis_correct, doctor_rewards, patient_exam, patient_reward, DoctorRewards,
+    diagnosis_correct, doctor_rewards, full_marks, patient_exam, patient_reward, DoctorRewards,
 };
 use lathe_recipes::data::{batch_at, cases, Case};
 use lathe_recipes::rollout::{
@@ -243,10 +243,6 @@ async fn examine_patient(
         .zip(&replies)
         .map(|((case, q), r)| patient_reward(q, r.samples[0].text.trim(), case))
         .collect();
-    let perfect: Vec<f64> = rewards
-        .iter()
-        .map(|&r| f64::from(u8::from(r >= 1.0 - 1e-9)))
-        .collect();
     let examples = asked
         .iter()
         .zip(&replies)
@@ -263,7 +259,7 @@ async fn examine_patient(
         .collect();
     Ok(Exam {
         reward: mean(&rewards),
-        correct: mean(&perfect),
+        correct: full_marks(&rewards).unwrap_or(0.0),
         examples,
     })
 }
@@ -400,7 +396,7 @@ async fn main() -> anyhow::Result<()> {
 
     let (queue_tx, queue_rx) = mpsc::channel::<QueueItem>(args.queue_capacity.max(1));
     let first_patient = patient.save_weights_and_get_sampling_client().await?;
-    let (publish, latest_patient) = watch::channel((0u64, first_patient.clone()));
+    let (publish, latest_patient) = watch::channel((0u64, first_patient));
     let (records_tx, mut records_rx) = mpsc::unbounded_channel();
     let doctor_lock = StepLock::default();
     let patient_lock = if sessions.distinct() == 2 {
@@ -421,7 +417,6 @@ async fn main() -> anyhow::Result<()> {
     };
     let patient_task = tokio::spawn(patient_loop(
         patient.clone(),
-        first_patient,
         drills,
         patient_lock,
         queue_rx,

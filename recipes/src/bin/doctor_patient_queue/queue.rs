@@ -6,7 +6,7 @@ use std::sync::Arc;
 use lathe::types::{AdamParams, Datum, LossFn};
 use lathe::{SamplingClient, Tokenizer, TrainingClient};
 use lathe_recipes::advantages::group_normalised;
-use lathe_recipes::clinic::{patient_drill, patient_reward};
+use lathe_recipes::clinic::{full_marks, patient_drill, patient_reward};
 use lathe_recipes::data::Case;
 use lathe_recipes::rollout::{
     ratio_mean, sample_prompts, submit_step, trajectory_data, Generation, Sample, Step,
@@ -129,13 +129,12 @@ pub(crate) async fn locked_step(
 }
 
 /// The patient's loop: waits for `batch` dialogues (or the queue's close), drops stale
-/// ones, samples its drills from `sampler` (its newest weights), trains on both,
-/// publishes a fresh sampler. Returns when the doctor closes the queue and everything
+/// ones, samples its drills from its newest sampler (the one `publish` holds), trains on
+/// both, publishes a fresh sampler. Returns when the doctor closes the queue and everything
 /// left is trained; its per-update records go to `records`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn patient_loop(
     trainer: TrainingClient,
-    mut sampler: SamplingClient,
     drills: Drills,
     lock: StepLock,
     mut queue: mpsc::Receiver<QueueItem>,
@@ -169,8 +168,9 @@ pub(crate) async fn patient_loop(
             .collect();
         let (mut items, dropped) = drop_stale(items, version, max_staleness);
         dropped_total += dropped;
+        let newest = publish.borrow().1.clone();
         let drill_items = drills
-            .sample(&sampler, &items, version, &mut drilled)
+            .sample(&newest, &items, version, &mut drilled)
             .await?;
         let drill_rewards: Vec<f64> = drill_items.iter().map(|it| it.replies[0].2).collect();
         let dialogue_rewards: Vec<f64> = items
@@ -178,9 +178,10 @@ pub(crate) async fn patient_loop(
             .flat_map(|it| it.replies.iter().map(|r| r.2))
             .collect();
         items.extend(drill_items);
-        let rewards: Vec<f64> = items
+        let rewards: Vec<f64> = dialogue_rewards
             .iter()
-            .flat_map(|it| it.replies.iter().map(|r| r.2))
+            .chain(&drill_rewards)
+            .copied()
             .collect();
         // Advantages over the whole batch, drills included: the same reply ("Yes.") is
         // then worth more to a question the case confirms than to one it denies, even when
@@ -218,9 +219,10 @@ pub(crate) async fn patient_loop(
             Some(step) => {
                 let outcome = step.finish().await?;
                 version += 1;
-                sampler = trainer.save_weights_and_get_sampling_client().await?;
-                // The doctor may have finished and dropped its receiver; that is fine.
-                let _ = publish.send((version, sampler.clone()));
+                let sampler = trainer.save_weights_and_get_sampling_client().await?;
+                // `send_replace` keeps the value after the doctor, finished, has dropped
+                // its receiver: the drills still need it.
+                publish.send_replace((version, sampler));
                 Some(outcome)
             }
             None => None,
@@ -251,15 +253,6 @@ pub(crate) async fn patient_loop(
             "queue/dropped_total": dropped_total,
         }));
     }
-}
-
-/// The fraction of `rewards` with full marks (none of none).
-fn full_marks(rewards: &[f64]) -> Option<f64> {
-    let perfect: Vec<f64> = rewards
-        .iter()
-        .map(|&r| f64::from(u8::from(r >= 1.0 - 1e-9)))
-        .collect();
-    mean_of(&perfect)
 }
 
 #[cfg(test)]
