@@ -27,8 +27,8 @@
 //! trains on the replies with the dialogues' (`--drill-samples`; see `queue::Drills`).
 //!
 //! Credit: each doctor turn trains on its reward-to-go (what it and the later turns
-//! earned), normalised against the same turn of every dialogue in the step
-//! (`--baseline batch`; `group` is MrlX's per-prompt GRPO group). The patient's replies
+//! earned), normalised against the turn at the same position of every dialogue in the
+//! step, asking or diagnosing (`--baseline batch`; `group` is MrlX's per-prompt GRPO group). The patient's replies
 //! are normalised over its update's batch.
 //!
 //! The run ends cleanly: when the doctor finishes it closes the queue, the patient trains on
@@ -152,12 +152,13 @@ const EXAMPLES: usize = 4;
 /// What a doctor turn's reward-to-go is compared with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum Baseline {
-    /// The same turn of every dialogue in the step: a doctor that gives one diagnosis to
-    /// every patient is still told which patients it got wrong. (The greedy doctor still
-    /// converged on one dialogue for every patient in measured runs: README.)
+    /// The turn at the same position of every dialogue in the step: a doctor that gives
+    /// one diagnosis to every patient is still told which patients it got wrong. (The
+    /// greedy doctor still converged on one diagnosis for most patients in measured runs:
+    /// `recipes/doctor_patient_queue.md`.)
     Batch,
-    /// The same turn of the case's own dialogues (GRPO's group, as MrlX): once a group
-    /// agrees it carries no signal.
+    /// The turn at the same position of the case's own dialogues (GRPO's group, as
+    /// MrlX): once a group agrees it carries no signal.
     Group,
 }
 
