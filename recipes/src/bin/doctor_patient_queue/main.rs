@@ -28,8 +28,8 @@
 //!
 //! Credit: each doctor turn trains on its reward-to-go (what it and the later turns
 //! earned), normalised against the turn at the same position of every dialogue in the
-//! step, asking or diagnosing (`--baseline batch`; `group` is MrlX's per-prompt GRPO group). The patient's replies
-//! are normalised over its update's batch.
+//! step, asking or diagnosing (`--baseline batch`; `group` is MrlX's per-prompt GRPO
+//! group). The patient's replies are normalised over its update's batch.
 //!
 //! The run ends cleanly: when the doctor finishes it closes the queue, the patient trains on
 //! what is left and stops. When the second session cannot be created (or with
@@ -153,9 +153,9 @@ const EXAMPLES: usize = 4;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum Baseline {
     /// The turn at the same position of every dialogue in the step: a doctor that gives
-    /// one diagnosis to every patient is still told which patients it got wrong. (The
-    /// greedy doctor still converged on one diagnosis for most patients in measured runs:
-    /// `recipes/doctor_patient_queue.md`.)
+    /// one diagnosis to every patient is still told which patients it got wrong. (With
+    /// the baseline keyed by the kind of turn, the greedy doctor still converged on one
+    /// diagnosis for most patients: `recipes/doctor_patient_queue.md`.)
     Batch,
     /// The turn at the same position of the case's own dialogues (GRPO's group, as
     /// MrlX): once a group agrees it carries no signal.
@@ -705,8 +705,7 @@ mod tests {
         }
         assert!((last(&batch[0]) - second_turns[0]).abs() < 1e-6);
         assert!((last(&batch[1]) - second_turns[1]).abs() < 1e-6);
-        // A diagnosis at once that matched the batch's first-turn mean would carry no
-        // signal; here 5 is above it, so both carry the same positive advantage.
+        // The two diagnoses at once score alike, above the first turns' mean.
         assert!(first(&batch[2]) > 0.0 && first(&batch[2]) == first(&batch[3]));
         // Within each case's own group, the agreeing second case carries no signal.
         let group = advantages(&doctor_data(&dialogues, &rewards, Baseline::Group));
