@@ -272,9 +272,10 @@ fn drill_off_topic(k: usize) -> String {
 
 /// The `k`-th drill for a training case's patient: a question about a symptom it has (not
 /// its complaint), one about a symptom it lacks (any of the table's, its own disease's
-/// missing one included), and one off the case. Successive `k` walk every choice.
-/// A 135M patient does not read its case from the doctor's few questions alone (the
-/// README's runs); these give every update questions whose answer its case decides.
+/// symptoms the patient lacks included), and one off the case. Successive `k` walk every
+/// choice. A 135M patient does not read its case from the doctor's few questions alone
+/// (`recipes/doctor_patient_queue.md`); these give every update questions whose answer
+/// its case decides.
 pub fn patient_drill(case: &Case, k: usize) -> [String; 3] {
     let [have, lack] = symptom_questions(case, |s| !case.has(s), k);
     [have, lack, drill_off_topic(k)]
