@@ -16,8 +16,8 @@ use crate::api::{self, AppState, Auth};
 use crate::engine::{self, Engine, EngineConfig, EngineHandle, ModelInfo};
 use crate::model::LoadedModel;
 use crate::sample::DecodeMode;
-use crate::store::checkpoints::CheckpointDir;
-use crate::store::db::Db;
+use crate::store::checkpoints::Faults;
+use crate::store::Store;
 use crate::worker::{self, Worker};
 
 /// Everything `lathe serve` can be told.
@@ -142,7 +142,16 @@ fn stored_secret(path: &Path, make: impl FnOnce() -> String) -> Result<(String, 
 pub async fn start(model: LoadedModel, config: ServerConfig) -> Result<RunningServer, ServeError> {
     crate::memory::keep_freed_memory();
     let dir = &config.data_dir;
-    std::fs::create_dir_all(dir).map_err(io_err(format!("creating {}", dir.display())))?;
+    // The data dir's lock comes before anything else touches it.
+    let (store, report) = Store::open(dir, Faults::default())?;
+    if report != Default::default() {
+        tracing::info!(
+            dropped = report.dropped,
+            adopted = report.adopted,
+            collected = report.collected,
+            "checkpoint index reconciled with the data dir"
+        );
+    }
     let (api_keys, generated_key) = if config.api_keys.is_empty() {
         let (key, generated) = stored_secret(&dir.join("api-key"), || {
             format!("tml-{}", Alphanumeric.sample_string(&mut rand::rng(), 40))
@@ -154,30 +163,21 @@ pub async fn start(model: LoadedModel, config: ServerConfig) -> Result<RunningSe
     let (secret, _) = stored_secret(&dir.join("jwt-secret"), || {
         Alphanumeric.sample_string(&mut rand::rng(), 64)
     })?;
-    let checkpoints = CheckpointDir::new(dir.join("checkpoints"))?;
-    let mut db = Db::open(&dir.join("lathe.db"))?;
-    let (added, removed) = db.reconcile(&checkpoints.scan()?)?;
-    if added + removed > 0 {
-        tracing::info!(
-            added,
-            removed,
-            "checkpoint index reconciled with the data dir"
-        );
-    }
     let info = ModelInfo::of(&model);
-    let (handle, rx) = engine::channel();
+    let catalog = store.all_checkpoints()?;
+    let (handle, rx) = engine::channel(store.clone());
     let worker = worker::spawn(
-        Worker::new(model, config.decode_mode, checkpoints.clone()),
+        Worker::new(model, config.decode_mode, store.clone()),
         handle.outcome_sink(),
     );
     let engine = Engine::new(
         info.clone(),
         config.engine.clone(),
-        db,
-        checkpoints,
+        catalog,
+        store.checkpoints().clone(),
         Box::new(worker),
     );
-    tokio::spawn(engine::run(engine, rx));
+    tokio::spawn(engine::run(engine, rx, handle.clone()));
     let state = AppState {
         engine: handle.clone(),
         auth: Arc::new(Auth::new(&api_keys, secret.as_bytes())),

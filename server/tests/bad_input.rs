@@ -338,13 +338,17 @@ fn bad_input_is_rejected_clearly_and_harms_no_one() {
         seq: 0,
     };
     t.save_state("dup");
-    let err = c
-        .call(
-            "/api/v1/save_weights",
-            &json!({"model_id": run, "path": "dup", "seq_id": t.seq + 1}),
-        )
-        .unwrap_err();
-    assert_eq!(err["category"], "user", "{err}");
+    // A name that exists is refused at submission (the store checks again when the save
+    // commits), and the refused seq_id does not hold up the run.
+    let (status, err) = c.post(
+        "/api/v1/save_weights",
+        &json!({"model_id": run, "path": "dup", "seq_id": t.seq + 1}),
+    );
+    assert_eq!(status, 400, "{err}");
+    assert!(
+        err["detail"].as_str().unwrap().contains("already exists"),
+        "{err}"
+    );
     let err = c
         .call("/api/v1/optim_step", &optim_body(&run, t.seq + 2, 1e-3))
         .unwrap_err();

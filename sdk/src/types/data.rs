@@ -68,32 +68,62 @@ impl TensorData {
         self.shape.clone().unwrap_or_else(|| vec![self.data.len()])
     }
 
+    /// How many elements the declared shape holds, or `None` when the product of its
+    /// dimensions overflows `usize`. This is what [`to_dense`](Self::to_dense) would
+    /// allocate: a receiver checks it against its own bounds before expanding.
+    pub fn num_elements(&self) -> Option<usize> {
+        match &self.shape {
+            None => Some(self.data.len()),
+            Some(dims) => dims.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)),
+        }
+    }
+
     /// The values as a dense row-major array, expanding the sparse CSR form if used.
     ///
-    /// Fails with a message when the sparse indices are inconsistent with the shape.
+    /// Fails with a message, before allocating anything, when the declared shape
+    /// disagrees with the data: a dense tensor whose shape does not hold exactly its
+    /// values, a shape whose size overflows, or sparse indices inconsistent with the
+    /// shape. A sparse tensor expands to `num_elements()` values, which the data does not
+    /// bound: callers that take tensors from untrusted peers must check
+    /// [`num_elements`](Self::num_elements) first.
     pub fn to_dense(&self) -> Result<Vec<f64>, String> {
+        let dims = self.dims();
+        let size = self
+            .num_elements()
+            .ok_or_else(|| format!("tensor shape {dims:?} is too large"))?;
         let (Some(crow), Some(col)) = (&self.sparse_crow_indices, &self.sparse_col_indices) else {
+            if size != self.data.len() {
+                return Err(format!(
+                    "tensor shape {dims:?} holds {size} values but {} were sent",
+                    self.data.len()
+                ));
+            }
             return Ok(self.data.clone());
         };
-        let dims = self.dims();
         if dims.len() != 2 {
             return Err(format!("sparse tensor must be 2-D, got shape {dims:?}"));
         }
         let (rows, cols) = (dims[0], dims[1]);
-        if crow.len() != rows + 1 || col.len() != self.data.len() {
+        if rows.checked_add(1) != Some(crow.len()) || col.len() != self.data.len() {
             return Err("sparse tensor indices do not match its shape".into());
         }
-        let mut dense = vec![0.0; rows * cols];
+        // Check every index before allocating the dense array.
         for r in 0..rows {
             let (lo, hi) = (crow[r], crow[r + 1]);
-            if lo < 0 || hi < lo || hi as usize > col.len() {
+            if lo < 0 || hi < lo || hi as u64 > col.len() as u64 {
                 return Err("sparse tensor row pointers are not monotone".into());
             }
-            let (lo, hi) = (lo as usize, hi as usize);
+            if let Some(c) = col[lo as usize..hi as usize]
+                .iter()
+                .find(|&&c| c < 0 || c as u64 >= cols as u64)
+            {
+                return Err(format!("sparse column index {c} out of range"));
+            }
+        }
+        let mut dense = vec![0.0; size];
+        for r in 0..rows {
+            let (lo, hi) = (crow[r] as usize, crow[r + 1] as usize);
             for (&c, &value) in col[lo..hi].iter().zip(&self.data[lo..hi]) {
-                if c < 0 || c as usize >= cols {
-                    return Err(format!("sparse column index {c} out of range"));
-                }
                 dense[r * cols + c as usize] = value;
             }
         }
@@ -431,6 +461,40 @@ mod tests {
             sparse_col_indices: Some(vec![9]),
         };
         assert!(t.to_dense().is_err());
+    }
+
+    #[test]
+    fn shapes_that_disagree_with_the_data_are_refused_before_allocating() {
+        // The 600-byte request that once aborted the server: a sparse [1, 2^50] target
+        // with no values. `num_elements` lets a receiver refuse it; `to_dense` of an
+        // overflowing shape refuses by itself.
+        let huge = TensorData {
+            data: vec![],
+            dtype: TensorDtype::Int64,
+            shape: Some(vec![1, 1 << 50]),
+            sparse_crow_indices: Some(vec![0, 0]),
+            sparse_col_indices: Some(vec![]),
+        };
+        assert_eq!(huge.num_elements(), Some(1 << 50));
+        let overflow = TensorData {
+            shape: Some(vec![1 << 40, 1 << 40]),
+            ..huge.clone()
+        };
+        assert_eq!(overflow.num_elements(), None);
+        assert!(overflow.to_dense().unwrap_err().contains("too large"));
+        let dense = TensorData {
+            data: vec![1.0, 2.0],
+            dtype: TensorDtype::Float32,
+            shape: Some(vec![3]),
+            sparse_crow_indices: None,
+            sparse_col_indices: None,
+        };
+        assert!(dense.to_dense().unwrap_err().contains("holds 3 values"));
+        let rows_overflow = TensorData {
+            shape: Some(vec![usize::MAX, 1]),
+            ..huge
+        };
+        assert!(rows_overflow.to_dense().is_err());
     }
 
     #[test]

@@ -14,7 +14,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::{ApiError, ApiJson, AppState, Owner};
-use crate::engine::parse_checkpoint_id;
+use crate::engine::{parse_checkpoint_id, Ttl};
 
 /// How long an archive download link stays valid.
 const ARCHIVE_LINK_LIFETIME: Duration = Duration::from_secs(3600);
@@ -32,11 +32,7 @@ pub async fn list_runs(
     Query(p): Query<Page>,
 ) -> Result<Json<TrainingRunsResponse>, ApiError> {
     let limit = p.limit.unwrap_or(20);
-    Ok(Json(
-        s.engine
-            .call(move |e| e.list_runs(&owner.0, p.offset, limit))
-            .await??,
-    ))
+    Ok(Json(s.engine.list_runs(owner.0, p.offset, limit).await?))
 }
 
 pub async fn get_run(
@@ -44,9 +40,7 @@ pub async fn get_run(
     Extension(owner): Extension<Owner>,
     Path(run): Path<String>,
 ) -> Result<Json<TrainingRun>, ApiError> {
-    Ok(Json(
-        s.engine.call(move |e| e.get_run(&owner.0, &run)).await??,
-    ))
+    Ok(Json(s.engine.get_run(owner.0, run).await?))
 }
 
 pub async fn list_run_checkpoints(
@@ -54,11 +48,7 @@ pub async fn list_run_checkpoints(
     Extension(owner): Extension<Owner>,
     Path(run): Path<String>,
 ) -> Result<Json<CheckpointsListResponse>, ApiError> {
-    Ok(Json(
-        s.engine
-            .call(move |e| e.list_run_checkpoints(&owner.0, &run))
-            .await??,
-    ))
+    Ok(Json(s.engine.list_run_checkpoints(owner.0, run).await?))
 }
 
 pub async fn list_user_checkpoints(
@@ -69,8 +59,8 @@ pub async fn list_user_checkpoints(
     let limit = p.limit.unwrap_or(100);
     Ok(Json(
         s.engine
-            .call(move |e| e.list_user_checkpoints(&owner.0, p.offset, limit))
-            .await??,
+            .list_user_checkpoints(owner.0, p.offset, limit)
+            .await?,
     ))
 }
 
@@ -84,9 +74,7 @@ pub async fn delete_checkpoint(
     Path((run, kind, name)): Path<(String, String, String)>,
 ) -> Result<Json<Value>, ApiError> {
     let u = uri(&run, &kind, &name)?;
-    s.engine
-        .call(move |e| e.delete_checkpoint(&owner.0, &u))
-        .await??;
+    s.engine.delete_checkpoint(owner.0, u).await?;
     Ok(Json(json!({})))
 }
 
@@ -97,9 +85,7 @@ async fn set_public(
     public: bool,
 ) -> Result<Json<Value>, ApiError> {
     let u = uri(&path.0, &path.1, &path.2)?;
-    s.engine
-        .call(move |e| e.set_public(&owner.0, &u, public))
-        .await??;
+    s.engine.set_public(owner.0, u, public).await?;
     Ok(Json(json!({})))
 }
 
@@ -126,9 +112,8 @@ pub async fn set_ttl(
     ApiJson(req): ApiJson<SetTtlRequest>,
 ) -> Result<Json<Value>, ApiError> {
     let u = uri(&run, &kind, &name)?;
-    s.engine
-        .call(move |e| e.set_ttl(&owner.0, &u, req.ttl_seconds))
-        .await??;
+    let ttl = Ttl::from_wire(req.ttl_seconds)?;
+    s.engine.set_ttl(owner.0, u, ttl).await?;
     Ok(Json(json!({})))
 }
 

@@ -1,7 +1,10 @@
 //! Client bootstrap: config, JWT exchange, sessions, heartbeat, telemetry, capabilities,
 //! and the Lathe tokenizer extension.
 
+use std::time::Duration;
+
 use axum::extract::{Query, State};
+use axum::http::StatusCode;
 use axum::{Extension, Json};
 use lathe_sdk::types::{
     AuthTokenResponse, ClientConfigResponse, CreateSessionRequest, CreateSessionResponse,
@@ -68,8 +71,16 @@ pub async fn capabilities(State(s): State<AppState>) -> Json<ServerCapabilities>
     })
 }
 
-pub async fn healthz() -> Json<Value> {
-    Json(json!({"status": "ok"}))
+/// 200 while the engine answers and its worker thread runs; 503 with the reason
+/// otherwise, so a load balancer or supervisor sees a server that cannot train.
+pub async fn healthz(State(s): State<AppState>) -> (StatusCode, Json<Value>) {
+    match s.engine.health(Duration::from_secs(5)).await {
+        Ok(()) => (StatusCode::OK, Json(json!({"status": "ok"}))),
+        Err(detail) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "unhealthy", "detail": detail})),
+        ),
+    }
 }
 
 #[derive(Deserialize)]

@@ -12,7 +12,7 @@ use serde_json::Value;
 
 use super::session::with_type;
 use super::{validate, ApiError, ApiJson, AppState, Owner};
-use crate::engine::{NewRun, SaveRequest};
+use crate::engine::{NewRun, SaveRequest, Ttl};
 use crate::train::adamw;
 use crate::worker::RunOp;
 
@@ -177,7 +177,7 @@ async fn save_weights_inner(
         kind: CheckpointKind::Training,
         name: checkpoint_name(req.path.as_deref())?,
         overwrite: req.overwrite,
-        ttl_seconds: req.ttl_seconds,
+        ttl: Ttl::from_wire(req.ttl_seconds)?,
     };
     let id = req.model_id.clone();
     let request_id = s
@@ -208,7 +208,7 @@ async fn save_weights_for_sampler_inner(
                 kind: CheckpointKind::Sampler,
                 name: checkpoint_name(Some(name))?,
                 overwrite: true,
-                ttl_seconds: req.ttl_seconds,
+                ttl: Ttl::from_wire(req.ttl_seconds)?,
             };
             s.engine
                 .call(move |e| e.save(&owner.0, &id, req.seq_id, save))

@@ -19,6 +19,9 @@ use crate::train::{DatumJob, Loss, TokenInputs};
 pub const MAX_NUM_SAMPLES: usize = 64;
 /// Most alternatives per prompt position `topk_prompt_logprobs` may ask for.
 pub const MAX_TOPK_PROMPT_LOGPROBS: usize = 64;
+/// Most targets per position a `[n, k]` `target_tokens` may carry (distillation sends a
+/// teacher's top-k): bounds what a sparse target expands to.
+pub const MAX_TARGETS_PER_POSITION: usize = 64;
 
 fn bad(msg: impl Into<String>) -> ApiError {
     ApiError::bad_request(msg)
@@ -154,16 +157,31 @@ pub fn loss(name: &str, config: Option<&BTreeMap<String, f64>>) -> Result<Loss, 
     })
 }
 
-fn floats(t: &TensorData, name: &str, n: usize, i: usize) -> Result<Vec<f32>, ApiError> {
-    let dense = t
-        .to_dense()
-        .map_err(|e| bad(format!("datum {i}: {name}: {e}")))?;
-    if dense.len() != n {
-        return Err(bad(format!(
-            "datum {i}: {name} has {} values but target_tokens has {n}",
-            dense.len()
-        )));
+/// The dense values of a loss input that must hold exactly `n` values. The declared
+/// shape is checked before anything is expanded, so a sparse tensor that claims a huge
+/// shape costs nothing.
+fn dense_values(t: &TensorData, name: &str, n: usize, i: usize) -> Result<Vec<f64>, ApiError> {
+    match t.num_elements() {
+        Some(size) if size == n => {}
+        Some(size) => {
+            return Err(bad(format!(
+                "datum {i}: {name} has shape {:?} ({size} values) but target_tokens has {n}",
+                t.dims()
+            )))
+        }
+        None => {
+            return Err(bad(format!(
+                "datum {i}: {name} has shape {:?}, whose size overflows",
+                t.dims()
+            )))
+        }
     }
+    t.to_dense()
+        .map_err(|e| bad(format!("datum {i}: {name}: {e}")))
+}
+
+fn floats(t: &TensorData, name: &str, n: usize, i: usize) -> Result<Vec<f32>, ApiError> {
+    let dense = dense_values(t, name, n, i)?;
     if let Some(v) = dense.iter().find(|v| !v.is_finite()) {
         return Err(bad(format!(
             "datum {i}: {name} contains a non-finite value ({v})"
@@ -184,28 +202,27 @@ fn datum(model: &ModelInfo, d: &Datum, i: usize, loss: Loss) -> Result<DatumJob,
     let dims = targets.dims();
     let k = match dims[..] {
         [len] if len == n => 1,
-        [len, k] if len == n && k > 0 => k,
+        [len, k] if len == n && (1..=MAX_TARGETS_PER_POSITION).contains(&k) => k,
+        [len, k] if len == n && k > MAX_TARGETS_PER_POSITION => {
+            return Err(bad(format!(
+                "datum {i}: target_tokens has {k} targets per position; the limit is \
+                 {MAX_TARGETS_PER_POSITION}"
+            )))
+        }
         _ => {
             return Err(bad(format!(
                 "datum {i}: target_tokens has shape {dims:?} but model_input has {n} tokens"
             )))
         }
     };
-    let dense = targets
-        .to_dense()
-        .map_err(|e| bad(format!("datum {i}: target_tokens: {e}")))?;
-    if dense.len() != n * k {
-        return Err(bad(format!(
-            "datum {i}: target_tokens has {} values for shape {dims:?}",
-            dense.len()
-        )));
-    }
+    // n <= max_seq_len and k <= MAX_TARGETS_PER_POSITION, so this cannot overflow.
+    let m = n * k;
+    let dense = dense_values(targets, "target_tokens", m, i)?;
     let target_ids = to_token_ids(
         model,
         dense.into_iter(),
         &format!("datum {i}: target_tokens"),
     )?;
-    let m = n * k;
     let get = |name: &str| -> Result<Vec<f32>, ApiError> {
         match d.loss_fn_inputs.get(name) {
             Some(t) => floats(t, name, m, i),

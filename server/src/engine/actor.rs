@@ -1,12 +1,18 @@
 //! The engine actor: one tokio task owns the [`Engine`]; everyone else sends it closures
 //! over a bounded channel and awaits the reply (TGI's queue pattern, no shared locks).
+//! The actor does no I/O: index reads and writes run on tokio's blocking pool, either
+//! between two engine calls (listings, deletes, publishing) or as the engine's queued
+//! [`StoreWork`] flushed after each step.
 
 use std::time::{Duration, Instant};
 
+use lathe_sdk::types::{CheckpointUri, CheckpointsListResponse, TrainingRun, TrainingRunsResponse};
 use tokio::sync::{mpsc, oneshot};
 
 use super::futures::{FutureResult, Poll};
-use super::{Engine, EngineError};
+use super::state::StoreWork;
+use super::{rest, Engine, EngineError, Ttl};
+use crate::store::Store;
 use crate::worker::Outcome;
 
 type Message = Box<dyn FnOnce(&mut Engine) + Send>;
@@ -15,6 +21,7 @@ type Message = Box<dyn FnOnce(&mut Engine) + Send>;
 #[derive(Clone)]
 pub struct EngineHandle {
     tx: mpsc::Sender<Message>,
+    store: Store,
 }
 
 /// How often housekeeping runs (expiry, reorder timeouts).
@@ -34,8 +41,17 @@ impl EngineHandle {
             .send(msg)
             .await
             .map_err(|_| EngineError::Unavailable("the engine has stopped".into()))?;
-        rx.await
-            .map_err(|_| EngineError::Unavailable("the engine has stopped".into()))
+        rx.await.map_err(|_| {
+            if self.tx.is_closed() {
+                EngineError::Unavailable("the engine has stopped".into())
+            } else {
+                // The actor dropped the reply without sending it: this call panicked and
+                // was contained (see `run`).
+                EngineError::Internal(
+                    "internal error while handling this request (logged on the server)".into(),
+                )
+            }
+        })
     }
 
     /// Waits up to `timeout` for a future's result; `Ok(None)` means still pending.
@@ -60,6 +76,108 @@ impl EngineHandle {
         }
     }
 
+    /// Runs blocking store work on the blocking pool.
+    async fn blocking<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Store) -> Result<R, EngineError> + Send + 'static,
+    ) -> Result<R, EngineError> {
+        let store = self.store.clone();
+        tokio::task::spawn_blocking(move || f(&store))
+            .await
+            .map_err(|e| EngineError::Internal(format!("store task failed: {e}")))?
+    }
+
+    /// A page of the owner's runs, newest first.
+    pub async fn list_runs(
+        &self,
+        owner: String,
+        offset: usize,
+        limit: usize,
+    ) -> Result<TrainingRunsResponse, EngineError> {
+        self.blocking(move |s| rest::list_runs(s, &owner, offset, limit))
+            .await
+    }
+
+    /// One of the owner's runs.
+    pub async fn get_run(&self, owner: String, run_id: String) -> Result<TrainingRun, EngineError> {
+        self.blocking(move |s| rest::get_run(s, &owner, &run_id))
+            .await
+    }
+
+    /// A run's checkpoints that the owner may see.
+    pub async fn list_run_checkpoints(
+        &self,
+        owner: String,
+        run_id: String,
+    ) -> Result<CheckpointsListResponse, EngineError> {
+        self.blocking(move |s| rest::list_run_checkpoints(s, &owner, &run_id))
+            .await
+    }
+
+    /// A page of the owner's checkpoints, newest first.
+    pub async fn list_user_checkpoints(
+        &self,
+        owner: String,
+        offset: usize,
+        limit: usize,
+    ) -> Result<CheckpointsListResponse, EngineError> {
+        self.blocking(move |s| rest::list_user_checkpoints(s, &owner, offset, limit))
+            .await
+    }
+
+    /// Deletes one of the owner's checkpoints: hidden at once, files then index row
+    /// removed off the actor (see `store::data_dir`).
+    pub async fn delete_checkpoint(
+        &self,
+        owner: String,
+        uri: CheckpointUri,
+    ) -> Result<(), EngineError> {
+        let u = uri.clone();
+        let version = self.call(move |e| e.begin_delete(&owner, &u)).await??;
+        let (u, v) = (uri.clone(), version.clone());
+        let result = self.blocking(move |s| Ok(s.delete(&u, &v)?)).await;
+        let deleted = result.is_ok();
+        self.call(move |e| e.finish_delete(&uri, &version, deleted))
+            .await?;
+        result.map(|_| ())
+    }
+
+    /// Publishes or unpublishes one of the owner's checkpoints. Unpublishing revokes
+    /// access before the index is written.
+    pub async fn set_public(
+        &self,
+        owner: String,
+        uri: CheckpointUri,
+        public: bool,
+    ) -> Result<(), EngineError> {
+        let u = uri.clone();
+        let was = self
+            .call(move |e| e.begin_set_public(&owner, &u, public))
+            .await??;
+        let u = uri.clone();
+        let result = self.blocking(move |s| Ok(s.set_public(&u, public)?)).await;
+        let written = result.is_ok();
+        self.call(move |e| e.finish_set_public(&uri, public, was, written))
+            .await?;
+        result
+    }
+
+    /// Sets or clears the TTL of one of the owner's checkpoints.
+    pub async fn set_ttl(
+        &self,
+        owner: String,
+        uri: CheckpointUri,
+        ttl: Option<Ttl>,
+    ) -> Result<(), EngineError> {
+        let u = uri.clone();
+        let at = self
+            .call(move |e| e.begin_set_ttl(&owner, &u, ttl))
+            .await??;
+        let u = uri.clone();
+        self.blocking(move |s| Ok(s.set_expiry(&u, at)?)).await?;
+        self.call(move |e| e.finish_set_ttl(&uri, at)).await
+    }
+
     /// A tar of a checkpoint `owner` may read, built off the actor and the async threads
     /// (it reads every file of the checkpoint).
     pub async fn checkpoint_archive(
@@ -68,10 +186,8 @@ impl EngineHandle {
         uri: lathe_sdk::types::CheckpointUri,
     ) -> Result<Vec<u8>, EngineError> {
         let dir = self.call(move |e| e.checkpoint_dir(&owner, &uri)).await??;
-        tokio::task::spawn_blocking(move || crate::store::checkpoints::archive(&dir))
+        self.blocking(move |_| Ok(crate::store::checkpoints::archive(&dir)?))
             .await
-            .map_err(|e| EngineError::Internal(e.to_string()))?
-            .map_err(EngineError::from)
     }
 
     /// A sender the worker thread uses to hand outcomes back.
@@ -80,6 +196,19 @@ impl EngineHandle {
         move |outcomes| {
             let msg: Message = Box::new(move |engine| engine.complete(outcomes));
             let _ = tx.blocking_send(msg);
+        }
+    }
+
+    /// Whether the engine and its worker can serve: `Err` says why not. An engine that
+    /// does not answer within `timeout` is unhealthy too.
+    pub async fn health(&self, timeout: Duration) -> Result<(), String> {
+        match tokio::time::timeout(timeout, self.call(|e| e.health())).await {
+            Ok(Ok(health)) => health,
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err(format!(
+                "the engine did not answer within {} s",
+                timeout.as_secs()
+            )),
         }
     }
 
@@ -97,16 +226,75 @@ impl EngineHandle {
     }
 }
 
-/// A channel for the engine; the engine itself is built later (its worker needs the
-/// handle), then started with [`run`].
-pub fn channel() -> (EngineHandle, mpsc::Receiver<Message>) {
+/// A channel for the engine over `store`; the engine itself is built later (its worker
+/// needs the handle), then started with [`run`].
+pub fn channel(store: Store) -> (EngineHandle, mpsc::Receiver<Message>) {
     let (tx, rx) = mpsc::channel(1024);
-    (EngineHandle { tx }, rx)
+    (EngineHandle { tx, store }, rx)
+}
+
+/// Writes the engine's queued index work on the blocking pool, then tells the engine
+/// which expired checkpoints are gone. A failed write is logged; an expired checkpoint
+/// whose delete failed becomes visible again and is retried at the next tick.
+async fn flush(store: Store, engine: mpsc::WeakSender<Message>, work: StoreWork) {
+    let done = tokio::task::spawn_blocking(move || {
+        for run in &work.new_runs {
+            if let Err(e) = store.insert_run(run) {
+                tracing::warn!(run = %run.id, "recording a new run: {e}");
+            }
+        }
+        if !work.touched.is_empty() {
+            let touched: Vec<(String, i64)> = work.touched.into_iter().collect();
+            if let Err(e) = store.touch_runs(&touched) {
+                tracing::warn!("recording runs' activity: {e}");
+            }
+        }
+        work.expired
+            .into_iter()
+            .map(|(uri, version)| {
+                let deleted = store.delete(&uri, &version);
+                if let Err(e) = &deleted {
+                    tracing::warn!(checkpoint = %uri, "deleting an expired checkpoint: {e}");
+                }
+                (uri, version, deleted.is_ok())
+            })
+            .collect::<Vec<_>>()
+    })
+    .await;
+    let (Ok(done), Some(tx)) = (done, engine.upgrade()) else {
+        return;
+    };
+    if done.is_empty() {
+        return;
+    }
+    let msg: Message = Box::new(move |e| {
+        for (uri, version, deleted) in done {
+            e.finish_delete(&uri, &version, deleted);
+        }
+    });
+    let _ = tx.send(msg).await;
+}
+
+/// Runs one step of the actor, containing a panic to that step: the engine state is
+/// plain data whose every method leaves it usable, so one request's bug fails that
+/// request (its reply is dropped, which its caller reports as a 500) instead of stopping
+/// the engine for every tenant.
+fn contained(what: &str, step: impl FnOnce()) {
+    if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(step)) {
+        let msg = panic
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| panic.downcast_ref::<&str>().copied())
+            .unwrap_or("unknown panic");
+        tracing::error!("engine {what} panicked (contained; the engine goes on): {msg}");
+    }
 }
 
 /// The actor loop: apply messages, tick housekeeping, keep the worker fed. Ends when
-/// every handle is dropped.
-pub async fn run(mut engine: Engine, mut rx: mpsc::Receiver<Message>) {
+/// every handle is dropped. A panic in any step is contained to it.
+pub async fn run(mut engine: Engine, mut rx: mpsc::Receiver<Message>, handle: EngineHandle) {
+    let (store, weak) = (handle.store.clone(), handle.tx.downgrade());
+    drop(handle);
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut wake: Option<Instant> = None;
@@ -117,14 +305,23 @@ pub async fn run(mut engine: Engine, mut rx: mpsc::Receiver<Message>) {
                 None => std::future::pending().await,
             }
         };
+        let mut ticked = false;
         tokio::select! {
             msg = rx.recv() => match msg {
-                Some(f) => f(&mut engine),
+                Some(f) => contained("request", || f(&mut engine)),
                 None => break,
             },
-            _ = tick.tick() => engine.tick(Instant::now()),
+            _ = tick.tick() => {
+                ticked = true;
+                contained("housekeeping", || engine.tick(Instant::now()))
+            }
             _ = window => {}
         }
-        wake = engine.pump();
+        wake = None;
+        contained("scheduler", || wake = engine.pump());
+        let work = engine.take_store_work(ticked);
+        if !work.is_empty() {
+            tokio::spawn(flush(store.clone(), weak.clone(), work));
+        }
     }
 }

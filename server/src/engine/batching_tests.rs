@@ -1,60 +1,9 @@
 //! The engine's decision to wait for other clients before dispatching, with a fake
 //! worker that records what it is sent.
 
-use std::sync::{Arc, Mutex};
+use super::SamplerRef;
 
-use super::{Engine, EngineConfig, ModelInfo, SamplerRef, WorkerLink};
-use crate::sample::{Picker, SampleJob};
-use crate::store::{checkpoints::CheckpointDir, db::Db};
-use crate::worker::Batch;
-
-struct Recorder(Arc<Mutex<Vec<Batch>>>);
-
-impl WorkerLink for Recorder {
-    fn send(&mut self, batch: Batch) -> bool {
-        self.0.lock().expect("not poisoned").push(batch);
-        true
-    }
-}
-
-fn engine() -> (Engine, Arc<Mutex<Vec<Batch>>>) {
-    let sent = Arc::new(Mutex::new(Vec::new()));
-    let model = ModelInfo {
-        name: "tiny".into(),
-        aliases: vec![],
-        arch: "llama".into(),
-        vocab_size: 100,
-        max_seq_len: 64,
-        tokenizer_json: String::new(),
-        chat_template: None,
-        eos_token: None,
-        bos_token: None,
-    };
-    let dir = std::env::temp_dir().join(format!("lathe-batching-{}", uuid::Uuid::new_v4()));
-    let engine = Engine::new(
-        model,
-        EngineConfig::default(),
-        Db::in_memory().expect("db"),
-        CheckpointDir::new(dir).expect("checkpoint dir"),
-        Box::new(Recorder(sent.clone())),
-    );
-    (engine, sent)
-}
-
-fn job() -> SampleJob {
-    SampleJob {
-        prompt: vec![1, 2, 3],
-        adapter: None,
-        num_samples: 1,
-        picker: Picker::default(),
-        max_tokens: 4,
-        stop_strings: vec![],
-        stop_tokens: vec![],
-        seed: Some(0),
-        prompt_logprobs: false,
-        topk_prompt_logprobs: 0,
-    }
-}
+use super::test_engine::{engine, job};
 
 #[test]
 fn a_lone_sampling_client_is_dispatched_at_once() {
@@ -93,4 +42,42 @@ fn sampling_waits_for_other_recent_clients_and_then_batches_them() {
     let sent = sent.lock().unwrap();
     assert_eq!(sent.len(), 1);
     assert_eq!(sent[0].samples.len(), 2, "both requests share one decode");
+}
+
+#[test]
+fn a_dead_worker_fails_everything_pending_and_the_engine_reports_it() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let alive = std::sync::Arc::new(AtomicBool::new(true));
+    let (mut engine, sent) = super::test_engine::engine_with_worker(alive.clone());
+    assert_eq!(engine.health(), Ok(()));
+    let running = engine
+        .sample("alice", SamplerRef::BaseModel, job())
+        .unwrap()
+        .request_id;
+    engine.pump();
+    assert_eq!(sent.lock().unwrap().len(), 1, "dispatched");
+    let queued = engine
+        .sample("bob", SamplerRef::BaseModel, job())
+        .unwrap()
+        .request_id;
+    alive.store(false, Ordering::SeqCst);
+    engine.tick(std::time::Instant::now());
+    for (id, owner) in [(&running, "alice"), (&queued, "bob")] {
+        match engine.futures.poll(id, owner) {
+            Some(super::futures::Poll::Ready(r)) => {
+                let failure = r.as_ref().as_ref().unwrap_err();
+                assert!(
+                    failure.message.contains("worker has stopped"),
+                    "{}",
+                    failure.message
+                );
+            }
+            _ => panic!("{id} still pending after the worker died"),
+        }
+    }
+    assert!(engine.health().unwrap_err().contains("worker has stopped"));
+    let err = engine
+        .sample("carol", SamplerRef::BaseModel, job())
+        .unwrap_err();
+    assert!(matches!(err, super::EngineError::Unavailable(_)));
 }

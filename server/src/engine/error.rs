@@ -41,6 +41,38 @@ impl std::error::Error for EngineError {}
 
 impl From<crate::store::StoreError> for EngineError {
     fn from(e: crate::store::StoreError) -> Self {
-        EngineError::Internal(e.to_string())
+        use crate::store::StoreError;
+        match e {
+            // What the request asked for cannot be done: the same request fails again.
+            StoreError::Exists(_) | StoreError::Invalid(_) => {
+                EngineError::BadRequest(e.to_string())
+            }
+            StoreError::Locked(_) => EngineError::Unavailable(e.to_string()),
+            StoreError::Io { .. } | StoreError::Db(_) | StoreError::Candle(_) => {
+                EngineError::Internal(e.to_string())
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::StoreError;
+
+    #[test]
+    fn store_errors_keep_their_meaning() {
+        let exists = EngineError::from(StoreError::Exists("a".into()));
+        assert!(
+            matches!(exists, EngineError::BadRequest(_)),
+            "an existing name is not a 500"
+        );
+        let invalid = EngineError::from(StoreError::Invalid("x".into()));
+        assert!(matches!(invalid, EngineError::BadRequest(_)));
+        let io = EngineError::from(StoreError::Io {
+            path: "p".into(),
+            source: std::io::Error::other("disk"),
+        });
+        assert!(matches!(io, EngineError::Internal(_)));
     }
 }

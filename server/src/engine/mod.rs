@@ -2,17 +2,23 @@
 //! reorder buffers, sampling sessions, futures, the index) as a single actor, and feeds
 //! the worker thread batches chosen by a pure scheduler.
 
+#[cfg(test)]
+mod access_tests;
 mod actor;
 #[cfg(test)]
 mod batching_tests;
+mod catalog;
 mod error;
 mod futures;
 mod info;
-mod rest;
+pub mod rest;
 mod runs;
 mod sampling;
 pub mod scheduler;
 mod state;
+#[cfg(test)]
+mod test_engine;
+mod ttl;
 
 pub use actor::{channel, run, EngineHandle};
 pub use error::EngineError;
@@ -21,4 +27,5 @@ pub use info::ModelInfo;
 pub use rest::{parse_checkpoint_id, MAX_PAGE};
 pub use runs::{NewRun, SaveRequest, MAX_SNAPSHOTS_PER_RUN};
 pub use sampling::SamplerRef;
-pub use state::{now_unix, Engine, EngineConfig, WorkerLink};
+pub use state::{now_unix, Engine, EngineConfig, StoreWork, WorkerLink, MAX_SEQ_AHEAD};
+pub use ttl::{Ttl, MAX_TTL_SECONDS};

@@ -1,4 +1,7 @@
-//! REST queries over the index: runs, checkpoints, sessions, publishing, TTLs.
+//! REST resources: listings of runs and checkpoints (blocking reads of the store, which
+//! `EngineHandle` runs on the blocking pool), and the engine's half of deleting,
+//! publishing and TTLs (access checks and the in-memory catalog; the index write happens
+//! between `begin_*` and `finish_*`, off the actor).
 
 use std::path::PathBuf;
 use std::time::{Duration, UNIX_EPOCH};
@@ -9,16 +12,22 @@ use lathe_sdk::types::{
 };
 
 use crate::store::db::{CheckpointRow, RunRow};
+use crate::store::Store;
 
 use super::state::now_unix;
-use super::{Engine, EngineError};
+use super::{Engine, EngineError, Ttl};
 
 /// Most items one listing page returns.
 pub const MAX_PAGE: usize = 1000;
 
+/// The latest instant `humantime` formats (9999-12-31T23:59:59Z); it panics beyond.
+const LAST_FORMATTABLE_UNIX: i64 = 253_402_300_799;
+
+/// An RFC 3339 timestamp of any Unix time, clamped to years 1970 to 9999: a stored
+/// expiry from an older server or a hand-edited index must never panic a listing.
 fn rfc3339(unix: i64) -> String {
-    humantime::format_rfc3339_seconds(UNIX_EPOCH + Duration::from_secs(unix.max(0) as u64))
-        .to_string()
+    let secs = unix.clamp(0, LAST_FORMATTABLE_UNIX) as u64;
+    humantime::format_rfc3339_seconds(UNIX_EPOCH + Duration::from_secs(secs)).to_string()
 }
 
 fn checkpoint_view(row: &CheckpointRow) -> Checkpoint {
@@ -49,157 +58,165 @@ pub fn parse_checkpoint_id(
         .map_err(EngineError::BadRequest)
 }
 
-impl Engine {
-    fn run_view(&self, row: RunRow) -> Result<TrainingRun, EngineError> {
-        let ckpts = self.db.checkpoints_of_run(&row.id)?;
-        let last = |kind: &str| {
-            ckpts
-                .iter()
-                .filter(|c| c.meta.kind == kind)
-                .max_by_key(|c| c.meta.created_at)
-                .map(checkpoint_view)
-        };
-        Ok(TrainingRun {
-            training_run_id: row.id.clone(),
-            base_model: row.base_model.clone(),
-            model_owner: row.owner.clone(),
-            is_lora: true,
-            corrupted: false,
-            lora_rank: Some(row.rank),
-            last_request_time: rfc3339(row.last_request_at),
-            last_checkpoint: last("training"),
-            last_sampler_checkpoint: last("sampler"),
-            user_metadata: (!row.user_metadata.is_empty()).then_some(row.user_metadata),
-        })
-    }
-
-    fn owned_run(&self, owner: &str, run_id: &str) -> Result<RunRow, EngineError> {
-        self.db
-            .run(run_id)?
-            .filter(|r| r.owner == owner)
-            .ok_or_else(|| EngineError::NotFound(format!("unknown training run {run_id}")))
-    }
-
-    /// A page of the owner's runs, newest first.
-    pub fn list_runs(
-        &self,
-        owner: &str,
-        offset: usize,
-        limit: usize,
-    ) -> Result<TrainingRunsResponse, EngineError> {
-        let limit = limit.min(MAX_PAGE);
-        let (rows, total) = self.db.runs_of(owner, offset, limit)?;
-        let training_runs = rows
-            .into_iter()
-            .map(|r| self.run_view(r))
-            .collect::<Result<_, _>>()?;
-        Ok(TrainingRunsResponse {
-            training_runs,
-            cursor: Cursor {
-                offset,
-                limit,
-                total_count: total,
-            },
-        })
-    }
-
-    /// One of the owner's runs.
-    pub fn get_run(&self, owner: &str, run_id: &str) -> Result<TrainingRun, EngineError> {
-        let row = self.owned_run(owner, run_id)?;
-        self.run_view(row)
-    }
-
-    /// A run's checkpoints (the owner's run; others see only published ones).
-    pub fn list_run_checkpoints(
-        &self,
-        owner: &str,
-        run_id: &str,
-    ) -> Result<CheckpointsListResponse, EngineError> {
-        let rows = self.db.checkpoints_of_run(run_id)?;
-        let visible: Vec<Checkpoint> = rows
+fn run_view(store: &Store, row: RunRow) -> Result<TrainingRun, EngineError> {
+    let ckpts = store.checkpoints_of_run(&row.id)?;
+    let last = |kind: &str| {
+        ckpts
             .iter()
-            .filter(|r| r.meta.owner == owner || r.public)
+            .filter(|c| c.meta.kind == kind)
+            .max_by_key(|c| c.meta.created_at)
             .map(checkpoint_view)
-            .collect();
-        if visible.is_empty() && self.owned_run(owner, run_id).is_err() {
-            return Err(EngineError::NotFound(format!(
-                "unknown training run {run_id}"
-            )));
-        }
-        Ok(CheckpointsListResponse {
-            checkpoints: visible,
-            cursor: None,
-        })
-    }
+    };
+    Ok(TrainingRun {
+        training_run_id: row.id.clone(),
+        base_model: row.base_model.clone(),
+        model_owner: row.owner.clone(),
+        is_lora: true,
+        corrupted: false,
+        lora_rank: Some(row.rank),
+        last_request_time: rfc3339(row.last_request_at),
+        last_checkpoint: last("training"),
+        last_sampler_checkpoint: last("sampler"),
+        user_metadata: (!row.user_metadata.is_empty()).then_some(row.user_metadata),
+    })
+}
 
-    /// A page of the owner's checkpoints, newest first.
-    pub fn list_user_checkpoints(
-        &self,
-        owner: &str,
-        offset: usize,
-        limit: usize,
-    ) -> Result<CheckpointsListResponse, EngineError> {
-        let limit = limit.min(MAX_PAGE);
-        let (rows, total) = self.db.checkpoints_of_owner(owner, offset, limit)?;
-        Ok(CheckpointsListResponse {
-            checkpoints: rows.iter().map(checkpoint_view).collect(),
-            cursor: Some(Cursor {
-                offset,
-                limit,
-                total_count: total,
-            }),
-        })
-    }
+fn owned_run(store: &Store, owner: &str, run_id: &str) -> Result<RunRow, EngineError> {
+    store
+        .run(run_id)?
+        .filter(|r| r.owner == owner)
+        .ok_or_else(|| EngineError::NotFound(format!("unknown training run {run_id}")))
+}
 
-    fn owned_checkpoint(
-        &self,
-        owner: &str,
-        uri: &CheckpointUri,
-    ) -> Result<CheckpointRow, EngineError> {
-        self.db
-            .checkpoint(&uri.run_id, uri.kind.type_name(), &uri.name)?
-            .filter(|r| r.meta.owner == owner)
-            .ok_or_else(|| EngineError::NotFound(format!("unknown checkpoint {uri}")))
-    }
+/// A page of the owner's runs, newest first. Blocking.
+pub fn list_runs(
+    store: &Store,
+    owner: &str,
+    offset: usize,
+    limit: usize,
+) -> Result<TrainingRunsResponse, EngineError> {
+    let limit = limit.min(MAX_PAGE);
+    let (rows, total) = store.runs_of(owner, offset, limit)?;
+    let training_runs = rows
+        .into_iter()
+        .map(|r| run_view(store, r))
+        .collect::<Result<_, _>>()?;
+    Ok(TrainingRunsResponse {
+        training_runs,
+        cursor: Cursor {
+            offset,
+            limit,
+            total_count: total,
+        },
+    })
+}
 
-    /// Deletes one of the owner's checkpoints (index row first, then files).
-    pub fn delete_checkpoint(
+/// One of the owner's runs. Blocking.
+pub fn get_run(store: &Store, owner: &str, run_id: &str) -> Result<TrainingRun, EngineError> {
+    let row = owned_run(store, owner, run_id)?;
+    run_view(store, row)
+}
+
+/// A run's checkpoints (the owner's run; others see only published ones). Blocking.
+pub fn list_run_checkpoints(
+    store: &Store,
+    owner: &str,
+    run_id: &str,
+) -> Result<CheckpointsListResponse, EngineError> {
+    let rows = store.checkpoints_of_run(run_id)?;
+    let visible: Vec<Checkpoint> = rows
+        .iter()
+        .filter(|r| r.meta.owner == owner || r.public)
+        .map(checkpoint_view)
+        .collect();
+    if visible.is_empty() && owned_run(store, owner, run_id).is_err() {
+        return Err(EngineError::NotFound(format!(
+            "unknown training run {run_id}"
+        )));
+    }
+    Ok(CheckpointsListResponse {
+        checkpoints: visible,
+        cursor: None,
+    })
+}
+
+/// A page of the owner's checkpoints, newest first. Blocking.
+pub fn list_user_checkpoints(
+    store: &Store,
+    owner: &str,
+    offset: usize,
+    limit: usize,
+) -> Result<CheckpointsListResponse, EngineError> {
+    let limit = limit.min(MAX_PAGE);
+    let (rows, total) = store.checkpoints_of_owner(owner, offset, limit)?;
+    Ok(CheckpointsListResponse {
+        checkpoints: rows.iter().map(checkpoint_view).collect(),
+        cursor: Some(Cursor {
+            offset,
+            limit,
+            total_count: total,
+        }),
+    })
+}
+
+impl Engine {
+    /// Starts deleting one of the owner's checkpoints: from now on nobody can use it.
+    /// Returns the version to delete.
+    pub fn begin_delete(
         &mut self,
         owner: &str,
         uri: &CheckpointUri,
-    ) -> Result<(), EngineError> {
-        self.owned_checkpoint(owner, uri)?;
-        self.db
-            .delete_checkpoint(&uri.run_id, uri.kind.type_name(), &uri.name)?;
-        self.checkpoints.remove(&uri.run_id, uri.kind, &uri.name)?;
-        Ok(())
+    ) -> Result<String, EngineError> {
+        self.catalog.begin_delete(owner, uri)
     }
 
-    /// Publishes (readable by every key) or unpublishes a checkpoint.
-    pub fn set_public(
+    /// A delete of `version` ended (`deleted`: it is gone; else it is usable again).
+    pub fn finish_delete(&mut self, uri: &CheckpointUri, version: &str, deleted: bool) {
+        self.catalog.end_delete(uri, version, deleted);
+    }
+
+    /// Checks that `owner` may publish or unpublish; unpublishing takes effect at once
+    /// (before the index write), so access is never wider than the index says. Returns
+    /// the current setting, to restore if the write fails.
+    pub fn begin_set_public(
         &mut self,
         owner: &str,
         uri: &CheckpointUri,
         public: bool,
-    ) -> Result<(), EngineError> {
-        self.owned_checkpoint(owner, uri)?;
-        self.db
-            .set_public(&uri.run_id, uri.kind.type_name(), &uri.name, public)?;
-        Ok(())
+    ) -> Result<bool, EngineError> {
+        let was = self.catalog.owned(owner, uri)?.public;
+        if !public {
+            self.catalog.set_public(uri, false);
+        }
+        Ok(was)
     }
 
-    /// Sets (seconds from now) or clears a checkpoint's TTL.
-    pub fn set_ttl(
+    /// The publish write ended: `public` if it was written, else back to `was`.
+    pub fn finish_set_public(
+        &mut self,
+        uri: &CheckpointUri,
+        public: bool,
+        was: bool,
+        written: bool,
+    ) {
+        self.catalog
+            .set_public(uri, if written { public } else { was });
+    }
+
+    /// Checks that `owner` may set a TTL; returns the expiry to write.
+    pub fn begin_set_ttl(
         &mut self,
         owner: &str,
         uri: &CheckpointUri,
-        ttl: Option<u64>,
-    ) -> Result<(), EngineError> {
-        self.owned_checkpoint(owner, uri)?;
-        let expires = ttl.map(|t| now_unix() + t.min(i64::MAX as u64 / 2) as i64);
-        self.db
-            .set_expiry(&uri.run_id, uri.kind.type_name(), &uri.name, expires)?;
-        Ok(())
+        ttl: Option<Ttl>,
+    ) -> Result<Option<i64>, EngineError> {
+        self.catalog.owned(owner, uri)?;
+        Ok(ttl.map(|t| t.expires_at(now_unix())))
+    }
+
+    /// The TTL write succeeded.
+    pub fn finish_set_ttl(&mut self, uri: &CheckpointUri, expires_at: Option<i64>) {
+        self.catalog.set_expiry(uri, expires_at);
     }
 
     /// The directory of a checkpoint `owner` may download.
@@ -231,5 +248,18 @@ impl Engine {
             .collect();
         ids.sort();
         ids
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn any_stored_time_formats_without_panicking() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339(-5), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339(i64::MAX), "9999-12-31T23:59:59Z");
+        assert_eq!(rfc3339(LAST_FORMATTABLE_UNIX + 1), "9999-12-31T23:59:59Z");
     }
 }

@@ -15,7 +15,7 @@ use crate::store::db::{CheckpointRow, RunRow};
 use crate::worker::{RunOp, SamplerSource};
 
 use super::state::{now_unix, After, Inflight, Queued, Run};
-use super::{Engine, EngineError};
+use super::{Engine, EngineError, Ttl};
 
 /// In-memory sampler snapshots (`save_weights_and_get_sampling_client`) kept per run;
 /// taking one more frees the least recently used (by `asample`) and closes its sampling
@@ -46,8 +46,8 @@ pub struct SaveRequest {
     pub name: String,
     /// Replace an existing one.
     pub overwrite: bool,
-    /// Delete after this many seconds.
-    pub ttl_seconds: Option<u64>,
+    /// Delete this long after saving.
+    pub ttl: Option<Ttl>,
 }
 
 impl Engine {
@@ -94,7 +94,7 @@ impl Engine {
             .runs
             .push(run_id.clone());
         let now = now_unix();
-        self.db.insert_run(&RunRow {
+        self.store_work.new_runs.push(RunRow {
             id: run_id.clone(),
             owner: owner.to_string(),
             session_id: session_id.to_string(),
@@ -106,7 +106,7 @@ impl Engine {
             created_at: now,
             last_request_at: now,
             user_metadata,
-        })?;
+        });
         let request_id = uuid::Uuid::new_v4().to_string();
         let arrival = self.next_arrival();
         let mut run = Run {
@@ -180,7 +180,7 @@ impl Engine {
         check_loadable(uri, optimizer)?;
         let spec = spec_of(&row);
         let op = RunOp::Load {
-            uri: uri.to_string(),
+            uri: uri.clone(),
             dir,
             optimizer,
             create: true,
@@ -213,6 +213,16 @@ impl Engine {
         req: SaveRequest,
     ) -> Result<String, EngineError> {
         let spec = self.loaded_run(owner, run_id)?.spec;
+        let uri = CheckpointUri {
+            run_id: run_id.to_string(),
+            kind: req.kind,
+            name: req.name.clone(),
+        };
+        if !req.overwrite && self.catalog.exists(&uri) {
+            return Err(EngineError::BadRequest(format!(
+                "checkpoint {uri} already exists (pass overwrite to replace it)"
+            )));
+        }
         let now = now_unix();
         let meta = CheckpointMeta {
             run_id: run_id.to_string(),
@@ -221,17 +231,17 @@ impl Engine {
             owner: owner.to_string(),
             base_model: self.model.name.clone(),
             created_at: now,
-            expires_at: req.ttl_seconds.map(|t| now + t as i64),
+            expires_at: req.ttl.map(|t| t.expires_at(now)),
             rank: spec.rank,
             train_attn: spec.train_attn,
             train_mlp: spec.train_mlp,
             train_unembed: spec.train_unembed,
         };
         let op = RunOp::Save {
-            meta: meta.clone(),
+            meta,
             overwrite: req.overwrite,
         };
-        self.enqueue(owner, run_id, seq_id, op, After::Saved(meta))
+        self.enqueue(owner, run_id, seq_id, op, After::Nothing)
     }
 
     /// `save_weights_and_get_sampling_client`: snapshots the adapter in memory and opens
@@ -304,7 +314,7 @@ impl Engine {
             )));
         }
         let op = RunOp::Load {
-            uri: uri.to_string(),
+            uri: uri.clone(),
             dir,
             optimizer,
             create: false,
@@ -345,24 +355,19 @@ impl Engine {
         })
     }
 
-    /// A checkpoint readable by `owner` (its own, or published), and its directory.
+    /// A checkpoint readable by `owner` now (its own, or published), and the directory
+    /// of its current version.
     pub fn resolve_checkpoint(
         &self,
         owner: &str,
         uri: &CheckpointUri,
     ) -> Result<(CheckpointRow, PathBuf), EngineError> {
-        let row = self
-            .db
-            .checkpoint(&uri.run_id, uri.kind.type_name(), &uri.name)?
-            .filter(|r| r.meta.owner == owner || r.public)
+        let row = self.catalog.readable(owner, uri)?;
+        let dir = self
+            .catalog
+            .dir_of(row)
             .ok_or_else(|| EngineError::NotFound(format!("unknown checkpoint {uri}")))?;
-        let dir = self.checkpoints.path(&uri.run_id, uri.kind, &uri.name);
-        if !dir.exists() {
-            return Err(EngineError::NotFound(format!(
-                "checkpoint {uri} is listed but its files are gone"
-            )));
-        }
-        Ok((row, dir))
+        Ok((row.clone(), dir))
     }
 }
 

@@ -6,8 +6,7 @@ use lathe_sdk::types::{CheckpointUri, GetSamplerResponse, UntypedApiFuture};
 use crate::sample::SampleJob;
 use crate::worker::{SampleWork, SamplerSource};
 
-use super::state::After;
-use super::state::{Inflight, Sampler};
+use super::state::{After, Inflight, Pin, QueuedSample, Sampler};
 use super::{Engine, EngineError};
 
 /// Which sampler a request uses.
@@ -28,7 +27,7 @@ impl Engine {
         session_id: &str,
         sampler_id: String,
         source: SamplerSource,
-        model_path: Option<String>,
+        pin: Option<Pin>,
     ) {
         if let Some(s) = self.sessions.get_mut(session_id) {
             s.samplers.push(sampler_id.clone());
@@ -38,10 +37,26 @@ impl Engine {
             Sampler {
                 owner: owner.to_string(),
                 base_model: self.model.name.clone(),
-                model_path,
+                model_path: pin.as_ref().map(|p| p.uri.to_string()),
                 source,
+                pin,
             },
         );
+    }
+
+    /// The adapter source of a checkpoint `owner` may read now, pinned to its current
+    /// version.
+    fn checkpoint_source(
+        &self,
+        owner: &str,
+        uri: &CheckpointUri,
+    ) -> Result<(SamplerSource, Pin), EngineError> {
+        let (row, dir) = self.resolve_checkpoint(owner, uri)?;
+        let pin = Pin {
+            uri: uri.clone(),
+            version: row.version,
+        };
+        Ok((SamplerSource::Checkpoint(dir), pin))
     }
 
     /// `create_sampling_session` on the base model or on a checkpoint.
@@ -54,9 +69,12 @@ impl Engine {
     ) -> Result<String, EngineError> {
         self.check_open()?;
         self.session_mut(owner, session_id)?;
-        let source = match model_path {
-            Some(uri) => SamplerSource::Checkpoint(self.resolve_checkpoint(owner, uri)?.1),
-            None => SamplerSource::Base,
+        let (source, pin) = match model_path {
+            Some(uri) => {
+                let (source, pin) = self.checkpoint_source(owner, uri)?;
+                (source, Some(pin))
+            }
+            None => (SamplerSource::Base, None),
         };
         let id = format!("{session_id}:sample:{seq}");
         if let Some(existing) = self.samplers.get(&id) {
@@ -66,13 +84,7 @@ impl Engine {
                 )));
             }
         }
-        self.register_sampler(
-            owner,
-            session_id,
-            id.clone(),
-            source,
-            model_path.map(|u| u.to_string()),
-        );
+        self.register_sampler(owner, session_id, id.clone(), source, pin);
         Ok(id)
     }
 
@@ -116,18 +128,24 @@ impl Engine {
             SamplerRef::BaseModel => format!("{owner} base"),
             SamplerRef::Path(uri) => format!("{owner} {uri}"),
         };
-        let source = match sampler {
-            SamplerRef::Session(id) => self
-                .samplers
-                .get(&id)
-                .filter(|s| s.owner == owner)
-                .map(|s| s.source.clone())
-                .ok_or_else(|| EngineError::NotFound(format!("unknown sampler {id}")))?,
-            SamplerRef::BaseModel => SamplerSource::Base,
+        let (source, pin) = match sampler {
+            SamplerRef::Session(id) => {
+                let s = self
+                    .samplers
+                    .get(&id)
+                    .filter(|s| s.owner == owner)
+                    .ok_or_else(|| EngineError::NotFound(format!("unknown sampler {id}")))?;
+                (s.source.clone(), s.pin.clone())
+            }
+            SamplerRef::BaseModel => (SamplerSource::Base, None),
             SamplerRef::Path(uri) => {
-                SamplerSource::Checkpoint(self.resolve_checkpoint(owner, &uri)?.1)
+                let (source, pin) = self.checkpoint_source(owner, &uri)?;
+                (source, Some(pin))
             }
         };
+        // A session opened on someone's published checkpoint samples only while it is
+        // still readable and still the version it was opened on.
+        self.check_pin(owner, pin.as_ref())?;
         if let SamplerSource::Snapshot(id) = &source {
             self.touch_snapshot(id);
         }
@@ -138,15 +156,17 @@ impl Engine {
         let arrival = self.next_arrival();
         self.sample_submits
             .insert(submitter, std::time::Instant::now());
-        self.samples.push_back((
+        self.samples.push_back(QueuedSample {
             arrival,
-            std::time::Instant::now(),
-            SampleWork {
+            since: std::time::Instant::now(),
+            owner: owner.to_string(),
+            pin,
+            work: SampleWork {
                 request_id: request_id.clone(),
                 source,
                 job,
             },
-        ));
+        });
         self.futures.insert(request_id.clone(), owner);
         self.inflight.insert(
             request_id.clone(),

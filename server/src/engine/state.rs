@@ -6,11 +6,14 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use lathe_sdk::types::CheckpointUri;
+
 use crate::model::LoraSpec;
-use crate::store::checkpoints::{CheckpointDir, CheckpointMeta};
-use crate::store::db::Db;
+use crate::store::checkpoints::CheckpointDir;
+use crate::store::db::{CheckpointRow, RunRow};
 use crate::worker::{Batch, Failure, Outcome, RunOp, RunWork, SampleWork, SamplerSource};
 
+use super::catalog::Catalog;
 use super::futures::Futures;
 use super::info::ModelInfo;
 use super::scheduler::{self, Candidate, Kind, Limits};
@@ -53,13 +56,26 @@ impl Default for EngineConfig {
 pub trait WorkerLink: Send {
     /// Queues a batch; false if the worker is gone.
     fn send(&mut self, batch: Batch) -> bool;
+
+    /// Whether the worker is still running.
+    fn is_alive(&self) -> bool {
+        true
+    }
 }
 
 impl WorkerLink for crate::worker::WorkerHandle {
     fn send(&mut self, batch: Batch) -> bool {
         crate::worker::WorkerHandle::send(self, batch)
     }
+
+    fn is_alive(&self) -> bool {
+        crate::worker::WorkerHandle::is_alive(self)
+    }
 }
+
+/// What every request gets once the worker thread is gone.
+const WORKER_GONE: &str =
+    "the model worker has stopped (see the server log); the server must be restarted";
 
 pub(super) struct Session {
     pub owner: String,
@@ -99,13 +115,49 @@ pub(super) struct Sampler {
     pub base_model: String,
     pub model_path: Option<String>,
     pub source: SamplerSource,
+    /// The checkpoint version a session opened on a checkpoint samples from: access and
+    /// version are checked again at every request and at dispatch.
+    pub pin: Option<Pin>,
+}
+
+/// A checkpoint version a sampler uses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Pin {
+    pub uri: CheckpointUri,
+    pub version: String,
+}
+
+/// A queued sampling request.
+pub(super) struct QueuedSample {
+    pub arrival: u64,
+    pub since: Instant,
+    pub owner: String,
+    pub pin: Option<Pin>,
+    pub work: SampleWork,
+}
+
+/// Index writes the engine decided on, done off the actor by `actor.rs` (the engine
+/// does no I/O itself).
+#[derive(Debug, Default)]
+pub struct StoreWork {
+    /// New runs to record.
+    pub new_runs: Vec<RunRow>,
+    /// Runs' latest activity (Unix seconds), coalesced between flushes.
+    pub touched: HashMap<String, i64>,
+    /// Checkpoints whose TTL passed, hidden already, to delete (URI and version).
+    pub expired: Vec<(CheckpointUri, String)>,
+}
+
+impl StoreWork {
+    /// Whether there is nothing to write.
+    pub fn is_empty(&self) -> bool {
+        self.new_runs.is_empty() && self.touched.is_empty() && self.expired.is_empty()
+    }
 }
 
 /// What to do when an in-flight request finishes.
 pub(super) enum After {
     Nothing,
-    /// Record the checkpoint in the index.
-    Saved(CheckpointMeta),
     /// The run could not be created: forget it.
     DropRunOnFailure,
     /// The run was unloaded: forget it.
@@ -121,14 +173,14 @@ pub(super) struct Inflight {
 pub struct Engine {
     pub(super) model: ModelInfo,
     pub(super) config: EngineConfig,
-    pub(super) db: Db,
-    pub(super) checkpoints: CheckpointDir,
+    pub(super) catalog: Catalog,
+    pub(super) store_work: StoreWork,
     pub(super) sessions: HashMap<String, Session>,
     pub(super) expired_sessions: HashSet<String>,
     pub(super) runs: HashMap<String, Run>,
     pub(super) samplers: HashMap<String, Sampler>,
     pub(super) futures: Futures,
-    pub(super) samples: VecDeque<(u64, Instant, SampleWork)>,
+    pub(super) samples: VecDeque<QueuedSample>,
     /// When each sampling client (a sampler id, or an owner's base model or checkpoint
     /// path) last submitted, so that `pump` knows whether others may be about to.
     pub(super) sample_submits: HashMap<String, Instant>,
@@ -139,7 +191,15 @@ pub struct Engine {
     pub(super) worker: Box<dyn WorkerLink>,
     pub(super) busy: bool,
     pub(super) draining: bool,
+    /// The worker thread died: nothing can run any more.
+    pub(super) worker_gone: bool,
 }
+
+/// How far ahead of a run's next operation a `seq_id` may be. Clients number their
+/// operations and may submit several before the first runs (a pipelined loop keeps two or
+/// three in flight); a number further ahead than this is refused, which bounds each run's
+/// reorder buffer and keeps `seq_id + 1` far from overflow.
+pub const MAX_SEQ_AHEAD: u64 = 1024;
 
 /// A run or sampling client that submitted within this long counts as active for
 /// batching decisions.
@@ -154,19 +214,20 @@ pub fn now_unix() -> i64 {
 }
 
 impl Engine {
-    /// An engine over an open index and checkpoint directory, driving `worker`.
+    /// An engine over the index's checkpoint rows and the directory their files are in,
+    /// driving `worker`.
     pub fn new(
         model: ModelInfo,
         config: EngineConfig,
-        db: Db,
-        checkpoints: CheckpointDir,
+        checkpoints: Vec<CheckpointRow>,
+        checkpoint_dir: CheckpointDir,
         worker: Box<dyn WorkerLink>,
     ) -> Self {
         Self {
             model,
             config,
-            db,
-            checkpoints,
+            catalog: Catalog::new(checkpoints, checkpoint_dir),
+            store_work: StoreWork::default(),
             sessions: HashMap::new(),
             expired_sessions: HashSet::new(),
             runs: HashMap::new(),
@@ -181,6 +242,7 @@ impl Engine {
             worker,
             busy: false,
             draining: false,
+            worker_gone: false,
         }
     }
 
@@ -195,6 +257,9 @@ impl Engine {
     }
 
     pub(super) fn check_open(&self) -> Result<(), EngineError> {
+        if self.worker_gone {
+            return Err(EngineError::Unavailable(WORKER_GONE.into()));
+        }
         if self.draining {
             return Err(EngineError::Unavailable(
                 "the server is shutting down".into(),
@@ -271,11 +336,18 @@ impl Engine {
                 .pending
                 .keys()
                 .next_back()
-                .map_or(run.next_seq, |&k| k + 1)
+                .map_or(run.next_seq, |&k| k.saturating_add(1))
                 .max(run.next_seq),
         };
         if let Some(existing) = run.seen.get(&seq) {
             return Ok(existing.clone());
+        }
+        if seq > run.next_seq.saturating_add(MAX_SEQ_AHEAD) {
+            return Err(EngineError::BadRequest(format!(
+                "seq_id {seq} of {run_id} is more than {MAX_SEQ_AHEAD} operations ahead of the \
+                 next one to run ({}); wait for earlier operations to finish",
+                run.next_seq
+            )));
         }
         run.skipped.remove(&seq);
         let session_id = run.session_id.clone();
@@ -313,7 +385,9 @@ impl Engine {
         if let Some(s) = self.sessions.get_mut(&session_id) {
             s.last_heartbeat = Instant::now();
         }
-        let _ = self.db.touch_run(run_id, now_unix());
+        self.store_work
+            .touched
+            .insert(run_id.to_string(), now_unix());
         Ok(request_id)
     }
 
@@ -322,7 +396,8 @@ impl Engine {
     /// sees them; a rejected one would otherwise leave a hole in the order.)
     pub fn skip_seq(&mut self, owner: &str, run_id: &str, seq: u64) {
         if let Some(run) = self.runs.get_mut(run_id).filter(|r| r.owner == owner) {
-            if seq >= run.next_seq && !run.seen.contains_key(&seq) {
+            let window = run.next_seq..=run.next_seq.saturating_add(MAX_SEQ_AHEAD);
+            if window.contains(&seq) && !run.seen.contains_key(&seq) {
                 run.skipped.insert(seq);
             }
         }
@@ -334,22 +409,20 @@ impl Engine {
         owner: &str,
         run_id: &str,
     ) -> Result<&mut Run, EngineError> {
-        match self.runs.get(run_id) {
-            Some(r) if r.owner == owner => {}
-            _ => {
-                let known = self.db.run(run_id)?.is_some_and(|r| r.owner == owner);
-                return Err(if known {
-                    EngineError::NotFound(format!(
-                        "training run {run_id} is no longer loaded (its session expired or the \
-                         server restarted); resume it from one of its checkpoints with \
-                         create_training_client_from_state"
-                    ))
-                } else {
-                    EngineError::NotFound(format!("unknown training run {run_id}"))
-                });
-            }
+        if self.runs.get(run_id).is_some_and(|r| r.owner == owner) {
+            return Ok(self.runs.get_mut(run_id).expect("checked"));
         }
-        Ok(self.runs.get_mut(run_id).expect("checked"))
+        Err(EngineError::NotFound(
+            if self.catalog.has_checkpoint_of_run(owner, run_id) {
+                format!(
+                    "training run {run_id} is no longer loaded (its session expired or the \
+                     server restarted); resume it from one of its checkpoints with \
+                     create_training_client_from_state"
+                )
+            } else {
+                format!("unknown training run {run_id} (or it is no longer loaded and saved no checkpoint)")
+            },
+        ))
     }
 
     /// Sends the next batch to the worker if it is idle and there is work. Work that
@@ -397,14 +470,14 @@ impl Engine {
             heads.push((run_id.clone(), seq));
         }
         let base = heads.len();
-        for (i, (arrival, since, s)) in self.samples.iter().enumerate() {
-            oldest = Some(oldest.map_or(*since, |o: Instant| o.min(*since)));
+        for (i, q) in self.samples.iter().enumerate() {
+            oldest = Some(oldest.map_or(q.since, |o: Instant| o.min(q.since)));
             candidates.push(Candidate {
                 key: base + i,
-                arrival: *arrival,
+                arrival: q.arrival,
                 kind: Kind::Sample {
-                    tokens: s.job.prompt.len(),
-                    streams: s.job.num_samples,
+                    tokens: q.work.job.prompt.len(),
+                    streams: q.work.job.num_samples,
                 },
             });
         }
@@ -441,12 +514,24 @@ impl Engine {
             });
         }
         let mut sample_keys: Vec<usize> = Vec::new();
+        let mut refused: Vec<(String, Failure)> = Vec::new();
         for key in chosen {
             if key < base {
                 let (run_id, seq) = &heads[key];
                 let run = self.runs.get_mut(run_id).expect("head of a live run");
-                let q = run.pending.remove(seq).expect("head exists");
+                let mut q = run.pending.remove(seq).expect("head exists");
                 run.next_seq = seq + 1;
+                // Access to a checkpoint is checked when it is used, not when the load
+                // was queued: the owner may have unpublished, deleted or replaced it.
+                if let RunOp::Load { uri, dir, .. } = &mut q.op {
+                    match self.catalog.readable(&run.owner, uri) {
+                        Ok(row) => *dir = self.catalog.dir_of(row).unwrap_or_default(),
+                        Err(e) => {
+                            refused.push((q.request_id, Failure::user(e.message())));
+                            continue;
+                        }
+                    }
+                }
                 run.inflight = true;
                 batch.runs.push(RunWork {
                     request_id: q.request_id,
@@ -459,10 +544,17 @@ impl Engine {
         }
         sample_keys.sort_unstable();
         for i in sample_keys.into_iter().rev() {
-            let (_, _, s) = self.samples.remove(i).expect("sample exists");
-            batch.samples.push(s);
+            let q = self.samples.remove(i).expect("sample exists");
+            match self.check_pin(&q.owner, q.pin.as_ref()) {
+                Ok(()) => batch.samples.push(q.work),
+                Err(e) => refused.push((q.work.request_id, Failure::user(e.message()))),
+            }
         }
         batch.samples.reverse();
+        for (request_id, failure) in refused {
+            self.inflight.remove(&request_id);
+            self.futures.resolve(&request_id, Err(failure));
+        }
         if batch.is_empty() {
             return None;
         }
@@ -472,12 +564,57 @@ impl Engine {
             samples = batch.samples.len(),
             "dispatching a batch"
         );
+        let ids: Vec<String> = batch
+            .runs
+            .iter()
+            .map(|w| w.request_id.clone())
+            .chain(batch.samples.iter().map(|s| s.request_id.clone()))
+            .collect();
         if self.worker.send(batch) {
             self.busy = true;
         } else {
-            tracing::error!("the worker thread is gone");
+            for id in ids {
+                self.inflight.remove(&id);
+                self.futures.resolve(&id, Err(Failure::server(WORKER_GONE)));
+            }
+            self.worker_died();
         }
         None
+    }
+
+    /// The worker thread is gone: every request in flight or queued fails with a clear
+    /// error, and new work is refused (503), so no client waits forever.
+    fn worker_died(&mut self) {
+        if self.worker_gone {
+            return;
+        }
+        tracing::error!("the model worker thread has stopped; failing every pending request");
+        self.worker_gone = true;
+        self.busy = false;
+        let queued: Vec<String> = self
+            .runs
+            .values_mut()
+            .flat_map(|r| std::mem::take(&mut r.pending).into_values())
+            .map(|q| q.request_id)
+            .chain(self.samples.drain(..).map(|q| q.work.request_id))
+            .chain(self.inflight.keys().cloned())
+            .collect();
+        for id in queued {
+            self.inflight.remove(&id);
+            self.futures.resolve(&id, Err(Failure::server(WORKER_GONE)));
+        }
+    }
+
+    /// Whether the engine can serve: `Err` says why not (the worker died, or the server
+    /// is shutting down).
+    pub fn health(&self) -> Result<(), String> {
+        if self.worker_gone || !self.worker.is_alive() {
+            return Err(WORKER_GONE.into());
+        }
+        if self.draining {
+            return Err("the server is shutting down".into());
+        }
+        Ok(())
     }
 
     /// Takes a finished batch's outcomes: records checkpoints, resolves futures.
@@ -491,14 +628,10 @@ impl Engine {
                 run.inflight = false;
             }
             let result = match (outcome.result, inflight.after) {
-                (Ok(done), After::Saved(meta)) => {
-                    match self
-                        .db
-                        .insert_checkpoint(&meta, done.saved_bytes.unwrap_or(0))
-                    {
-                        Ok(()) => Ok(done.body),
-                        Err(e) => Err(Failure::server(e.to_string())),
-                    }
+                (Ok(mut done), _) if done.saved.is_some() => {
+                    // The worker committed the save to the index before answering.
+                    self.catalog.saved(done.saved.take().expect("checked"));
+                    Ok(done.body)
                 }
                 (Ok(done), After::Unloaded) => {
                     if let Some(id) = &inflight.run_id {
@@ -537,6 +670,9 @@ impl Engine {
     /// Periodic housekeeping: expire silent sessions, old futures and checkpoints whose
     /// TTL passed.
     pub fn tick(&mut self, now: Instant) {
+        if !self.worker.is_alive() {
+            self.worker_died();
+        }
         let timeout = self.config.session_timeout;
         let expired: Vec<String> = self
             .sessions
@@ -561,19 +697,40 @@ impl Engine {
             self.expired_sessions.insert(id);
         }
         self.futures.expire(now, self.config.future_ttl);
-        match self.db.expired(now_unix()) {
-            Ok(rows) => {
-                for row in rows {
-                    let m = &row.meta;
-                    if let Some(kind) = m.kind() {
-                        tracing::info!(run = %m.run_id, name = %m.name, "checkpoint TTL passed; deleting it");
-                        let _ = self.checkpoints.remove(&m.run_id, kind, &m.name);
-                        let _ = self.db.delete_checkpoint(&m.run_id, &m.kind, &m.name);
-                    }
-                }
-            }
-            Err(e) => tracing::warn!("checking checkpoint TTLs: {e}"),
+        for (uri, version) in self.catalog.take_expired(now_unix()) {
+            tracing::info!(checkpoint = %uri, "checkpoint TTL passed; deleting it");
+            self.store_work.expired.push((uri, version));
         }
+    }
+
+    /// Takes the index writes decided since the last call; `with_touches` also takes the
+    /// coalesced activity times (flushed less often: they are only shown in listings).
+    pub fn take_store_work(&mut self, with_touches: bool) -> StoreWork {
+        let touched = if with_touches {
+            std::mem::take(&mut self.store_work.touched)
+        } else {
+            HashMap::new()
+        };
+        StoreWork {
+            new_runs: std::mem::take(&mut self.store_work.new_runs),
+            touched,
+            expired: std::mem::take(&mut self.store_work.expired),
+        }
+    }
+
+    /// Whether `owner` may still sample from `pin` (a checkpoint version): its own or
+    /// published, and not replaced or deleted since the sampler was opened.
+    pub(super) fn check_pin(&self, owner: &str, pin: Option<&Pin>) -> Result<(), EngineError> {
+        let Some(pin) = pin else { return Ok(()) };
+        let row = self.catalog.readable(owner, &pin.uri)?;
+        if row.version != pin.version {
+            return Err(EngineError::NotFound(format!(
+                "checkpoint {} was replaced since this sampler was opened; open a new \
+                 sampling client on it",
+                pin.uri
+            )));
+        }
+        Ok(())
     }
 
     /// Stops accepting work; queued (not started) work fails with category `server`.
@@ -584,7 +741,7 @@ impl Engine {
             .values_mut()
             .flat_map(|r| std::mem::take(&mut r.pending).into_values())
             .map(|q| q.request_id)
-            .chain(self.samples.drain(..).map(|(_, _, s)| s.request_id))
+            .chain(self.samples.drain(..).map(|q| q.work.request_id))
             .collect();
         for id in queued {
             self.inflight.remove(&id);

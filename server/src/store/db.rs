@@ -1,9 +1,9 @@
-//! SQLite index of training runs and checkpoints (rusqlite, bundled SQLite, WAL).
+//! SQLite index of training runs and checkpoints (rusqlite, bundled SQLite, WAL,
+//! `synchronous = FULL` so a committed switch survives a power cut).
 //!
-//! The checkpoint directories are the source of truth for what exists: every directory
-//! carries its own metadata, and [`Db::reconcile`] re-inserts rows for checkpoints whose
-//! index entry a crash lost and drops rows whose files are gone. So the index cannot
-//! list a checkpoint that is not on disk, nor forget one that is.
+//! The index says which version of each checkpoint name is current: a version directory
+//! that no row names is an unfinished save or a replaced or deleted version, and is
+//! removed at start (`data_dir.rs`). Every switch is one transaction.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -45,6 +45,8 @@ pub struct RunRow {
 pub struct CheckpointRow {
     /// What the checkpoint directory records.
     pub meta: CheckpointMeta,
+    /// Which version directory holds it (see `checkpoints.rs`).
+    pub version: String,
     /// Bytes on disk.
     pub size_bytes: u64,
     /// Readable by every key.
@@ -85,13 +87,14 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     train_attn INTEGER NOT NULL,
     train_mlp INTEGER NOT NULL,
     train_unembed INTEGER NOT NULL,
+    version TEXT NOT NULL DEFAULT '',
     PRIMARY KEY (run_id, kind, name)
 );
 CREATE INDEX IF NOT EXISTS checkpoints_owner ON checkpoints(owner, created_at);
 ";
 
 const CKPT_COLUMNS: &str = "run_id, kind, name, owner, base_model, created_at, expires_at, \
-     size_bytes, public, rank, train_attn, train_mlp, train_unembed";
+     size_bytes, public, rank, train_attn, train_mlp, train_unembed, version";
 
 fn ckpt_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<CheckpointRow> {
     Ok(CheckpointRow {
@@ -108,7 +111,8 @@ fn ckpt_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<CheckpointRow> {
             train_mlp: r.get(11)?,
             train_unembed: r.get(12)?,
         },
-        size_bytes: r.get::<_, i64>(7)? as u64,
+        version: r.get(13)?,
+        size_bytes: r.get::<_, i64>(7)?.max(0) as u64,
         public: r.get(8)?,
     })
 }
@@ -138,15 +142,27 @@ impl Db {
     pub fn open(path: &Path) -> Result<Self, StoreError> {
         let conn = Connection::open(path)?;
         conn.pragma_update(None, "journal_mode", "WAL")?;
-        conn.pragma_update(None, "synchronous", "NORMAL")?;
-        conn.execute_batch(SCHEMA)?;
-        Ok(Self { conn })
+        conn.pragma_update(None, "synchronous", "FULL")?;
+        Self::prepare(conn)
     }
 
     /// An in-memory database (tests).
     pub fn in_memory() -> Result<Self, StoreError> {
-        let conn = Connection::open_in_memory()?;
+        Self::prepare(Connection::open_in_memory()?)
+    }
+
+    /// Creates the schema, and adds the `version` column to an index written before
+    /// checkpoints had versions (its rows name the pre-version layout, version `''`).
+    fn prepare(conn: Connection) -> Result<Self, StoreError> {
         conn.execute_batch(SCHEMA)?;
+        let has_version: bool = conn
+            .prepare("SELECT 1 FROM pragma_table_info('checkpoints') WHERE name = 'version'")?
+            .exists([])?;
+        if !has_version {
+            conn.execute_batch(
+                "ALTER TABLE checkpoints ADD COLUMN version TEXT NOT NULL DEFAULT ''",
+            )?;
+        }
         Ok(Self { conn })
     }
 
@@ -171,12 +187,16 @@ impl Db {
         Ok(())
     }
 
-    /// Updates a run's last activity time.
-    pub fn touch_run(&self, id: &str, now: i64) -> Result<(), StoreError> {
-        self.conn.execute(
-            "UPDATE runs SET last_request_at = ?2 WHERE id = ?1",
-            params![id, now],
-        )?;
+    /// Updates runs' last activity times, in one transaction.
+    pub fn touch_runs(&mut self, touched: &[(String, i64)]) -> Result<(), StoreError> {
+        let tx = self.conn.transaction()?;
+        for (id, at) in touched {
+            tx.execute(
+                "UPDATE runs SET last_request_at = ?2 WHERE id = ?1",
+                params![id, at],
+            )?;
+        }
+        tx.commit()?;
         Ok(())
     }
 
@@ -213,26 +233,36 @@ impl Db {
         Ok((rows, total as usize))
     }
 
-    /// Records (or replaces) a checkpoint.
-    pub fn insert_checkpoint(&self, meta: &CheckpointMeta, size: u64) -> Result<(), StoreError> {
-        self.conn.execute(
-            &format!("INSERT OR REPLACE INTO checkpoints ({CKPT_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, 0, ?9, ?10, ?11, ?12)"),
-            params![
-                meta.run_id,
-                meta.kind,
-                meta.name,
-                meta.owner,
-                meta.base_model,
-                meta.created_at,
-                meta.expires_at,
-                size as i64,
-                meta.rank as i64,
-                meta.train_attn,
-                meta.train_mlp,
-                meta.train_unembed,
-            ],
-        )?;
-        Ok(())
+    /// Points a checkpoint's name at `version` (a new row, or a replaced one, which
+    /// becomes private again) in one transaction; returns the version it replaced.
+    pub fn switch_checkpoint(
+        &mut self,
+        meta: &CheckpointMeta,
+        version: &str,
+        size: u64,
+    ) -> Result<Option<String>, StoreError> {
+        let tx = self.conn.transaction()?;
+        let old: Option<String> = tx
+            .query_row(
+                "SELECT version FROM checkpoints WHERE run_id = ?1 AND kind = ?2 AND name = ?3",
+                params![meta.run_id, meta.kind, meta.name],
+                |r| r.get(0),
+            )
+            .optional()?;
+        insert_checkpoint_row(&tx, meta, version, size)?;
+        tx.commit()?;
+        Ok(old)
+    }
+
+    /// Every checkpoint row.
+    pub fn all_checkpoints(&self) -> Result<Vec<CheckpointRow>, StoreError> {
+        let mut stmt = self
+            .conn
+            .prepare(&format!("SELECT {CKPT_COLUMNS} FROM checkpoints"))?;
+        let rows = stmt
+            .query_map([], ckpt_from_row)?
+            .collect::<rusqlite::Result<Vec<_>>>()?;
+        Ok(rows)
     }
 
     /// One checkpoint.
@@ -284,16 +314,31 @@ impl Db {
         Ok((rows, total as usize))
     }
 
-    /// Removes a checkpoint's row.
+    /// Removes a checkpoint's row if it still names `version` (a save that replaced it
+    /// meanwhile wins); returns whether a row went.
     pub fn delete_checkpoint(
         &self,
         run_id: &str,
         kind: &str,
         name: &str,
-    ) -> Result<(), StoreError> {
+        version: &str,
+    ) -> Result<bool, StoreError> {
+        let n = self.conn.execute(
+            "DELETE FROM checkpoints WHERE run_id = ?1 AND kind = ?2 AND name = ?3 AND version = ?4",
+            params![run_id, kind, name, version],
+        )?;
+        Ok(n > 0)
+    }
+
+    /// Records a run for a checkpoint found on disk whose run the index lacks, so it is
+    /// listed and resumable.
+    pub fn ensure_run_of(&self, meta: &CheckpointMeta) -> Result<(), StoreError> {
         self.conn.execute(
-            "DELETE FROM checkpoints WHERE run_id = ?1 AND kind = ?2 AND name = ?3",
-            params![run_id, kind, name],
+            &format!("INSERT OR IGNORE INTO runs ({RUN_COLUMNS}) VALUES (?1, ?2, '', ?3, ?4, ?5, ?6, ?7, ?8, ?8, '{{}}')"),
+            params![
+                meta.run_id, meta.owner, meta.base_model, meta.rank as i64,
+                meta.train_attn, meta.train_mlp, meta.train_unembed, meta.created_at,
+            ],
         )?;
         Ok(())
     }
@@ -327,78 +372,33 @@ impl Db {
         )?;
         Ok(())
     }
+}
 
-    /// Checkpoints whose expiry has passed.
-    pub fn expired(&self, now: i64) -> Result<Vec<CheckpointRow>, StoreError> {
-        let mut stmt = self.conn.prepare(&format!(
-            "SELECT {CKPT_COLUMNS} FROM checkpoints WHERE expires_at IS NOT NULL AND expires_at <= ?1"
-        ))?;
-        let rows = stmt
-            .query_map(params![now], ckpt_from_row)?
-            .collect::<rusqlite::Result<Vec<_>>>()?;
-        Ok(rows)
-    }
-
-    /// Makes the index agree with the checkpoint directories found on disk: rows are
-    /// added for directories the index lacks (keeping `public` of rows it has) and
-    /// dropped for directories that are gone. Runs referenced only by checkpoints get a
-    /// row too, so they are listed and resumable. Returns (added, removed).
-    pub fn reconcile(
-        &mut self,
-        on_disk: &[(CheckpointMeta, u64)],
-    ) -> Result<(usize, usize), StoreError> {
-        let tx = self.conn.transaction()?;
-        let mut known = std::collections::HashSet::new();
-        let mut added = 0;
-        for (meta, size) in on_disk {
-            known.insert((meta.run_id.clone(), meta.kind.clone(), meta.name.clone()));
-            let exists: bool = tx
-                .query_row(
-                    "SELECT 1 FROM checkpoints WHERE run_id = ?1 AND kind = ?2 AND name = ?3",
-                    params![meta.run_id, meta.kind, meta.name],
-                    |_| Ok(()),
-                )
-                .optional()?
-                .is_some();
-            if !exists {
-                tx.execute(
-                    &format!("INSERT INTO checkpoints ({CKPT_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, 0, ?9, ?10, ?11, ?12)"),
-                    params![
-                        meta.run_id, meta.kind, meta.name, meta.owner, meta.base_model,
-                        meta.created_at, meta.expires_at, *size as i64, meta.rank as i64,
-                        meta.train_attn, meta.train_mlp, meta.train_unembed,
-                    ],
-                )?;
-                tx.execute(
-                    &format!("INSERT OR IGNORE INTO runs ({RUN_COLUMNS}) VALUES (?1, ?2, '', ?3, ?4, ?5, ?6, ?7, ?8, ?8, '{{}}')"),
-                    params![
-                        meta.run_id, meta.owner, meta.base_model, meta.rank as i64,
-                        meta.train_attn, meta.train_mlp, meta.train_unembed, meta.created_at,
-                    ],
-                )?;
-                added += 1;
-            }
-        }
-        let rows: Vec<(String, String, String)> = {
-            let mut stmt = tx.prepare("SELECT run_id, kind, name FROM checkpoints")?;
-            let rows = stmt
-                .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
-                .collect::<rusqlite::Result<Vec<_>>>()?;
-            rows
-        };
-        let mut removed = 0;
-        for key in rows {
-            if !known.contains(&key) {
-                tx.execute(
-                    "DELETE FROM checkpoints WHERE run_id = ?1 AND kind = ?2 AND name = ?3",
-                    params![key.0, key.1, key.2],
-                )?;
-                removed += 1;
-            }
-        }
-        tx.commit()?;
-        Ok((added, removed))
-    }
+fn insert_checkpoint_row(
+    conn: &Connection,
+    meta: &CheckpointMeta,
+    version: &str,
+    size: u64,
+) -> Result<(), StoreError> {
+    conn.execute(
+        &format!("INSERT OR REPLACE INTO checkpoints ({CKPT_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, 0, ?9, ?10, ?11, ?12, ?13)"),
+        params![
+            meta.run_id,
+            meta.kind,
+            meta.name,
+            meta.owner,
+            meta.base_model,
+            meta.created_at,
+            meta.expires_at,
+            i64::try_from(size).unwrap_or(i64::MAX),
+            meta.rank as i64,
+            meta.train_attn,
+            meta.train_mlp,
+            meta.train_unembed,
+            version,
+        ],
+    )?;
+    Ok(())
 }
 
 #[cfg(test)]
@@ -423,7 +423,7 @@ mod tests {
 
     #[test]
     fn runs_and_checkpoints_round_trip() {
-        let db = Db::in_memory().unwrap();
+        let mut db = Db::in_memory().unwrap();
         let run = RunRow {
             id: "s:train:0".into(),
             owner: "alice".into(),
@@ -440,9 +440,12 @@ mod tests {
         db.insert_run(&run).unwrap();
         assert_eq!(db.run("s:train:0").unwrap().unwrap(), run);
         assert_eq!(db.runs_of("bob", 0, 10).unwrap().1, 0);
-        db.insert_checkpoint(&meta("s:train:0", "a", 11), 100)
-            .unwrap();
-        db.insert_checkpoint(&meta("s:train:0", "b", 12), 200)
+        assert_eq!(
+            db.switch_checkpoint(&meta("s:train:0", "a", 11), "v-1", 100)
+                .unwrap(),
+            None
+        );
+        db.switch_checkpoint(&meta("s:train:0", "b", 12), "v-2", 200)
             .unwrap();
         let (page, total) = db.checkpoints_of_owner("alice", 0, 1).unwrap();
         assert_eq!((page[0].meta.name.as_str(), total), ("b", 2));
@@ -453,35 +456,58 @@ mod tests {
                 .unwrap()
                 .public
         );
+        // A new version replaces the old one and is private again.
+        assert_eq!(
+            db.switch_checkpoint(&meta("s:train:0", "a", 13), "v-3", 100)
+                .unwrap()
+                .as_deref(),
+            Some("v-1")
+        );
+        let a = db
+            .checkpoint("s:train:0", "training", "a")
+            .unwrap()
+            .unwrap();
+        assert_eq!((a.version.as_str(), a.public), ("v-3", false));
         db.set_expiry("s:train:0", "training", "b", Some(5))
             .unwrap();
-        assert_eq!(db.expired(6).unwrap().len(), 1);
-        db.delete_checkpoint("s:train:0", "training", "b").unwrap();
+        // Deleting a version that was replaced meanwhile deletes nothing.
+        assert!(!db
+            .delete_checkpoint("s:train:0", "training", "a", "v-1")
+            .unwrap());
+        assert!(db
+            .delete_checkpoint("s:train:0", "training", "b", "v-2")
+            .unwrap());
         assert_eq!(db.checkpoints_of_run("s:train:0").unwrap().len(), 1);
+        assert_eq!(db.all_checkpoints().unwrap().len(), 1);
     }
 
     #[test]
-    fn reconcile_follows_the_disk() {
-        let mut db = Db::in_memory().unwrap();
-        db.insert_checkpoint(&meta("r", "gone", 1), 1).unwrap();
-        let disk = vec![
-            (meta("r", "kept", 2), 10),
-            (meta("other", "lost-row", 3), 20),
-        ];
-        db.insert_checkpoint(&disk[0].0, 10).unwrap();
-        db.set_public("r", "training", "kept", true).unwrap();
-        assert_eq!(db.reconcile(&disk).unwrap(), (1, 1));
-        assert!(db.checkpoint("r", "training", "gone").unwrap().is_none());
-        assert!(
-            db.checkpoint("r", "training", "kept")
-                .unwrap()
-                .unwrap()
-                .public
-        );
-        assert!(db
-            .checkpoint("other", "training", "lost-row")
-            .unwrap()
-            .is_some());
+    fn an_index_from_before_versions_is_migrated_in_place() {
+        let path = std::env::temp_dir().join(format!("lathe-db-{}.db", uuid::Uuid::new_v4()));
+        {
+            let conn = Connection::open(&path).unwrap();
+            let old_schema = SCHEMA.replace("    version TEXT NOT NULL DEFAULT '',\n", "");
+            assert!(!old_schema.contains("version"));
+            conn.execute_batch(&old_schema).unwrap();
+            conn.execute(
+                "INSERT INTO checkpoints (run_id, kind, name, owner, base_model, created_at, \
+                 size_bytes, rank, train_attn, train_mlp, train_unembed) \
+                 VALUES ('r', 'training', 'old', 'alice', 'm', 1, 10, 8, 1, 1, 0)",
+                [],
+            )
+            .unwrap();
+        }
+        let db = Db::open(&path).unwrap();
+        let row = db.checkpoint("r", "training", "old").unwrap().unwrap();
+        assert_eq!(row.version, "");
+        drop(db);
+        let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn runs_of_checkpoints_found_on_disk_are_recorded() {
+        let db = Db::in_memory().unwrap();
+        db.ensure_run_of(&meta("other", "x", 3)).unwrap();
         assert_eq!(db.run("other").unwrap().unwrap().owner, "alice");
     }
 }

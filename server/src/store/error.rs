@@ -20,6 +20,9 @@ pub enum StoreError {
     /// The metadata database failed.
     #[error("metadata database: {0}")]
     Db(#[from] rusqlite::Error),
+    /// Another server holds the data dir.
+    #[error("the data dir {0} is in use by another lathe server (its lock file is held); stop it or choose another --data-dir")]
+    Locked(String),
     /// A tensor operation failed.
     #[error("tensor error: {0}")]
     Candle(#[from] candle_core::Error),

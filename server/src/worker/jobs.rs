@@ -3,11 +3,12 @@
 
 use std::path::PathBuf;
 
-use lathe_sdk::types::AdamParams;
+use lathe_sdk::types::{AdamParams, CheckpointUri};
 
 use crate::model::LoraSpec;
 use crate::sample::SampleJob;
 use crate::store::checkpoints::CheckpointMeta;
+use crate::store::db::CheckpointRow;
 use crate::train::DatumJob;
 
 /// One operation on one training run.
@@ -45,9 +46,10 @@ pub enum RunOp {
     /// Replace the run's adapter (and optionally optimizer state) from a checkpoint;
     /// with `create`, the run is new and takes the checkpoint's geometry.
     Load {
-        /// The checkpoint's URI, echoed in the result.
-        uri: String,
-        /// The checkpoint directory.
+        /// The checkpoint, echoed in the result.
+        uri: CheckpointUri,
+        /// The directory of its current version, resolved by the engine when the load
+        /// is dispatched (access is checked then, not when it was queued).
         dir: PathBuf,
         /// Also restore the optimizer state.
         optimizer: bool,
@@ -169,8 +171,8 @@ impl Failure {
 pub struct Done {
     /// The JSON result the client retrieves.
     pub body: serde_json::Value,
-    /// Bytes written, for a saved checkpoint.
-    pub saved_bytes: Option<u64>,
+    /// A saved checkpoint's index row, committed before the result is sent.
+    pub saved: Option<CheckpointRow>,
 }
 
 /// The result of one request of a [`Batch`].

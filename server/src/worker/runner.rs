@@ -11,8 +11,8 @@ use serde_json::json;
 use super::jobs::{Batch, Done, Failure, Outcome, RunOp, RunWork, SampleWork, SamplerSource};
 use crate::model::{Adapter, AdapterGrads, LoadedModel, ModelError};
 use crate::sample::{self, DecodeMode, SampleOutput, Stop};
-use crate::store::checkpoints::{CheckpointDir, CheckpointMeta};
-use crate::store::{peft, StoreError};
+use crate::store::checkpoints::CheckpointMeta;
+use crate::store::{peft, Store, StoreError};
 use crate::train::adamw::{self, AdamState};
 use crate::train::{self, DatumResult, TrainError};
 
@@ -30,7 +30,7 @@ struct RunModel {
 pub struct Worker {
     model: LoadedModel,
     mode: DecodeMode,
-    checkpoints: CheckpointDir,
+    store: Store,
     runs: HashMap<String, RunModel>,
     snapshots: HashMap<String, Arc<Adapter>>,
     /// Most recently used last.
@@ -59,19 +59,16 @@ fn store_failure(e: StoreError) -> Failure {
 }
 
 fn done(body: serde_json::Value) -> Result<Done, Failure> {
-    Ok(Done {
-        body,
-        saved_bytes: None,
-    })
+    Ok(Done { body, saved: None })
 }
 
 impl Worker {
-    /// A worker over `model`, saving checkpoints under `checkpoints`.
-    pub fn new(model: LoadedModel, mode: DecodeMode, checkpoints: CheckpointDir) -> Self {
+    /// A worker over `model`, saving checkpoints into `store`.
+    pub fn new(model: LoadedModel, mode: DecodeMode, store: Store) -> Self {
         Self {
             model,
             mode,
-            checkpoints,
+            store,
             runs: HashMap::new(),
             snapshots: HashMap::new(),
             cached: Vec::new(),
@@ -144,7 +141,7 @@ impl Worker {
                     fresh.opt = opt;
                 }
                 self.runs.insert(run_id.to_string(), fresh);
-                done(json!({"path": uri, "type": "load_weights"}))
+                done(json!({"path": uri.to_string(), "type": "load_weights"}))
             }
             RunOp::OptimStep(params) => {
                 let run = self.runs.get_mut(run_id).ok_or_else(|| unknown(run_id))?;
@@ -208,9 +205,10 @@ impl Worker {
         let kind = meta.kind().expect("engine sends a valid kind");
         let run = self.runs.get(run_id).ok_or_else(|| unknown(run_id))?;
         let base = self.model.name.clone();
-        let bytes = self
-            .checkpoints
-            .write(meta, overwrite, |dir| {
+        let (version, bytes) = self
+            .store
+            .checkpoints()
+            .write_version(meta, |dir| {
                 peft::save_adapter(dir, &run.adapter, &base)?;
                 if kind == CheckpointKind::Training {
                     peft::save_optimizer(dir, &run.opt)?;
@@ -218,8 +216,11 @@ impl Worker {
                 Ok(())
             })
             .map_err(store_failure)?;
-        let path = self.checkpoints.path(run_id, kind, &meta.name);
-        self.cached.retain(|(p, _)| p != &path);
+        // The index switches to the new version before the client hears it is saved.
+        let row = self
+            .store
+            .commit_save(meta, &version, bytes, overwrite)
+            .map_err(store_failure)?;
         let uri = CheckpointUri {
             run_id: run_id.to_string(),
             kind,
@@ -233,7 +234,7 @@ impl Worker {
         };
         Ok(Done {
             body,
-            saved_bytes: Some(bytes),
+            saved: Some(row),
         })
     }
 

@@ -20,6 +20,11 @@ impl WorkerHandle {
         self.tx.as_ref().is_some_and(|tx| tx.send(batch).is_ok())
     }
 
+    /// Whether the thread is still running.
+    pub fn is_alive(&self) -> bool {
+        self.thread.as_ref().is_some_and(|t| !t.is_finished())
+    }
+
     /// Lets the current batch finish, then stops the thread.
     pub fn shutdown(&mut self) {
         self.tx.take();

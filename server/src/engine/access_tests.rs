@@ -1,0 +1,125 @@
+//! Access to a checkpoint is decided when the work that uses it is dispatched, not when
+//! it was queued: an owner who unpublishes or deletes a checkpoint while another key's
+//! load or sample waits in the queue takes the access away from that work too.
+
+use lathe_sdk::types::{CheckpointKind, CheckpointUri};
+
+use super::futures::Poll;
+use super::test_engine::{engine_with, job};
+use super::{Engine, NewRun, SamplerRef};
+use crate::model::LoraSpec;
+use crate::store::checkpoints::CheckpointMeta;
+use crate::store::db::CheckpointRow;
+use crate::worker::{Done, Outcome, RunOp};
+
+const SPEC: LoraSpec = LoraSpec {
+    rank: 4,
+    train_attn: true,
+    train_mlp: true,
+    train_unembed: false,
+};
+
+fn published(kind: CheckpointKind) -> (CheckpointRow, CheckpointUri) {
+    let uri = CheckpointUri {
+        run_id: "alice-run".into(),
+        kind,
+        name: "shared".into(),
+    };
+    let row = CheckpointRow {
+        meta: CheckpointMeta {
+            run_id: uri.run_id.clone(),
+            kind: kind.type_name().into(),
+            name: uri.name.clone(),
+            owner: "alice".into(),
+            base_model: "tiny".into(),
+            created_at: 1,
+            expires_at: None,
+            rank: SPEC.rank,
+            train_attn: SPEC.train_attn,
+            train_mlp: SPEC.train_mlp,
+            train_unembed: SPEC.train_unembed,
+        },
+        version: "v-1".into(),
+        size_bytes: 1,
+        public: true,
+    };
+    (row, uri)
+}
+
+fn failure_of(engine: &mut Engine, request_id: &str, owner: &str) -> Option<String> {
+    match engine.futures.poll(request_id, owner) {
+        Some(Poll::Ready(r)) => r.as_ref().as_ref().err().map(|f| f.message.clone()),
+        _ => None,
+    }
+}
+
+#[test]
+fn a_load_queued_before_the_owner_unpublishes_is_refused_when_it_runs() {
+    let (row, uri) = published(CheckpointKind::Training);
+    let (mut engine, sent) = engine_with(vec![row]);
+    let session = engine.create_session("bob").unwrap();
+    let run = engine
+        .create_model(
+            "bob",
+            NewRun {
+                session_id: session,
+                model_seq_id: 0,
+                spec: SPEC,
+                seed: 1,
+                user_metadata: Default::default(),
+            },
+        )
+        .unwrap();
+    let run_id = run.model_id.unwrap();
+    let load = engine
+        .load("bob", &run_id, Some(1), &uri, false)
+        .expect("alice's checkpoint is published");
+    // The create runs first (one operation per run per batch).
+    engine.pump();
+    let create_id = sent.lock().unwrap()[0].runs[0].request_id.clone();
+    engine.complete(vec![Outcome {
+        request_id: create_id,
+        result: Ok(Done {
+            body: serde_json::json!({}),
+            saved: None,
+        }),
+    }]);
+    // Alice unpublishes while Bob's load waits.
+    assert!(engine.begin_set_public("alice", &uri, false).unwrap());
+    engine.pump();
+    assert_eq!(sent.lock().unwrap().len(), 1, "nothing sent for the load");
+    let failure = failure_of(&mut engine, &load, "bob").expect("the load failed");
+    assert!(failure.contains("unknown checkpoint"), "{failure}");
+    // Published again, a load reaches the worker with the current version's directory.
+    engine.finish_set_public(&uri, true, false, true);
+    engine.load("bob", &run_id, Some(2), &uri, false).unwrap();
+    engine.pump();
+    let sent = sent.lock().unwrap();
+    let RunOp::Load { dir, .. } = &sent[1].runs[0].op else {
+        panic!("expected the load")
+    };
+    assert!(
+        dir.ends_with("alice-run/weights/shared/v-1"),
+        "{}",
+        dir.display()
+    );
+}
+
+#[test]
+fn a_sample_queued_before_the_owner_deletes_is_refused_when_it_runs() {
+    let (row, uri) = published(CheckpointKind::Sampler);
+    let (mut engine, sent) = engine_with(vec![row]);
+    let queued = engine
+        .sample("bob", SamplerRef::Path(uri.clone()), job())
+        .unwrap()
+        .request_id;
+    let version = engine.begin_delete("alice", &uri).unwrap();
+    engine.pump();
+    assert!(sent.lock().unwrap().is_empty(), "nothing sent");
+    assert!(failure_of(&mut engine, &queued, "bob").is_some());
+    engine.finish_delete(&uri, &version, true);
+    let err = engine
+        .sample("bob", SamplerRef::Path(uri), job())
+        .unwrap_err();
+    assert!(err.message().contains("unknown checkpoint"));
+}

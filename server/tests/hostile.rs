@@ -1,0 +1,267 @@
+//! A hostile tenant against a shared server: every request here once crashed, stalled or
+//! leaked across keys on an earlier build. Each must now be refused (4xx with a JSON body)
+//! or contained, and the server must go on serving every key.
+
+mod common;
+
+use common::http::*;
+use serde_json::{json, Value};
+
+fn data(seed: i64) -> Vec<Value> {
+    let toks: Vec<i64> = (0..10).map(|i| (seed * 31 + i * 7) % 250 + 3).collect();
+    vec![ce_datum(&toks[..9], &toks[1..])]
+}
+
+fn datum_with_targets(targets: Value) -> Value {
+    json!({
+        "model_input": {"chunks": [{"type": "encoded_text", "tokens": [5]}]},
+        "loss_fn_inputs": {"target_tokens": targets}
+    })
+}
+
+/// The server still answers every key: health, a listing, a training step.
+fn assert_alive(c: &Client, t: &mut Trainer) {
+    assert_eq!(c.get("/api/v1/healthz").0, 200);
+    let (status, v) = c.get("/api/v1/training_runs");
+    assert_eq!(status, 200, "{v}");
+    assert!(t.step(data(1), 1e-3).is_finite());
+}
+
+fn assert_refused(status: u16, body: &Value, needle: &str) {
+    assert_eq!(status, 400, "{body}");
+    let detail = body["detail"].as_str().unwrap_or_default();
+    assert!(detail.contains(needle), "{needle:?} not in {detail:?}");
+}
+
+#[test]
+fn declared_tensor_shapes_are_checked_before_anything_is_allocated() {
+    let dir = temp_dir("hostile-shapes");
+    let server = TestServer::start(&dir, |_| {});
+    let a = server.client(KEY_A);
+    let session = a.session();
+    let mut t = Trainer::new(&a, &session, 0, 1);
+    let cases = [
+        // The ~600-byte request that aborted the process: 2^50 sparse targets, no data.
+        (
+            json!({"data": [], "dtype": "int64", "shape": [1, 1_125_899_906_842_624_u64],
+                   "sparse_crow_indices": [0, 0], "sparse_col_indices": []}),
+            "targets per position",
+        ),
+        // [n, k] with k beyond any use.
+        (
+            json!({"data": [], "dtype": "int64", "shape": [1, 100_000],
+                   "sparse_crow_indices": [0, 0], "sparse_col_indices": []}),
+            "targets per position",
+        ),
+        // A dense tensor whose shape disagrees with its data.
+        (
+            json!({"data": [3, 4], "dtype": "int64", "shape": [1, 3]}),
+            "holds 3 values but 2 were sent",
+        ),
+        (
+            json!({"data": [3], "dtype": "int64", "shape": [1, 0]}),
+            "shape",
+        ),
+    ];
+    for (targets, needle) in cases {
+        let body = json!({"forward_backward_input": {"data": [datum_with_targets(targets)],
+                           "loss_fn": "cross_entropy"}, "model_id": t.model_id});
+        let (status, v) = a.post("/api/v1/forward_backward", &body);
+        assert_refused(status, &v, needle);
+    }
+    // Other loss inputs: a sparse weight of a huge or overflowing shape.
+    for shape in [json!([1, 1u64 << 50]), json!([1u64 << 40, 1u64 << 40])] {
+        let d = json!({
+            "model_input": {"chunks": [{"type": "encoded_text", "tokens": [5]}]},
+            "loss_fn_inputs": {
+                "target_tokens": {"data": [6], "dtype": "int64"},
+                "weights": {"data": [], "dtype": "float32", "shape": shape,
+                            "sparse_crow_indices": [0, 0], "sparse_col_indices": []}
+            }
+        });
+        let body = json!({"forward_backward_input": {"data": [d], "loss_fn": "cross_entropy"},
+                          "model_id": t.model_id});
+        let (status, v) = a.post("/api/v1/forward_backward", &body);
+        assert_refused(status, &v, "weights");
+    }
+    // Rejected without a model id too: validation never allocates first.
+    let body = json!({"forward_backward_input": {"data": [datum_with_targets(
+        json!({"data": [], "dtype": "int64", "shape": [1, 1u64 << 50],
+               "sparse_crow_indices": [0, 0], "sparse_col_indices": []}))],
+        "loss_fn": "cross_entropy"}, "model_id": "no-such-run"});
+    let (status, v) = a.post("/api/v1/forward_backward", &body);
+    assert_eq!(status, 400, "{v}");
+    assert_alive(&server.client(KEY_B), &mut t);
+    server.stop();
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn absurd_ttls_are_refused_and_a_stored_one_cannot_stop_the_engine() {
+    let dir = temp_dir("hostile-ttl");
+    let server = TestServer::start(&dir, |_| {});
+    let a = server.client(KEY_A);
+    let session = a.session();
+    let mut t = Trainer::new(&a, &session, 0, 1);
+    let uri = t.save_state("keep");
+    let run = t.model_id.clone();
+    let ttl_path = format!("/api/v1/training_runs/{run}/checkpoints/weights/keep/ttl");
+    for ttl in [json!(1_000_000_000_000u64), json!(u64::MAX)] {
+        let (status, v) = a.put(&ttl_path, &json!({ "ttl_seconds": ttl }));
+        assert_refused(status, &v, "ttl_seconds");
+    }
+    // A save whose TTL once wrapped negative (and deleted the checkpoint within a second).
+    t.seq += 1;
+    let (status, v) = a.post(
+        "/api/v1/save_weights",
+        &json!({"model_id": run, "path": "wrapped", "seq_id": t.seq, "ttl_seconds": u64::MAX}),
+    );
+    assert_refused(status, &v, "ttl_seconds");
+    // The refused save's seq_id is skipped: the run goes on at once.
+    assert!(t.step(data(2), 1e-3).is_finite());
+    // The longest allowed TTL lists fine.
+    let (status, v) = a.put(
+        &ttl_path,
+        &json!({"ttl_seconds": lathe_server::engine::MAX_TTL_SECONDS}),
+    );
+    assert_eq!(status, 200, "{v}");
+    let (status, v) = a.get("/api/v1/checkpoints");
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["checkpoints"][0]["tinker_path"], json!(uri));
+    server.stop();
+
+    // An expiry far beyond what any TTL gives (an older server's row, a hand-edited index)
+    // must not stop the engine after a restart either.
+    let db = rusqlite::Connection::open(dir.join("lathe.db")).unwrap();
+    db.execute("UPDATE checkpoints SET expires_at = ?1", [i64::MAX / 2])
+        .unwrap();
+    drop(db);
+    let server = TestServer::start(&dir, |_| {});
+    let a = server.client(KEY_A);
+    for _ in 0..2 {
+        let (status, v) = a.get("/api/v1/checkpoints");
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(
+            v["checkpoints"][0]["expires_at"],
+            json!("9999-12-31T23:59:59Z")
+        );
+        std::thread::sleep(std::time::Duration::from_millis(600));
+    }
+    assert_eq!(a.post("/api/v1/create_session", &json!({})).0, 200);
+    server.stop();
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn seq_ids_far_ahead_are_refused_and_the_run_goes_on() {
+    let dir = temp_dir("hostile-seq");
+    let server = TestServer::start(&dir, |_| {});
+    let a = server.client(KEY_A);
+    let session = a.session();
+    let mut t = Trainer::new(&a, &session, 0, 1);
+    for seq in [u64::MAX, u64::MAX - 1, 1 << 40, t.seq + 2 + 1024] {
+        let (status, v) = a.post(
+            "/api/v1/forward_backward",
+            &fb_body(&t.model_id, seq, data(3)),
+        );
+        assert_refused(status, &v, "ahead");
+    }
+    assert_alive(&a, &mut t);
+    server.stop();
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+fn sample_status(c: &Client, sampler: &str) -> u16 {
+    let (status, v) = c.post(
+        "/api/v1/asample",
+        &json!({"prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
+                "sampling_params": {"max_tokens": 2, "seed": 1}, "num_samples": 1,
+                "sampling_session_id": sampler}),
+    );
+    if status == 200 {
+        c.wait(v["request_id"].as_str().unwrap())
+            .unwrap_or_else(|e| panic!("sampling failed: {e}"));
+    }
+    status
+}
+
+#[test]
+fn access_to_a_published_checkpoint_is_checked_at_every_use() {
+    let dir = temp_dir("hostile-access");
+    let server = TestServer::start(&dir, |_| {});
+    let (a, b) = (server.client(KEY_A), server.client(KEY_B));
+    let session = a.session();
+    let mut t = Trainer::new(&a, &session, 0, 1);
+    let uri = t.save_sampler("shared");
+    let ckpt = format!(
+        "/api/v1/training_runs/{}/checkpoints/sampler_weights/shared",
+        t.model_id
+    );
+    assert_eq!(a.post(&format!("{ckpt}/publish"), &json!({})).0, 200);
+    let b_session = b.session();
+    let (status, v) = b.post(
+        "/api/v1/create_sampling_session",
+        &json!({"session_id": b_session, "sampling_session_seq_id": 0, "model_path": uri}),
+    );
+    assert_eq!(status, 200, "{v}");
+    let sampler = v["sampling_session_id"].as_str().unwrap().to_string();
+    assert_eq!(sample_status(&b, &sampler), 200);
+    // Unpublished: B's open session loses access at once.
+    assert_eq!(a.delete(&format!("{ckpt}/publish")).0, 200);
+    assert_eq!(sample_status(&b, &sampler), 404);
+    // Published again, the same version: access comes back.
+    assert_eq!(a.post(&format!("{ckpt}/publish"), &json!({})).0, 200);
+    assert_eq!(sample_status(&b, &sampler), 200);
+    // Deleted and saved again, private, under the same name: B never sees the new one.
+    assert_eq!(a.delete(&ckpt).0, 200);
+    assert_eq!(sample_status(&b, &sampler), 404);
+    t.step(data(4), 1e-2);
+    assert_eq!(t.save_sampler("shared"), uri);
+    assert_eq!(sample_status(&b, &sampler), 404);
+    // Nor if A publishes the new one: B's session was opened on the old version.
+    assert_eq!(a.post(&format!("{ckpt}/publish"), &json!({})).0, 200);
+    assert_eq!(sample_status(&b, &sampler), 404);
+    // A's own sessions follow the same rule, and A can open a new one.
+    let (status, v) = a.post(
+        "/api/v1/create_sampling_session",
+        &json!({"session_id": session, "sampling_session_seq_id": 5, "model_path": uri}),
+    );
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        sample_status(&a, v["sampling_session_id"].as_str().unwrap()),
+        200
+    );
+    server.stop();
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn a_second_server_on_the_same_data_dir_is_refused_and_the_first_keeps_its_checkpoints() {
+    let dir = temp_dir("hostile-lock");
+    let server = TestServer::start(&dir, |_| {});
+    let a = server.client(KEY_A);
+    let session = a.session();
+    let mut t = Trainer::new(&a, &session, 0, 1);
+    let uri = t.save_state("mine");
+    let second = server.runtime.block_on(lathe_server::server::start(
+        lathe_server::model::tiny::tiny_model(
+            lathe_server::model::Arch::Llama,
+            7,
+            &candle_core::Device::Cpu,
+        )
+        .unwrap(),
+        lathe_server::server::ServerConfig {
+            port: 0,
+            data_dir: dir.clone(),
+            ..Default::default()
+        },
+    ));
+    let err = second
+        .err()
+        .expect("a second server on the same dir must fail");
+    assert!(err.to_string().contains("another lathe server"), "{err}");
+    t.load_state(&uri, true);
+    assert!(t.step(data(5), 1e-3).is_finite());
+    server.stop();
+    let _ = std::fs::remove_dir_all(dir);
+}
