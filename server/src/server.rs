@@ -183,6 +183,7 @@ pub async fn start(model: LoadedModel, config: ServerConfig) -> Result<RunningSe
         auth: Arc::new(Auth::new(&api_keys, secret.as_bytes())),
         model: Arc::new(info),
         poll_timeout: config.poll_timeout,
+        limits: config.engine.limits.clone(),
     };
     let app = api::router(state, config.max_request_bytes);
     let listener = tokio::net::TcpListener::bind((config.host.as_str(), config.port))

@@ -265,3 +265,95 @@ fn a_second_server_on_the_same_data_dir_is_refused_and_the_first_keeps_its_check
     server.stop();
     let _ = std::fs::remove_dir_all(dir);
 }
+
+fn assert_limited(status: u16, body: &Value, limit: &str) {
+    assert_eq!(status, 429, "{body}");
+    assert_eq!(body["limit"], json!(limit), "{body}");
+    assert_eq!(body["code"], json!("rate_limited"), "{body}");
+}
+
+#[test]
+fn each_key_has_its_own_limits_and_one_at_a_limit_slows_no_one_else() {
+    let dir = temp_dir("hostile-limits");
+    let server = TestServer::start(&dir, |c| {
+        c.engine.limits.queued_operations = 2;
+        c.engine.limits.live_runs = 1;
+        c.engine.limits.tokens_per_request = 50;
+        c.engine.limits.sampling_tokens = 40;
+        c.engine.limits.checkpoints = 1;
+    });
+    let (a, b) = (server.client(KEY_A), server.client(KEY_B));
+    let session = a.session();
+    let t = Trainer::new(&a, &session, 0, 1);
+    // A second live run for the same key: 429 naming the limit, with Retry-After.
+    let (status, v) = a.post(
+        "/api/v1/create_model",
+        &json!({"session_id": session, "model_seq_id": 1, "base_model": a.base_model(),
+                "lora_config": {"rank": 4}}),
+    );
+    assert_limited(status, &v, "max_live_runs");
+    // Operations queued behind a missing seq_id fill A's queue.
+    for seq in [5, 6] {
+        let (status, v) = a.post("/api/v1/forward", &forward_body(&t.model_id, seq, data(1)));
+        assert_eq!(status, 200, "{v}");
+    }
+    let resp = reqwest::blocking::Client::new()
+        .post(format!("{}/api/v1/forward", server.url))
+        .header("X-API-Key", KEY_A)
+        .json(&forward_body(&t.model_id, 7, data(1)))
+        .send()
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 429);
+    assert_eq!(resp.headers()["retry-after"], "1");
+    assert_limited(429, &resp.json().unwrap(), "max_queued_operations");
+    // Another key is not affected by A's queue.
+    let b_session = b.session();
+    let mut u = Trainer::new(&b, &b_session, 0, 2);
+    assert!(u.step(data(2), 1e-3).is_finite());
+    // Requests over a per-request limit are 400: retrying cannot help.
+    let long: Vec<i64> = (0..60).map(|i| i % 50 + 3).collect();
+    let (status, v) = b.post(
+        "/api/v1/forward",
+        &forward_body(
+            &u.model_id,
+            u.seq + 1,
+            vec![ce_datum(&long[..59], &long[1..])],
+        ),
+    );
+    assert_refused(status, &v, "--max-tokens-per-request");
+    u.seq += 1; // the refused seq_id is used up, as the SDKs count it
+    let sample = |c: &Client, n: usize| {
+        c.post(
+            "/api/v1/asample",
+            &json!({"prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
+                    "sampling_params": {"max_tokens": 8}, "num_samples": n,
+                    "base_model": c.base_model()}),
+        )
+    };
+    let (status, v) = sample(&b, 5);
+    assert_refused(status, &v, "--max-sampling-tokens");
+    let (status, v) = sample(&b, 2);
+    assert_eq!(status, 200, "{v}");
+    b.wait(v["request_id"].as_str().unwrap()).unwrap();
+    // Checkpoints: one name fits; overwriting it is fine; a second name is refused.
+    u.save_state("one");
+    u.seq += 1;
+    let (status, v) = b.post(
+        "/api/v1/save_weights",
+        &json!({"model_id": u.model_id, "path": "one", "seq_id": u.seq, "overwrite": true}),
+    );
+    assert_eq!(status, 200, "{v}");
+    b.wait(v["request_id"].as_str().unwrap()).unwrap();
+    u.seq += 1;
+    let (status, v) = b.post(
+        "/api/v1/save_weights",
+        &json!({"model_id": u.model_id, "path": "two", "seq_id": u.seq}),
+    );
+    assert_limited(status, &v, "max_checkpoints");
+    assert!(
+        u.step(data(3), 1e-3).is_finite(),
+        "the refused seq_id is skipped"
+    );
+    server.stop();
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -20,6 +20,8 @@ pub struct ApiError {
     pub code: &'static str,
     /// Human-readable message.
     pub message: String,
+    /// For 429: the limit reached (a `lathe serve` flag's name) and when to retry.
+    pub limit: Option<(&'static str, u64)>,
 }
 
 impl ApiError {
@@ -28,6 +30,7 @@ impl ApiError {
             status,
             code,
             message: message.into(),
+            limit: None,
         }
     }
 
@@ -63,6 +66,10 @@ impl From<EngineError> for ApiError {
                 Self::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", m)
             }
             EngineError::Internal(m) => Self::internal(m),
+            EngineError::Limit(l) => Self {
+                limit: Some((l.limit, l.retry_after_s)),
+                ..Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limited", l.message)
+            },
         }
     }
 }
@@ -87,8 +94,17 @@ impl From<JsonRejection> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = Json(json!({"detail": self.message, "code": self.code}));
-        (self.status, body).into_response()
+        match self.limit {
+            None => {
+                let body = Json(json!({"detail": self.message, "code": self.code}));
+                (self.status, body).into_response()
+            }
+            Some((limit, retry_after)) => {
+                let body = Json(json!({"detail": self.message, "code": self.code, "limit": limit}));
+                let retry = [(axum::http::header::RETRY_AFTER, retry_after.to_string())];
+                (self.status, retry, body).into_response()
+            }
+        }
     }
 }
 
@@ -109,5 +125,17 @@ mod tests {
         for (e, status) in cases {
             assert_eq!(ApiError::from(e).status.as_u16(), status);
         }
+    }
+
+    #[test]
+    fn a_key_at_its_limit_gets_429_naming_it_with_retry_after() {
+        let e = EngineError::Limit(crate::engine::LimitExceeded {
+            limit: "max_queued_operations",
+            message: "full".into(),
+            retry_after_s: 3,
+        });
+        let resp = ApiError::from(e).into_response();
+        assert_eq!(resp.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(resp.headers()[axum::http::header::RETRY_AFTER], "3");
     }
 }

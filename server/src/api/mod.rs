@@ -18,7 +18,7 @@ use axum::extract::{DefaultBodyLimit, FromRequest, Request};
 use axum::routing::{get, post, put};
 use axum::Router;
 
-use crate::engine::{EngineHandle, ModelInfo};
+use crate::engine::{EngineHandle, KeyLimits, ModelInfo};
 pub use auth::{Auth, Owner};
 pub use error::ApiError;
 
@@ -33,6 +33,8 @@ pub struct AppState {
     pub model: Arc<ModelInfo>,
     /// How long `retrieve_future` holds a pending request before `try_again`.
     pub poll_timeout: Duration,
+    /// Per-key limits (those on one request's shape are checked here).
+    pub limits: KeyLimits,
 }
 
 /// Default request body limit.

@@ -52,7 +52,7 @@ pub async fn asample(
     Extension(owner): Extension<Owner>,
     ApiJson(req): ApiJson<SampleRequest>,
 ) -> Result<Json<UntypedApiFuture>, ApiError> {
-    let job = validate::sample_job(&s.model, &req)?;
+    let job = validate::sample_job(&s.model, &req, &s.limits)?;
     let sampler = match (req.sampling_session_id, req.model_path, req.base_model) {
         (Some(id), _, _) => SamplerRef::Session(id),
         (None, Some(p), _) => SamplerRef::Path(parse_uri(&p)?),

@@ -14,7 +14,7 @@ use super::session::with_type;
 use super::{validate, ApiError, ApiJson, AppState, Owner};
 use crate::engine::{NewRun, SaveRequest, Ttl};
 use crate::train::adamw;
-use crate::worker::RunOp;
+use crate::worker::{Pass, RunOp};
 
 fn future(request_id: String, model_id: &str) -> Json<UntypedApiFuture> {
     Json(UntypedApiFuture {
@@ -87,7 +87,14 @@ async fn submit_forward(
     let id = model_id.clone();
     let request_id = s
         .engine
-        .call(move |e| e.submit(&owner.0, &id, seq_id, RunOp::Forward { data, with_grad }))
+        .call(move |e| {
+            let op = RunOp::Forward {
+                data,
+                with_grad,
+                pass: Pass::WHOLE,
+            };
+            e.submit(&owner.0, &id, seq_id, op)
+        })
         .await??;
     Ok(future(request_id, &model_id))
 }

@@ -8,7 +8,7 @@ use lathe_sdk::types::{
 };
 
 use super::error::ApiError;
-use crate::engine::ModelInfo;
+use crate::engine::{KeyLimits, ModelInfo};
 use crate::model::lora::MAX_RANK;
 use crate::model::LoraSpec;
 use crate::sample::{Picker, SampleJob, DEFAULT_MAX_TOKENS};
@@ -271,8 +271,12 @@ pub fn forward_input(
         .collect()
 }
 
-/// A sampling request as a decode job.
-pub fn sample_job(model: &ModelInfo, req: &SampleRequest) -> Result<SampleJob, ApiError> {
+/// A sampling request as a decode job; `limits` bounds its stop strings.
+pub fn sample_job(
+    model: &ModelInfo,
+    req: &SampleRequest,
+    limits: &KeyLimits,
+) -> Result<SampleJob, ApiError> {
     let prompt = tokens(model, &req.prompt, "prompt")?;
     if req.num_samples == 0 || req.num_samples > MAX_NUM_SAMPLES {
         return Err(bad(format!(
@@ -338,6 +342,24 @@ pub fn sample_job(model: &ModelInfo, req: &SampleRequest) -> Result<SampleJob, A
     };
     if stop_strings.iter().any(String::is_empty) {
         return Err(bad("sampling_params.stop strings must not be empty"));
+    }
+    // Every decode step checks every stop condition: their number is bounded too.
+    let stops = stop_strings.len().max(stop_tokens.len());
+    if stops > limits.stop_strings {
+        return Err(bad(format!(
+            "sampling_params.stop has {stops} entries; the limit is {} (--max-stop-strings)",
+            limits.stop_strings
+        )));
+    }
+    if let Some(long) = stop_strings
+        .iter()
+        .find(|s| s.len() > limits.stop_string_bytes)
+    {
+        return Err(bad(format!(
+            "a sampling_params.stop string is {} bytes; the limit is {} (--max-stop-string-bytes)",
+            long.len(),
+            limits.stop_string_bytes
+        )));
     }
     Ok(SampleJob {
         prompt,
@@ -454,22 +476,64 @@ mod tests {
             "sampling_params": {"max_tokens": 3}
         }))
         .unwrap();
-        assert_eq!(sample_job(&m, &base).unwrap().max_tokens, 3);
+        assert_eq!(
+            sample_job(&m, &base, &KeyLimits::default())
+                .unwrap()
+                .max_tokens,
+            3
+        );
         let mut r = base.clone();
         r.sampling_params.top_p = 0.0;
-        assert!(sample_job(&m, &r).is_err());
+        assert!(sample_job(&m, &r, &KeyLimits::default()).is_err());
         let mut r = base.clone();
         r.sampling_params.max_tokens = Some(0);
-        assert!(sample_job(&m, &r).is_err());
+        assert!(sample_job(&m, &r, &KeyLimits::default()).is_err());
         let mut r = base.clone();
         r.sampling_params.max_tokens = Some(7);
-        assert!(sample_job(&m, &r).is_err());
+        assert!(sample_job(&m, &r, &KeyLimits::default()).is_err());
         let mut r = base.clone();
         r.num_samples = 0;
-        assert!(sample_job(&m, &r).is_err());
+        assert!(sample_job(&m, &r, &KeyLimits::default()).is_err());
         let mut r = base;
         r.num_samples = MAX_NUM_SAMPLES + 1;
-        assert!(sample_job(&m, &r).is_err());
+        assert!(sample_job(&m, &r, &KeyLimits::default()).is_err());
+    }
+
+    #[test]
+    fn stop_conditions_are_bounded_in_count_and_length() {
+        let m = info();
+        let limits = KeyLimits {
+            stop_strings: 2,
+            stop_string_bytes: 4,
+            ..KeyLimits::default()
+        };
+        let with_stop = |stop: serde_json::Value| -> SampleRequest {
+            serde_json::from_value(serde_json::json!({
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
+                "sampling_params": {"max_tokens": 3, "stop": stop}
+            }))
+            .unwrap()
+        };
+        assert!(sample_job(&m, &with_stop(serde_json::json!(["ab", "cd"])), &limits).is_ok());
+        let err =
+            sample_job(&m, &with_stop(serde_json::json!(["a", "b", "c"])), &limits).unwrap_err();
+        assert!(
+            err.message.contains("--max-stop-strings"),
+            "{}",
+            err.message
+        );
+        let err = sample_job(&m, &with_stop(serde_json::json!([1, 2, 3])), &limits).unwrap_err();
+        assert!(
+            err.message.contains("--max-stop-strings"),
+            "{}",
+            err.message
+        );
+        let err = sample_job(&m, &with_stop(serde_json::json!("abcde")), &limits).unwrap_err();
+        assert!(
+            err.message.contains("--max-stop-string-bytes"),
+            "{}",
+            err.message
+        );
     }
 
     #[test]

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
-use lathe_server::engine::EngineConfig;
+use lathe_server::engine::{EngineConfig, KeyLimits};
 use lathe_server::sample::DecodeMode;
 use lathe_server::server::{self, ServerConfig};
 
@@ -31,8 +31,9 @@ pub struct ServeArgs {
     /// Most LoRA training sessions loaded at once.
     #[arg(long, default_value_t = 64)]
     max_sessions: usize,
-    /// Token budget of one fused multi-adapter forward/backward pass.
-    #[arg(long, default_value_t = 8192)]
+    /// Tokens of one pass: the fused multi-adapter forward/backward the worker runs
+    /// between two scheduling decisions (a larger request runs as several passes).
+    #[arg(long, default_value_t = lathe_server::train::PASS_TOKENS)]
     max_batch_tokens: usize,
     /// Largest request body in bytes (413 beyond).
     #[arg(long, default_value_t = lathe_server::api::DEFAULT_MAX_REQUEST_BYTES)]
@@ -44,6 +45,60 @@ pub struct ServeArgs {
     /// Which weights pick sampled tokens.
     #[arg(long, value_enum, default_value_t = Mode::Fast)]
     decode_mode: Mode,
+    /// Per-key limits (what one API key may use at once).
+    #[command(flatten)]
+    limits: LimitArgs,
+    /// Memory that finished results may hold until clients retrieve them; past it the
+    /// oldest are dropped (their futures answer 404).
+    #[arg(long, default_value_t = 1 << 30, help_heading = "Limits")]
+    max_result_bytes: usize,
+}
+
+/// Per-key limits. Occupancy limits answer 429 with Retry-After; limits on one
+/// request's size answer 400.
+#[derive(Args)]
+#[command(next_help_heading = "Per-key limits")]
+struct LimitArgs {
+    /// Training runs one key may have loaded (429).
+    #[arg(long, default_value_t = KeyLimits::default().live_runs)]
+    max_live_runs: usize,
+    /// Operations and sampling requests one key may have queued (429).
+    #[arg(long, default_value_t = KeyLimits::default().queued_operations)]
+    max_queued_operations: usize,
+    /// Input tokens of one forward/forward_backward request (400).
+    #[arg(long, default_value_t = KeyLimits::default().tokens_per_request)]
+    max_tokens_per_request: usize,
+    /// Sampling tokens one key may have in flight, num_samples x (prompt + max_tokens)
+    /// summed over its requests (429; 400 for one request over it alone).
+    #[arg(long, default_value_t = KeyLimits::default().sampling_tokens)]
+    max_sampling_tokens: usize,
+    /// Stop strings (or stop tokens) of one sampling request (400).
+    #[arg(long, default_value_t = KeyLimits::default().stop_strings)]
+    max_stop_strings: usize,
+    /// Bytes of one stop string (400).
+    #[arg(long, default_value_t = KeyLimits::default().stop_string_bytes)]
+    max_stop_string_bytes: usize,
+    /// Checkpoints one key may store (429).
+    #[arg(long, default_value_t = KeyLimits::default().checkpoints)]
+    max_checkpoints: usize,
+    /// Bytes of checkpoints one key may store (429).
+    #[arg(long, default_value_t = KeyLimits::default().checkpoint_bytes)]
+    max_checkpoint_bytes: u64,
+}
+
+impl LimitArgs {
+    fn limits(&self) -> KeyLimits {
+        KeyLimits {
+            live_runs: self.max_live_runs.max(1),
+            queued_operations: self.max_queued_operations.max(1),
+            tokens_per_request: self.max_tokens_per_request.max(1),
+            sampling_tokens: self.max_sampling_tokens.max(1),
+            stop_strings: self.max_stop_strings,
+            stop_string_bytes: self.max_stop_string_bytes.max(1),
+            checkpoints: self.max_checkpoints,
+            checkpoint_bytes: self.max_checkpoint_bytes,
+        }
+    }
 }
 
 /// Sampling weights (reported log-probabilities are the trainer's in both).
@@ -73,6 +128,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             max_sessions: args.max_sessions.max(1),
             max_batch_tokens: args.max_batch_tokens.max(1),
             session_timeout: Duration::from_secs(args.session_timeout.max(1)),
+            limits: args.limits.limits(),
+            max_result_bytes: args.max_result_bytes,
             ..Default::default()
         },
         max_request_bytes: args.max_request_bytes,

@@ -65,7 +65,13 @@ impl EngineHandle {
         let poll = self
             .call(move |e| e.futures.poll(&rid, &owner))
             .await?
-            .ok_or_else(|| EngineError::NotFound(format!("unknown request {request_id}")))?;
+            .ok_or_else(|| {
+                EngineError::NotFound(format!(
+                    "unknown request {request_id} (a result is kept for a minute after it is \
+                     retrieved, and unretrieved results may be dropped past the server's \
+                     --max-result-bytes)"
+                ))
+            })?;
         match poll {
             Poll::Ready(r) => Ok(Some(r)),
             Poll::Wait(rx) => match tokio::time::timeout(timeout, rx).await {

@@ -81,3 +81,202 @@ fn a_dead_worker_fails_everything_pending_and_the_engine_reports_it() {
         .unwrap_err();
     assert!(matches!(err, super::EngineError::Unavailable(_)));
 }
+
+fn datum(tokens: usize) -> crate::train::DatumJob {
+    crate::train::DatumJob {
+        tokens: vec![1; tokens],
+        targets: vec![2; tokens],
+        k: 1,
+        adapter: 0,
+        loss: crate::train::Loss::CrossEntropy,
+        inputs: crate::train::TokenInputs {
+            weights: vec![1.0; tokens],
+            ..Default::default()
+        },
+    }
+}
+
+/// The worker's answer to a forward pass over `n` datums with loss `loss` each.
+fn pass_result(request_id: &str, n: usize, loss: f64) -> crate::worker::Outcome {
+    let outputs: Vec<serde_json::Value> = (0..n).map(|i| serde_json::json!({"i": i})).collect();
+    crate::worker::Outcome {
+        request_id: request_id.into(),
+        result: Ok(crate::worker::Done {
+            body: serde_json::json!({"loss_fn_output_type": "TorchLossReturn",
+                                     "loss_fn_outputs": outputs,
+                                     "metrics": {"loss:sum": loss * n as f64}}),
+            saved: None,
+        }),
+    }
+}
+
+/// Pumps, waiting out the batching window if the engine asks to.
+fn pump_now(engine: &mut super::Engine) {
+    while let Some(at) = engine.pump() {
+        std::thread::sleep(at.saturating_duration_since(std::time::Instant::now()));
+    }
+}
+
+/// A run of `owner` whose create has run; returns its id.
+fn live_run(
+    engine: &mut super::Engine,
+    sent: &std::sync::Mutex<Vec<crate::worker::Batch>>,
+    owner: &str,
+) -> String {
+    let session = engine.create_session(owner).unwrap();
+    let run = engine
+        .create_model(
+            owner,
+            super::NewRun {
+                session_id: session,
+                model_seq_id: 0,
+                spec: crate::model::LoraSpec {
+                    rank: 4,
+                    train_attn: true,
+                    train_mlp: false,
+                    train_unembed: false,
+                },
+                seed: 1,
+                user_metadata: Default::default(),
+            },
+        )
+        .unwrap();
+    pump_now(engine);
+    let id = sent.lock().unwrap().pop().unwrap().runs[0]
+        .request_id
+        .clone();
+    engine.complete(vec![crate::worker::Outcome {
+        request_id: id,
+        result: Ok(crate::worker::Done {
+            body: serde_json::json!({}),
+            saved: None,
+        }),
+    }]);
+    run.model_id.unwrap()
+}
+
+#[test]
+fn a_small_request_waits_at_most_one_pass_behind_another_keys_backlog() {
+    use crate::worker::{Pass, RunOp};
+    let (mut engine, sent) = engine();
+    let hog = live_run(&mut engine, &sent, "hog");
+    let victim = live_run(&mut engine, &sent, "victim");
+    // The hog's request: 6 datums of 600 tokens, so one per 1024-token pass.
+    let big = RunOp::Forward {
+        data: (0..6).map(|_| datum(600)).collect(),
+        with_grad: true,
+        pass: Pass::WHOLE,
+    };
+    let hog_req = engine.submit("hog", &hog, Some(1), big).unwrap();
+    let passes =
+        |sent: &std::sync::Mutex<Vec<crate::worker::Batch>>| -> Vec<(String, usize, Pass)> {
+            let b = sent.lock().unwrap().pop().expect("a batch was sent");
+            b.runs
+                .iter()
+                .map(|w| match &w.op {
+                    RunOp::Forward { data, pass, .. } => (w.run_id.clone(), data.len(), *pass),
+                    _ => panic!("a forward pass"),
+                })
+                .collect()
+        };
+    pump_now(&mut engine);
+    assert_eq!(
+        passes(&sent),
+        vec![(
+            hog.clone(),
+            1,
+            Pass {
+                first: true,
+                last: false
+            }
+        )]
+    );
+    // The victim submits while the hog's first pass runs.
+    let small = RunOp::Forward {
+        data: vec![datum(100)],
+        with_grad: true,
+        pass: Pass::WHOLE,
+    };
+    let victim_req = engine.submit("victim", &victim, Some(1), small).unwrap();
+    engine.complete(vec![pass_result(&hog_req, 1, 1.0)]);
+    pump_now(&mut engine);
+    // The very next pass serves the victim first (the hog's next datum shares it only if
+    // it fits: 100 + 600 <= 1024).
+    let next = passes(&sent);
+    assert_eq!(next[0], (victim.clone(), 1, Pass::WHOLE));
+    assert_eq!(
+        next[1],
+        (
+            hog.clone(),
+            1,
+            Pass {
+                first: false,
+                last: false
+            }
+        )
+    );
+    engine.complete(vec![
+        pass_result(&victim_req, 1, 0.5),
+        pass_result(&hog_req, 1, 1.0),
+    ]);
+    let victim_done = match engine.futures.poll(&victim_req, "victim") {
+        Some(super::futures::Poll::Ready(r)) => r.as_ref().clone().unwrap(),
+        _ => panic!("the victim's request is done after one pass"),
+    };
+    assert_eq!(victim_done["metrics"]["loss:sum"], serde_json::json!(0.5));
+    // The hog's remaining passes run one at a time, and its answer joins all six.
+    for left in (0..4).rev() {
+        pump_now(&mut engine);
+        let p = passes(&sent);
+        assert_eq!(
+            p,
+            vec![(
+                hog.clone(),
+                1,
+                Pass {
+                    first: false,
+                    last: left == 0
+                }
+            )]
+        );
+        engine.complete(vec![pass_result(&hog_req, 1, 1.0)]);
+    }
+    match engine.futures.poll(&hog_req, "hog") {
+        Some(super::futures::Poll::Ready(r)) => {
+            let body = r.as_ref().clone().unwrap();
+            assert_eq!(body["loss_fn_outputs"].as_array().unwrap().len(), 6);
+            assert_eq!(body["metrics"]["loss:sum"], serde_json::json!(6.0));
+        }
+        _ => panic!("the hog's request is done after its last pass"),
+    }
+}
+
+#[test]
+fn a_failed_pass_fails_its_request_and_drops_the_rest() {
+    use crate::worker::{Pass, RunOp};
+    let (mut engine, sent) = engine();
+    let run = live_run(&mut engine, &sent, "a");
+    let big = RunOp::Forward {
+        data: (0..3).map(|_| datum(600)).collect(),
+        with_grad: true,
+        pass: Pass::WHOLE,
+    };
+    let req = engine.submit("a", &run, Some(1), big).unwrap();
+    let after = engine
+        .submit("a", &run, Some(2), RunOp::OptimStep(Default::default()))
+        .unwrap();
+    pump_now(&mut engine);
+    sent.lock().unwrap().clear();
+    engine.complete(vec![crate::worker::Outcome {
+        request_id: req.clone(),
+        result: Err(crate::worker::Failure::server("boom")),
+    }]);
+    assert!(matches!(
+        engine.futures.poll(&req, "a"),
+        Some(super::futures::Poll::Ready(r)) if r.is_err()
+    ));
+    // The run moves on to its next operation.
+    pump_now(&mut engine);
+    let b = sent.lock().unwrap().pop().unwrap();
+    assert_eq!(b.runs[0].request_id, after);
+}

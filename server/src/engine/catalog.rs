@@ -81,6 +81,16 @@ impl Catalog {
             .any(|e| !e.deleting && e.row.meta.run_id == run_id && e.row.meta.owner == owner)
     }
 
+    /// How many checkpoints `owner` stores, and their bytes (a scan, on saves only).
+    pub fn usage_of(&self, owner: &str) -> (usize, u64) {
+        self.entries
+            .values()
+            .filter(|e| e.row.meta.owner == owner)
+            .fold((0, 0u64), |(n, bytes), e| {
+                (n + 1, bytes.saturating_add(e.row.size_bytes))
+            })
+    }
+
     /// Whether a checkpoint of that name exists (whoever owns it).
     pub fn exists(&self, uri: &CheckpointUri) -> bool {
         self.entries.contains_key(uri)

@@ -11,6 +11,8 @@ pub enum EngineError {
     Gone(String),
     /// The server is at a configured limit (400, so SDKs do not retry for minutes).
     Capacity(String),
+    /// The key is at one of its occupancy limits (429 with `Retry-After`).
+    Limit(super::LimitExceeded),
     /// The server is shutting down (503).
     Unavailable(String),
     /// A fault on the server (500).
@@ -27,6 +29,7 @@ impl EngineError {
             | EngineError::Capacity(m)
             | EngineError::Unavailable(m)
             | EngineError::Internal(m) => m,
+            EngineError::Limit(l) => &l.message,
         }
     }
 }

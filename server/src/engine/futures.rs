@@ -1,7 +1,7 @@
 //! The futures table: one entry per submitted request, pending until the worker answers,
 //! then kept for a while so clients can re-poll after a network error.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -11,6 +11,10 @@ use crate::worker::Failure;
 
 /// A finished request: the JSON result or the failure.
 pub type FutureResult = Arc<Result<serde_json::Value, Failure>>;
+
+/// How long a retrieved result stays, for a client that re-polls after losing the
+/// response on the network.
+pub const RETRIEVED_GRACE: Duration = Duration::from_secs(60);
 
 /// What `retrieve_future` gets.
 pub enum Poll {
@@ -22,7 +26,13 @@ pub enum Poll {
 
 enum State {
     Pending(Vec<oneshot::Sender<FutureResult>>),
-    Done(FutureResult, Instant),
+    Done {
+        result: FutureResult,
+        at: Instant,
+        bytes: usize,
+        /// When a client first received it.
+        retrieved: Option<Instant>,
+    },
 }
 
 struct Entry {
@@ -30,13 +40,51 @@ struct Entry {
     state: State,
 }
 
-/// All futures by request id.
-#[derive(Default)]
+/// All futures by request id. Finished results are kept until retrieved (then for
+/// [`RETRIEVED_GRACE`]) or until the TTL, and within a byte budget: past it the oldest
+/// finished results are dropped first.
 pub struct Futures {
     map: HashMap<String, Entry>,
+    /// Finished ids, oldest first (ids already gone are skipped when met).
+    finished: VecDeque<String>,
+    done_bytes: usize,
+    budget: usize,
+}
+
+impl Default for Futures {
+    fn default() -> Self {
+        Self::with_budget(usize::MAX)
+    }
+}
+
+/// Roughly the heap bytes a JSON value holds (numbers 16, strings their length + 24),
+/// cheap to compute and proportional to what serialising it costs.
+pub fn approx_bytes(v: &serde_json::Value) -> usize {
+    use serde_json::Value;
+    match v {
+        Value::Null | Value::Bool(_) | Value::Number(_) => 16,
+        Value::String(s) => 24 + s.len(),
+        Value::Array(a) => 24 + a.iter().map(approx_bytes).sum::<usize>(),
+        Value::Object(o) => {
+            24 + o
+                .iter()
+                .map(|(k, v)| 24 + k.len() + approx_bytes(v))
+                .sum::<usize>()
+        }
+    }
 }
 
 impl Futures {
+    /// A table whose finished results may hold `budget` bytes.
+    pub fn with_budget(budget: usize) -> Self {
+        Self {
+            map: HashMap::new(),
+            finished: VecDeque::new(),
+            done_bytes: 0,
+            budget,
+        }
+    }
+
     /// Registers a new pending future.
     pub fn insert(&mut self, request_id: String, owner: &str) {
         self.map.insert(
@@ -51,15 +99,50 @@ impl Futures {
     /// Completes a future and wakes its waiters. Unknown ids are ignored (internal work
     /// such as unloading an expired run has no future).
     pub fn resolve(&mut self, request_id: &str, result: Result<serde_json::Value, Failure>) {
-        if let Some(entry) = self.map.get_mut(request_id) {
-            let result = Arc::new(result);
-            if let State::Pending(waiters) = std::mem::replace(
-                &mut entry.state,
-                State::Done(result.clone(), Instant::now()),
-            ) {
-                for w in waiters {
-                    let _ = w.send(result.clone());
+        let Some(entry) = self.map.get_mut(request_id) else {
+            return;
+        };
+        let State::Pending(waiters) = &mut entry.state else {
+            return;
+        };
+        let bytes = match &result {
+            Ok(v) => approx_bytes(v),
+            Err(f) => 64 + f.message.len(),
+        };
+        let result = Arc::new(result);
+        let mut delivered = false;
+        for w in waiters.drain(..) {
+            delivered |= w.send(result.clone()).is_ok();
+        }
+        let now = Instant::now();
+        entry.state = State::Done {
+            result,
+            at: now,
+            bytes,
+            retrieved: delivered.then_some(now),
+        };
+        self.done_bytes += bytes;
+        self.finished.push_back(request_id.to_string());
+        self.enforce_budget();
+    }
+
+    fn enforce_budget(&mut self) {
+        while self.done_bytes > self.budget {
+            let Some(id) = self.finished.pop_front() else {
+                break;
+            };
+            if let Some(Entry {
+                state: State::Done {
+                    bytes, retrieved, ..
+                },
+                ..
+            }) = self.map.get(&id)
+            {
+                if retrieved.is_none() {
+                    tracing::warn!(request = %id, "dropping an unretrieved result: finished results exceed --max-result-bytes");
                 }
+                self.done_bytes -= *bytes;
+                self.map.remove(&id);
             }
         }
     }
@@ -71,7 +154,12 @@ impl Futures {
             return None;
         }
         Some(match &mut entry.state {
-            State::Done(r, _) => Poll::Ready(r.clone()),
+            State::Done {
+                result, retrieved, ..
+            } => {
+                retrieved.get_or_insert_with(Instant::now);
+                Poll::Ready(result.clone())
+            }
             State::Pending(waiters) => {
                 let (tx, rx) = oneshot::channel();
                 waiters.retain(|w| !w.is_closed());
@@ -81,12 +169,35 @@ impl Futures {
         })
     }
 
-    /// Forgets finished futures older than `ttl`.
+    /// Forgets finished futures retrieved more than [`RETRIEVED_GRACE`] ago, or finished
+    /// more than `ttl` ago.
     pub fn expire(&mut self, now: Instant, ttl: Duration) {
-        self.map.retain(|_, e| match e.state {
-            State::Done(_, at) => now.duration_since(at) < ttl,
+        let mut freed = 0;
+        self.map.retain(|_, e| match &e.state {
+            State::Done {
+                at,
+                bytes,
+                retrieved,
+                ..
+            } => {
+                let keep = now.saturating_duration_since(*at) < ttl
+                    && retrieved.is_none_or(|r| now.saturating_duration_since(r) < RETRIEVED_GRACE);
+                if !keep {
+                    freed += bytes;
+                }
+                keep
+            }
             State::Pending(_) => true,
         });
+        self.done_bytes -= freed;
+        let map = &self.map;
+        self.finished.retain(|id| map.contains_key(id));
+    }
+
+    /// Bytes finished results hold now.
+    #[cfg(test)]
+    pub fn done_bytes(&self) -> usize {
+        self.done_bytes
     }
 }
 
@@ -111,5 +222,28 @@ mod tests {
             Duration::from_secs(5),
         );
         assert!(f.poll("r1", "alice").is_none());
+        assert_eq!(f.done_bytes(), 0);
+    }
+
+    #[test]
+    fn retrieved_results_go_after_a_grace_and_the_budget_drops_the_oldest() {
+        let mut f = Futures::with_budget(3 * approx_bytes(&json!([1, 2, 3])));
+        for id in ["a", "b", "c"] {
+            f.insert(id.into(), "alice");
+            f.resolve(id, Ok(json!([1, 2, 3])));
+        }
+        assert!(matches!(f.poll("a", "alice"), Some(Poll::Ready(_))));
+        let later = Instant::now() + RETRIEVED_GRACE + Duration::from_secs(1);
+        f.expire(later, Duration::from_secs(3600));
+        assert!(f.poll("a", "alice").is_none(), "retrieved, then freed");
+        assert!(f.poll("b", "alice").is_some(), "not retrieved: kept");
+        // Two more results exceed the budget: the oldest unretrieved one goes.
+        for id in ["d", "e"] {
+            f.insert(id.into(), "alice");
+            f.resolve(id, Ok(json!([1, 2, 3])));
+        }
+        assert!(f.poll("b", "alice").is_none());
+        assert!(f.poll("c", "alice").is_some() && f.poll("e", "alice").is_some());
+        assert!(f.done_bytes() <= 3 * approx_bytes(&json!([1, 2, 3])));
     }
 }

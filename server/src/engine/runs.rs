@@ -90,6 +90,8 @@ impl Engine {
             )));
         }
         self.check_capacity()?;
+        self.check_live_runs(owner)?;
+        self.check_queue(owner)?;
         self.session_mut(owner, session_id)?
             .runs
             .push(run_id.clone());
@@ -138,6 +140,10 @@ impl Engine {
             Inflight {
                 run_id: Some(run_id.clone()),
                 after: After::DropRunOnFailure,
+                owner: owner.to_string(),
+                sample_tokens: 0,
+                more_passes: false,
+                partial: None,
             },
         );
         Ok(UntypedApiFuture {
@@ -218,11 +224,13 @@ impl Engine {
             kind: req.kind,
             name: req.name.clone(),
         };
-        if !req.overwrite && self.catalog.exists(&uri) {
+        let exists = self.catalog.exists(&uri);
+        if exists && !req.overwrite {
             return Err(EngineError::BadRequest(format!(
                 "checkpoint {uri} already exists (pass overwrite to replace it)"
             )));
         }
+        self.check_checkpoint_quota(owner, !exists)?;
         let now = now_unix();
         let meta = CheckpointMeta {
             run_id: run_id.to_string(),

@@ -146,6 +146,9 @@ impl Engine {
         // A session opened on someone's published checkpoint samples only while it is
         // still readable and still the version it was opened on.
         self.check_pin(owner, pin.as_ref())?;
+        self.check_queue(owner)?;
+        let job_tokens = job.token_budget();
+        self.check_sampling_tokens(owner, job_tokens)?;
         if let SamplerSource::Snapshot(id) = &source {
             self.touch_snapshot(id);
         }
@@ -173,6 +176,10 @@ impl Engine {
             Inflight {
                 run_id: None,
                 after: After::Nothing,
+                owner: owner.to_string(),
+                sample_tokens: job_tokens,
+                more_passes: false,
+                partial: None,
             },
         );
         Ok(UntypedApiFuture {

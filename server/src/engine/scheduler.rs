@@ -1,17 +1,27 @@
-//! Which queued work the worker runs next: a pure function, unit-tested without channels.
+//! Which queued work the worker runs next: pure functions, unit-tested without channels.
+//!
+//! The worker runs one *pass* at a time: the engine offers each run's next piece of work
+//! (a forward request is cut into passes of whole datums of at most the pass budget, see
+//! `state.rs`) and every waiting sampling request, and [`plan`] picks the next batch. Between
+//! any two passes the choice is made again, so a request of millions of tokens holds the
+//! worker one pass at a time, as iteration-level schedulers (Orca, TGI, vLLM) do.
 //!
 //! Rules:
+//! - Fair share across API keys, in tokens: candidates are taken in order of their key's
+//!   service level ([`Service`], the tokens run for it while it has had work waiting),
+//!   then age. Each pick charges its tokens to its key, so a key with many runs does not
+//!   take every slot of a pass, and a key that was idle goes ahead of a key with a
+//!   backlog: it waits at most about one pass.
 //! - Each training run offers at most its next operation in `seq_id` order (the engine
 //!   only lists ready heads), so per-run order holds whatever the batch.
-//! - Forward passes of different runs fuse into one multi-adapter pass, oldest first,
-//!   while their tokens fit `max_batch_tokens` (the oldest always runs, however large).
-//!   Passes with and without gradient are not mixed: the oldest decides which kind runs.
+//! - Forward passes of different runs fuse into one multi-adapter pass while their tokens
+//!   fit the pass budget (the first pick always runs, however large). Passes with and
+//!   without gradient are not mixed: the first forward pick decides which kind runs.
 //! - Cheap operations (optimizer steps, saves, loads) ride along with every batch.
-//! - Sampling requests join oldest first while their prompt tokens fit the budget and
-//!   their streams fit `max_sample_streams`.
-//!
-//! Because candidates are taken oldest first and every batch takes the oldest forward
-//! pass and the oldest sampling request, no run or sampler can starve another.
+//! - Sampling requests join in the same fair order while their prompt tokens fit the
+//!   budget and their streams fit `max_sample_streams`; the first always runs.
+
+use std::collections::HashMap;
 
 /// What a candidate is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,7 +41,19 @@ pub enum Kind {
         tokens: usize,
         /// Sequences it decodes.
         streams: usize,
+        /// Tokens it costs: `streams x (prompt + max_tokens)`.
+        cost: usize,
     },
+}
+
+impl Kind {
+    fn cost(&self) -> u64 {
+        match *self {
+            Kind::Forward { tokens, .. } => tokens as u64,
+            Kind::Other => 0,
+            Kind::Sample { cost, .. } => cost as u64,
+        }
+    }
 }
 
 /// One piece of waiting work.
@@ -41,6 +63,8 @@ pub struct Candidate {
     pub key: usize,
     /// Submission order (smaller is older).
     pub arrival: u64,
+    /// Index of its API key in the `levels` given to [`plan`].
+    pub owner: usize,
     /// What it is.
     pub kind: Kind,
 }
@@ -48,39 +72,45 @@ pub struct Candidate {
 /// Batch limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
-    /// Most input tokens of fused forward passes (and of sampling prompts).
+    /// Most input tokens of one pass of fused forward passes (and of sampling prompts).
     pub max_batch_tokens: usize,
     /// Most sequences decoded together.
     pub max_sample_streams: usize,
 }
 
-/// The keys of the candidates to run now, oldest first.
-pub fn plan(candidates: &[Candidate], limits: Limits) -> Vec<usize> {
-    let mut sorted: Vec<&Candidate> = candidates.iter().collect();
-    sorted.sort_by_key(|c| c.arrival);
-    let grad_kind = sorted.iter().find_map(|c| match c.kind {
-        Kind::Forward { with_grad, .. } => Some(with_grad),
-        _ => None,
-    });
-    let mut forward_tokens = 0usize;
-    let mut forwards = 0usize;
-    let mut sample_tokens = 0usize;
-    let mut streams = 0usize;
-    let mut samples = 0usize;
-    let mut chosen = Vec::new();
-    for c in sorted {
+/// The keys of the candidates to run now, in the order they were picked. `levels[o]` is
+/// the service level of owner `o` (see [`Service::levels`]).
+pub fn plan(candidates: &[Candidate], limits: Limits, levels: &[u64]) -> Vec<usize> {
+    let mut charge: Vec<u64> = levels.to_vec();
+    let mut left: Vec<&Candidate> = candidates.iter().collect();
+    let mut chosen: Vec<usize> = left
+        .iter()
+        .filter(|c| c.kind == Kind::Other)
+        .map(|c| c.key)
+        .collect();
+    left.retain(|c| c.kind != Kind::Other);
+    let mut grad_kind: Option<bool> = None;
+    let (mut forward_tokens, mut forwards) = (0usize, 0usize);
+    let (mut sample_tokens, mut streams, mut samples) = (0usize, 0usize, 0usize);
+    while !left.is_empty() {
+        let at = (0..left.len())
+            .min_by_key(|&i| (charge[left[i].owner], left[i].arrival))
+            .expect("not empty");
+        let c = left.swap_remove(at);
         let take = match c.kind {
-            Kind::Other => true,
             Kind::Forward { tokens, with_grad } => {
+                let kind_ok = *grad_kind.get_or_insert(with_grad) == with_grad;
                 let fits = forwards == 0 || forward_tokens + tokens <= limits.max_batch_tokens;
-                let ok = Some(with_grad) == grad_kind && fits;
+                let ok = kind_ok && fits;
                 if ok {
                     forward_tokens += tokens;
                     forwards += 1;
                 }
                 ok
             }
-            Kind::Sample { tokens, streams: n } => {
+            Kind::Sample {
+                tokens, streams: n, ..
+            } => {
                 let fits = samples == 0
                     || (sample_tokens + tokens <= limits.max_batch_tokens
                         && streams + n <= limits.max_sample_streams);
@@ -91,12 +121,48 @@ pub fn plan(candidates: &[Candidate], limits: Limits) -> Vec<usize> {
                 }
                 fits
             }
+            Kind::Other => unreachable!("taken above"),
         };
         if take {
+            charge[c.owner] = charge[c.owner].saturating_add(c.kind.cost());
             chosen.push(c.key);
         }
     }
     chosen
+}
+
+/// Tokens run for each API key while it has had work waiting: the fair-share clock.
+///
+/// A key that becomes idle is forgotten; when it has work again it starts just below the
+/// least-served key that is waiting (start-time fair queueing's virtual time), so idling
+/// earns no credit to hog with later, and a returning key goes ahead of a backlog.
+#[derive(Debug, Default)]
+pub struct Service {
+    served: HashMap<String, u64>,
+}
+
+impl Service {
+    /// The service levels of `active` (the keys with work waiting now), in their order.
+    pub fn levels(&mut self, active: &[&str]) -> Vec<u64> {
+        self.served.retain(|k, _| active.contains(&k.as_str()));
+        let floor = self.served.values().min().copied().unwrap_or(0);
+        active
+            .iter()
+            .map(|&k| {
+                *self
+                    .served
+                    .entry(k.to_string())
+                    .or_insert(floor.saturating_sub(1))
+            })
+            .collect()
+    }
+
+    /// Charges `tokens` of service to `key`.
+    pub fn charge(&mut self, key: &str, tokens: u64) {
+        if let Some(s) = self.served.get_mut(key) {
+            *s = s.saturating_add(tokens);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -112,6 +178,7 @@ mod tests {
         Candidate {
             key,
             arrival,
+            owner: 0,
             kind: Kind::Forward { tokens, with_grad },
         }
     }
@@ -120,8 +187,23 @@ mod tests {
         Candidate {
             key,
             arrival,
-            kind: Kind::Sample { tokens, streams },
+            owner: 0,
+            kind: Kind::Sample {
+                tokens,
+                streams,
+                cost: tokens * streams,
+            },
         }
+    }
+
+    fn owned(mut c: Candidate, owner: usize) -> Candidate {
+        c.owner = owner;
+        c
+    }
+
+    fn sorted(mut v: Vec<usize>) -> Vec<usize> {
+        v.sort_unstable();
+        v
     }
 
     #[test]
@@ -132,13 +214,13 @@ mod tests {
             fwd(3, 2, 40, true),
         ];
         // Oldest (2, 50 tokens) then 3 (40) fit; 1 would exceed 100.
-        assert_eq!(plan(&c, LIMITS), vec![2, 3]);
+        assert_eq!(plan(&c, LIMITS, &[0]), vec![2, 3]);
     }
 
     #[test]
-    fn an_oversized_oldest_pass_still_runs_alone() {
+    fn an_oversized_first_pass_still_runs_alone() {
         let c = [fwd(1, 1, 500, true), fwd(2, 2, 10, true)];
-        assert_eq!(plan(&c, LIMITS), vec![1]);
+        assert_eq!(plan(&c, LIMITS, &[0]), vec![1]);
     }
 
     #[test]
@@ -148,7 +230,7 @@ mod tests {
             fwd(2, 2, 10, true),
             fwd(3, 3, 10, false),
         ];
-        assert_eq!(plan(&c, LIMITS), vec![1, 3]);
+        assert_eq!(plan(&c, LIMITS, &[0]), vec![1, 3]);
     }
 
     #[test]
@@ -157,6 +239,7 @@ mod tests {
             Candidate {
                 key: 9,
                 arrival: 5,
+                owner: 0,
                 kind: Kind::Other,
             },
             fwd(1, 1, 10, true),
@@ -165,21 +248,54 @@ mod tests {
             sample(6, 4, 10, 1),
         ];
         // Streams: 4 + 4 = 8 fills the budget; sample 6 waits.
-        assert_eq!(plan(&c, LIMITS), vec![1, 4, 5, 9]);
+        assert_eq!(sorted(plan(&c, LIMITS, &[0])), vec![1, 4, 5, 9]);
+    }
+
+    #[test]
+    fn the_least_served_key_goes_first_and_a_backlog_shares_the_pass() {
+        // Key 0 has a backlog of four runs; key 1's one pass arrived last.
+        let mut c: Vec<Candidate> = (0..4)
+            .map(|i| owned(fwd(i, i as u64, 40, true), 0))
+            .collect();
+        c.push(owned(fwd(9, 10, 40, true), 1));
+        // Key 0 has been served more: key 1 goes first, key 0 fills the rest.
+        assert_eq!(plan(&c, LIMITS, &[1000, 0]), vec![9, 0]);
+        // Equal levels: charging each pick alternates the keys.
+        let c = [
+            owned(fwd(1, 1, 30, true), 0),
+            owned(fwd(2, 2, 30, true), 0),
+            owned(fwd(3, 3, 30, true), 1),
+        ];
+        assert_eq!(plan(&c, LIMITS, &[0, 0]), vec![1, 3, 2]);
     }
 
     #[test]
     fn nothing_waits_forever() {
-        // Whatever arrives later, the oldest candidate of each kind is always chosen.
+        // Whatever arrives later, the least-served key's oldest work of each kind runs.
         let mut c: Vec<Candidate> = (0..50).map(|i| fwd(i, 100 + i as u64, 30, true)).collect();
         c.push(fwd(99, 0, 90, true));
         c.push(sample(98, 1, 1000, 64));
-        let chosen = plan(&c, LIMITS);
+        let chosen = plan(&c, LIMITS, &[0]);
         assert!(chosen.contains(&99) && chosen.contains(&98));
     }
 
     #[test]
     fn empty_input_plans_nothing() {
-        assert!(plan(&[], LIMITS).is_empty());
+        assert!(plan(&[], LIMITS, &[]).is_empty());
+    }
+
+    #[test]
+    fn a_returning_key_starts_just_below_the_waiting_ones_and_earns_no_credit_idle() {
+        let mut s = Service::default();
+        assert_eq!(s.levels(&["hog"]), vec![0]);
+        s.charge("hog", 5000);
+        // The victim arrives: it goes ahead of the hog's backlog, by one token's worth.
+        assert_eq!(s.levels(&["hog", "victim"]), vec![5000, 4999]);
+        s.charge("victim", 100);
+        assert_eq!(s.levels(&["hog", "victim"]), vec![5000, 5099]);
+        // The victim idles while the hog runs on; coming back, it starts level again.
+        assert_eq!(s.levels(&["hog"]), vec![5000]);
+        s.charge("hog", 100_000);
+        assert_eq!(s.levels(&["victim", "hog"]), vec![104_999, 105_000]);
     }
 }

@@ -11,12 +11,16 @@ use lathe_sdk::types::CheckpointUri;
 use crate::model::LoraSpec;
 use crate::store::checkpoints::CheckpointDir;
 use crate::store::db::{CheckpointRow, RunRow};
-use crate::worker::{Batch, Failure, Outcome, RunOp, RunWork, SampleWork, SamplerSource};
+use crate::train::DatumJob;
+use crate::worker::{
+    merge_forward_outputs, Batch, Failure, Outcome, Pass, RunOp, RunWork, SampleWork, SamplerSource,
+};
 
 use super::catalog::Catalog;
 use super::futures::Futures;
 use super::info::ModelInfo;
-use super::scheduler::{self, Candidate, Kind, Limits};
+use super::limits::KeyLimits;
+use super::scheduler::{self, Candidate, Kind, Limits, Service};
 use super::EngineError;
 
 /// Engine settings.
@@ -24,7 +28,9 @@ use super::EngineError;
 pub struct EngineConfig {
     /// Most training runs loaded at once (`--max-sessions`).
     pub max_sessions: usize,
-    /// Token budget of one fused forward pass (`--max-batch-tokens`).
+    /// Tokens of one pass (`--max-batch-tokens`): the fused forward passes the worker
+    /// runs between two scheduling decisions, and the prompt tokens of one decode batch.
+    /// A larger forward request runs as several passes of whole datums.
     pub max_batch_tokens: usize,
     /// Most sequences decoded together.
     pub max_sample_streams: usize,
@@ -36,18 +42,24 @@ pub struct EngineConfig {
     pub future_ttl: Duration,
     /// How long work arriving at an idle worker waits for company (see [`Engine::pump`]).
     pub batch_window: Duration,
+    /// What each API key may use at once.
+    pub limits: KeyLimits,
+    /// Memory finished results may hold until retrieved; past it, the oldest go first.
+    pub max_result_bytes: usize,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
         Self {
             max_sessions: 64,
-            max_batch_tokens: 8192,
+            max_batch_tokens: crate::train::PASS_TOKENS,
             max_sample_streams: 64,
             session_timeout: Duration::from_secs(300),
             reorder_timeout: Duration::from_secs(30),
             future_ttl: Duration::from_secs(3600),
             batch_window: Duration::from_millis(5),
+            limits: KeyLimits::default(),
+            max_result_bytes: 1 << 30,
         }
     }
 }
@@ -167,6 +179,15 @@ pub(super) enum After {
 pub(super) struct Inflight {
     pub run_id: Option<String>,
     pub after: After,
+    /// Who submitted it (per-key limits count it).
+    pub owner: String,
+    /// Sampling tokens it holds (0 for run operations).
+    pub sample_tokens: usize,
+    /// A forward request whose next passes are still queued: the pass now in the worker
+    /// is not its last.
+    pub more_passes: bool,
+    /// The joined results of a forward request's finished passes.
+    pub partial: Option<serde_json::Value>,
 }
 
 /// All engine state.
@@ -188,6 +209,8 @@ pub struct Engine {
     pub(super) drop_snapshots: Vec<String>,
     pub(super) unload: Vec<String>,
     pub(super) arrivals: u64,
+    /// Tokens run per API key: the scheduler's fair-share clock.
+    pub(super) service: Service,
     pub(super) worker: Box<dyn WorkerLink>,
     pub(super) busy: bool,
     pub(super) draining: bool,
@@ -223,6 +246,7 @@ impl Engine {
         checkpoint_dir: CheckpointDir,
         worker: Box<dyn WorkerLink>,
     ) -> Self {
+        let result_budget = config.max_result_bytes;
         Self {
             model,
             config,
@@ -232,13 +256,14 @@ impl Engine {
             expired_sessions: HashSet::new(),
             runs: HashMap::new(),
             samplers: HashMap::new(),
-            futures: Futures::default(),
+            futures: Futures::with_budget(result_budget),
             samples: VecDeque::new(),
             sample_submits: HashMap::new(),
             inflight: HashMap::new(),
             drop_snapshots: Vec::new(),
             unload: Vec::new(),
             arrivals: 0,
+            service: Service::default(),
             worker,
             busy: false,
             draining: false,
@@ -328,6 +353,13 @@ impl Engine {
         after: After,
     ) -> Result<String, EngineError> {
         self.check_open()?;
+        self.loaded_run(owner, run_id)?;
+        if let Some(retry) = seq_id.and_then(|s| self.runs[run_id].seen.get(&s)) {
+            // A retried submission answers with its first future, whatever the limits.
+            return Ok(retry.clone());
+        }
+        self.check_queue(owner)?;
+        self.check_request_tokens(op.tokens())?;
         let arrival = self.next_arrival();
         let run = self.loaded_run(owner, run_id)?;
         let seq = match seq_id {
@@ -379,6 +411,10 @@ impl Engine {
             Inflight {
                 run_id: Some(run_id.to_string()),
                 after,
+                owner: owner.to_string(),
+                sample_tokens: 0,
+                more_passes: false,
+                partial: None,
             },
         );
         // Work on a run keeps its session alive, heartbeat or not.
@@ -437,6 +473,15 @@ impl Engine {
         let mut oldest: Option<Instant> = None;
         let mut candidates = Vec::new();
         let mut heads: Vec<(String, u64)> = Vec::new();
+        let mut owners: Vec<String> = Vec::new();
+        let mut owner_index = |owner: &str| match owners.iter().position(|o| o == owner) {
+            Some(i) => i,
+            None => {
+                owners.push(owner.to_string());
+                owners.len() - 1
+            }
+        };
+        let pass_budget = self.config.max_batch_tokens;
         for (run_id, run) in &mut self.runs {
             while run.skipped.remove(&run.next_seq) {
                 run.next_seq += 1;
@@ -456,8 +501,10 @@ impl Engine {
             }
             oldest = Some(oldest.map_or(q.since, |o| o.min(q.since)));
             let kind = match &q.op {
-                RunOp::Forward { with_grad, .. } => Kind::Forward {
-                    tokens: q.op.tokens(),
+                RunOp::Forward {
+                    data, with_grad, ..
+                } => Kind::Forward {
+                    tokens: next_pass(data, pass_budget).1,
                     with_grad: *with_grad,
                 },
                 _ => Kind::Other,
@@ -465,6 +512,7 @@ impl Engine {
             candidates.push(Candidate {
                 key: heads.len(),
                 arrival: q.arrival,
+                owner: owner_index(&run.owner),
                 kind,
             });
             heads.push((run_id.clone(), seq));
@@ -475,9 +523,11 @@ impl Engine {
             candidates.push(Candidate {
                 key: base + i,
                 arrival: q.arrival,
+                owner: owner_index(&q.owner),
                 kind: Kind::Sample {
                     tokens: q.work.job.prompt.len(),
                     streams: q.work.job.num_samples,
+                    cost: q.work.job.token_budget(),
                 },
             });
         }
@@ -501,7 +551,17 @@ impl Engine {
             max_batch_tokens: self.config.max_batch_tokens,
             max_sample_streams: self.config.max_sample_streams,
         };
-        let chosen = scheduler::plan(&candidates, limits);
+        let active: Vec<&str> = owners.iter().map(String::as_str).collect();
+        let levels = self.service.levels(&active);
+        let chosen = scheduler::plan(&candidates, limits, &levels);
+        for c in candidates.iter().filter(|c| chosen.contains(&c.key)) {
+            let cost = match c.kind {
+                Kind::Forward { tokens, .. } => tokens,
+                Kind::Sample { cost, .. } => cost,
+                Kind::Other => 0,
+            };
+            self.service.charge(&owners[c.owner], cost as u64);
+        }
         let mut batch = Batch {
             drop_snapshots: std::mem::take(&mut self.drop_snapshots),
             ..Default::default()
@@ -519,8 +579,47 @@ impl Engine {
             if key < base {
                 let (run_id, seq) = &heads[key];
                 let run = self.runs.get_mut(run_id).expect("head of a live run");
+                // A forward request with more than one pass left gives up its next pass
+                // and stays at the head of its run.
+                let head = run.pending.get_mut(seq).expect("head exists");
+                if let RunOp::Forward {
+                    data, with_grad, ..
+                } = &mut head.op
+                {
+                    let (n, _) = next_pass(data, pass_budget);
+                    if n < data.len() {
+                        let chunk: Vec<DatumJob> = data.drain(..n).collect();
+                        let with_grad = *with_grad;
+                        let progress = self
+                            .inflight
+                            .get_mut(&head.request_id)
+                            .expect("a queued request is in flight");
+                        let first = !progress.more_passes;
+                        progress.more_passes = true;
+                        run.inflight = true;
+                        batch.runs.push(RunWork {
+                            request_id: head.request_id.clone(),
+                            run_id: run_id.clone(),
+                            op: RunOp::Forward {
+                                data: chunk,
+                                with_grad,
+                                pass: Pass { first, last: false },
+                            },
+                        });
+                        continue;
+                    }
+                }
                 let mut q = run.pending.remove(seq).expect("head exists");
                 run.next_seq = seq + 1;
+                if let RunOp::Forward { pass, .. } = &mut q.op {
+                    // Its last pass (or its only one).
+                    let progress = self.inflight.get_mut(&q.request_id);
+                    let first = progress.as_ref().is_none_or(|p| !p.more_passes);
+                    if let Some(p) = progress {
+                        p.more_passes = false;
+                    }
+                    *pass = Pass { first, last: true };
+                }
                 // Access to a checkpoint is checked when it is used, not when the load
                 // was queued: the owner may have unpublished, deleted or replaced it.
                 if let RunOp::Load { uri, dir, .. } = &mut q.op {
@@ -621,12 +720,17 @@ impl Engine {
     pub fn complete(&mut self, outcomes: Vec<Outcome>) {
         self.busy = false;
         for outcome in outcomes {
-            let Some(inflight) = self.inflight.remove(&outcome.request_id) else {
+            let Some(mut inflight) = self.inflight.remove(&outcome.request_id) else {
                 continue;
             };
             if let Some(run) = inflight.run_id.as_ref().and_then(|r| self.runs.get_mut(r)) {
                 run.inflight = false;
             }
+            if inflight.more_passes {
+                self.pass_done(outcome, inflight);
+                continue;
+            }
+            let partial = inflight.partial.take();
             let result = match (outcome.result, inflight.after) {
                 (Ok(mut done), _) if done.saved.is_some() => {
                     // The worker committed the save to the index before answering.
@@ -647,7 +751,45 @@ impl Engine {
                 }
                 (r, _) => r.map(|d| d.body),
             };
+            let result = match partial {
+                Some(earlier) => result.map(|last| merge_forward_outputs(earlier, last)),
+                None => result,
+            };
             self.futures.resolve(&outcome.request_id, result);
+        }
+    }
+
+    /// A pass of a forward request with more passes queued finished: keep its results
+    /// for the last one, or fail the whole request (its remaining passes are dropped,
+    /// and the worker discards the gradient of its finished ones).
+    fn pass_done(&mut self, outcome: Outcome, mut inflight: Inflight) {
+        let id = outcome.request_id;
+        let run = inflight.run_id.as_ref().and_then(|r| self.runs.get_mut(r));
+        let Some(run) = run else {
+            // The run was unloaded meanwhile; its future was answered then.
+            return;
+        };
+        let head = run
+            .pending
+            .first_key_value()
+            .filter(|(_, q)| q.request_id == id)
+            .map(|(&seq, _)| seq);
+        let Some(seq) = head else {
+            return;
+        };
+        match outcome.result {
+            Ok(done) => {
+                inflight.partial = Some(match inflight.partial.take() {
+                    Some(earlier) => merge_forward_outputs(earlier, done.body),
+                    None => done.body,
+                });
+                self.inflight.insert(id, inflight);
+            }
+            Err(failure) => {
+                run.pending.remove(&seq);
+                run.next_seq = seq + 1;
+                self.futures.resolve(&id, Err(failure));
+            }
         }
     }
 
@@ -663,6 +805,14 @@ impl Engine {
             }
             if let Some(s) = self.sessions.get_mut(&run.session_id) {
                 s.runs.retain(|r| r != run_id);
+            }
+            // Its in-memory sampler snapshots go too, in the worker as well.
+            for snapshot in run.snapshots {
+                self.samplers.remove(&snapshot);
+                if let Some(s) = self.sessions.get_mut(&run.session_id) {
+                    s.samplers.retain(|x| x != &snapshot);
+                }
+                self.drop_snapshots.push(snapshot);
             }
         }
     }
@@ -763,4 +913,18 @@ impl Engine {
     pub fn session_count(&self) -> usize {
         self.sessions.len()
     }
+}
+
+/// How many datums from the front of `data` make the next pass of at most `budget`
+/// tokens (at least one, however long), and their tokens.
+pub(super) fn next_pass(data: &[DatumJob], budget: usize) -> (usize, usize) {
+    let mut tokens = 0;
+    for (i, d) in data.iter().enumerate() {
+        let n = d.tokens.len();
+        if i > 0 && tokens + n > budget {
+            return (i, tokens);
+        }
+        tokens += n;
+    }
+    (data.len(), tokens)
 }

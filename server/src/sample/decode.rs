@@ -60,6 +60,15 @@ pub struct SampleJob {
     pub topk_prompt_logprobs: usize,
 }
 
+impl SampleJob {
+    /// Tokens this request holds while it runs: `num_samples x (prompt + max_tokens)`
+    /// (what per-key sampling limits count).
+    pub fn token_budget(&self) -> usize {
+        self.num_samples
+            .saturating_mul(self.prompt.len().saturating_add(self.max_tokens))
+    }
+}
+
 /// Why a sequence ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stop {

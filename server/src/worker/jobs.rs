@@ -27,6 +27,9 @@ pub enum RunOp {
         data: Vec<DatumJob>,
         /// Accumulate gradients.
         with_grad: bool,
+        /// Which pass of its request this is (the engine cuts a large request into
+        /// passes; a request's gradient counts only once its last pass has run).
+        pass: Pass,
     },
     /// AdamW on the accumulated gradient, then zero it.
     OptimStep(AdamParams),
@@ -58,6 +61,23 @@ pub enum RunOp {
     },
     /// Free the run's adapter, optimizer state and gradient.
     Unload,
+}
+
+/// Which part of its request a forward pass is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pass {
+    /// The request's first pass: its gradient starts from zero.
+    pub first: bool,
+    /// The request's last pass: its gradient joins the run's accumulated gradient.
+    pub last: bool,
+}
+
+impl Pass {
+    /// A request run in one pass.
+    pub const WHOLE: Pass = Pass {
+        first: true,
+        last: true,
+    };
 }
 
 impl RunOp {

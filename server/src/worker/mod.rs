@@ -5,6 +5,8 @@ mod jobs;
 mod runner;
 mod thread;
 
-pub use jobs::{Batch, Blame, Done, Failure, Outcome, RunOp, RunWork, SampleWork, SamplerSource};
-pub use runner::Worker;
+pub use jobs::{
+    Batch, Blame, Done, Failure, Outcome, Pass, RunOp, RunWork, SampleWork, SamplerSource,
+};
+pub use runner::{merge_forward_outputs, Worker};
 pub use thread::{spawn, WorkerHandle};

@@ -24,6 +24,9 @@ struct RunModel {
     opt: AdamState,
     grads: AdapterGrads,
     has_grad: bool,
+    /// The gradient of a request whose passes are still running: it joins `grads` at
+    /// its last pass, so a request that fails midway adds nothing.
+    staged: AdapterGrads,
 }
 
 /// Model, adapters and the code that runs batches on them.
@@ -280,20 +283,30 @@ impl Worker {
                 .map_err(train_failure)?;
         let mut outcomes = Vec::with_capacity(group.len());
         for ((work, span), grad) in group.iter().zip(spans).zip(grads) {
+            let RunOp::Forward { data, pass, .. } = &work.op else {
+                unreachable!()
+            };
             if with_grad {
                 let run = self.runs.get_mut(&work.run_id).expect("checked above");
-                if let Err(e) = run.grads.merge(grad) {
+                if pass.first {
+                    run.staged = AdapterGrads::default();
+                }
+                let merged = run.staged.merge(grad).and_then(|()| {
+                    if pass.last {
+                        let staged = std::mem::take(&mut run.staged);
+                        run.grads.merge(staged)?;
+                        run.has_grad = true;
+                    }
+                    Ok(())
+                });
+                if let Err(e) = merged {
                     outcomes.push(Outcome {
                         request_id: work.request_id.clone(),
                         result: Err(Failure::server(e.to_string())),
                     });
                     continue;
                 }
-                run.has_grad = true;
             }
-            let RunOp::Forward { data, .. } = &work.op else {
-                unreachable!()
-            };
             let body = forward_output(&results[span], data);
             outcomes.push(Outcome {
                 request_id: work.request_id.clone(),
@@ -397,6 +410,7 @@ impl RunModel {
             opt: AdamState::default(),
             grads: AdapterGrads::default(),
             has_grad: false,
+            staged: AdapterGrads::default(),
         }
     }
 }
@@ -433,6 +447,24 @@ fn forward_output(results: &[DatumResult], data: &[train::DatumJob]) -> serde_js
         "loss_fn_outputs": outputs,
         "metrics": {"loss:sum": loss},
     })
+}
+
+/// Joins the results of two consecutive passes of one forward request: outputs in
+/// order, loss sums added (losses are plain sums over datums).
+pub fn merge_forward_outputs(
+    mut first: serde_json::Value,
+    next: serde_json::Value,
+) -> serde_json::Value {
+    let loss = |v: &serde_json::Value| v["metrics"]["loss:sum"].as_f64().unwrap_or(0.0);
+    let total = loss(&first) + loss(&next);
+    if let (Some(outputs), serde_json::Value::Array(more)) = (
+        first["loss_fn_outputs"].as_array_mut(),
+        next["loss_fn_outputs"].clone(),
+    ) {
+        outputs.extend(more);
+    }
+    first["metrics"]["loss:sum"] = json!(total);
+    first
 }
 
 /// `SampleResponse` JSON.

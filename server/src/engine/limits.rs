@@ -1,0 +1,191 @@
+//! Per-key limits: what one API key may hold of the shared server at once. Occupancy
+//! limits (live runs, queued operations, sampling tokens in flight, checkpoints and bytes
+//! on disk) answer 429 with `Retry-After`, since they clear as the key's own work drains
+//! or it deletes something; limits on one request's size (tokens, stop strings) answer
+//! 400, since sending the same request again cannot succeed and the SDKs retry 429s for
+//! minutes.
+
+use super::{Engine, EngineError};
+
+/// What each API key may use. Every field is a `lathe serve` flag.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyLimits {
+    /// Training runs loaded at once.
+    pub live_runs: usize,
+    /// Operations and sampling requests queued and not yet finished, over all its runs.
+    pub queued_operations: usize,
+    /// Input tokens of one `forward` / `forward_backward` request.
+    pub tokens_per_request: usize,
+    /// Sampling tokens in flight: over its queued and running sampling requests, the sum
+    /// of `num_samples x (prompt + max_tokens)`.
+    pub sampling_tokens: usize,
+    /// Stop strings of one sampling request.
+    pub stop_strings: usize,
+    /// Bytes of one stop string.
+    pub stop_string_bytes: usize,
+    /// Checkpoints stored.
+    pub checkpoints: usize,
+    /// Bytes of checkpoints stored.
+    pub checkpoint_bytes: u64,
+}
+
+impl Default for KeyLimits {
+    fn default() -> Self {
+        Self {
+            live_runs: 16,
+            queued_operations: 256,
+            tokens_per_request: 262_144,
+            sampling_tokens: 262_144,
+            stop_strings: 16,
+            stop_string_bytes: 256,
+            checkpoints: 1000,
+            checkpoint_bytes: 20 << 30,
+        }
+    }
+}
+
+/// A key is at one of its occupancy limits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LimitExceeded {
+    /// The limit's name, as its `lathe serve` flag without dashes (`max_live_runs` ...).
+    pub limit: &'static str,
+    /// What happened and what to do.
+    pub message: String,
+    /// Seconds after which trying again may succeed.
+    pub retry_after_s: u64,
+}
+
+fn exceeded(limit: &'static str, retry_after_s: u64, message: String) -> EngineError {
+    EngineError::Limit(LimitExceeded {
+        limit,
+        message,
+        retry_after_s,
+    })
+}
+
+impl Engine {
+    /// Refuses a new run when `owner` has `live_runs` loaded.
+    pub(super) fn check_live_runs(&self, owner: &str) -> Result<(), EngineError> {
+        let live = self.runs.values().filter(|r| r.owner == owner).count();
+        let max = self.config.limits.live_runs;
+        if live >= max {
+            return Err(exceeded(
+                "max_live_runs",
+                30,
+                format!(
+                    "this key has {live} training runs loaded, its limit (--max-live-runs {max}); \
+                     unload one (or let its session expire) first"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Refuses one more queued operation when `owner` has `queued_operations` waiting.
+    pub(super) fn check_queue(&self, owner: &str) -> Result<(), EngineError> {
+        let queued = self
+            .runs
+            .values()
+            .filter(|r| r.owner == owner)
+            .map(|r| r.pending.len())
+            .sum::<usize>()
+            + self.samples.iter().filter(|q| q.owner == owner).count();
+        let max = self.config.limits.queued_operations;
+        if queued >= max {
+            return Err(exceeded(
+                "max_queued_operations",
+                1,
+                format!(
+                    "this key has {queued} operations queued, its limit (--max-queued-operations \
+                     {max}); wait for some to finish"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Refuses a forward pass over more than `tokens_per_request` tokens (400).
+    pub(super) fn check_request_tokens(&self, tokens: usize) -> Result<(), EngineError> {
+        let max = self.config.limits.tokens_per_request;
+        if tokens > max {
+            return Err(EngineError::BadRequest(format!(
+                "this request has {tokens} input tokens; the limit is {max} per request \
+                 (--max-tokens-per-request): split it into several requests"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Refuses a sampling request that would take `owner` past `sampling_tokens` in
+    /// flight.
+    pub(super) fn check_sampling_tokens(
+        &self,
+        owner: &str,
+        tokens: usize,
+    ) -> Result<(), EngineError> {
+        let max = self.config.limits.sampling_tokens;
+        if tokens > max {
+            return Err(EngineError::BadRequest(format!(
+                "this sampling request needs {tokens} tokens (num_samples x (prompt + \
+                 max_tokens)); the limit is {max} (--max-sampling-tokens)"
+            )));
+        }
+        let in_flight = self
+            .samples
+            .iter()
+            .filter(|q| q.owner == owner)
+            .map(|q| q.work.job.token_budget())
+            .sum::<usize>()
+            + self
+                .inflight
+                .values()
+                .filter(|i| i.owner == owner)
+                .map(|i| i.sample_tokens)
+                .sum::<usize>();
+        if in_flight.saturating_add(tokens) > max {
+            return Err(exceeded(
+                "max_sampling_tokens",
+                1,
+                format!(
+                    "this key has {in_flight} sampling tokens in flight and asks for {tokens} \
+                     more; its limit is {max} (--max-sampling-tokens); wait for some to finish"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Refuses a save when `owner` stores `checkpoints` (for a new name) or
+    /// `checkpoint_bytes` already.
+    pub(super) fn check_checkpoint_quota(
+        &self,
+        owner: &str,
+        new_name: bool,
+    ) -> Result<(), EngineError> {
+        let (count, bytes) = self.catalog.usage_of(owner);
+        let limits = &self.config.limits;
+        if new_name && count >= limits.checkpoints {
+            return Err(exceeded(
+                "max_checkpoints",
+                60,
+                format!(
+                    "this key stores {count} checkpoints, its limit (--max-checkpoints {}); \
+                     delete some first",
+                    limits.checkpoints
+                ),
+            ));
+        }
+        if bytes >= limits.checkpoint_bytes {
+            return Err(exceeded(
+                "max_checkpoint_bytes",
+                60,
+                format!(
+                    "this key stores {bytes} bytes of checkpoints, its limit \
+                     (--max-checkpoint-bytes {}); delete some first",
+                    limits.checkpoint_bytes
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
