@@ -97,7 +97,8 @@ impl FromStr for CheckpointUri {
         let rest = s
             .strip_prefix("tinker://")
             .ok_or_else(|| format!("checkpoint URI {s:?} must start with tinker://"))?;
-        let parts: Vec<&str> = rest.split('/').collect();
+        // At most four pieces: a path of thousands of slashes must not become a list.
+        let parts: Vec<&str> = rest.splitn(4, '/').collect();
         let [run_id, kind, name] = parts[..] else {
             return Err(format!(
                 "checkpoint URI {s:?} must be tinker://<run>/<weights|sampler_weights>/<name>"

@@ -55,7 +55,7 @@ pub async fn create_model(
         model_seq_id: req.model_seq_id,
         spec,
         seed: req.lora_config.seed.unwrap_or_else(rand::random),
-        user_metadata: req.user_metadata.unwrap_or_default(),
+        user_metadata: validate::run_metadata(req.user_metadata)?,
     };
     Ok(Json(
         s.engine
@@ -113,7 +113,7 @@ async fn forward_backward_inner(
     owner: Owner,
     req: ForwardBackwardRequest,
 ) -> Result<Json<UntypedApiFuture>, ApiError> {
-    let data = validate::forward_input(&s.model, &req.forward_backward_input)?;
+    let data = validate::forward_input(&s.model, &req.forward_backward_input, &s.limits)?;
     submit_forward(s, owner, req.model_id, req.seq_id, data, true).await
 }
 
@@ -131,7 +131,7 @@ async fn forward_inner(
     owner: Owner,
     req: ForwardRequest,
 ) -> Result<Json<UntypedApiFuture>, ApiError> {
-    let data = validate::forward_input(&s.model, &req.forward_input)?;
+    let data = validate::forward_input(&s.model, &req.forward_input, &s.limits)?;
     submit_forward(s, owner, req.model_id, req.seq_id, data, false).await
 }
 

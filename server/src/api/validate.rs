@@ -45,6 +45,27 @@ pub fn lora_spec(cfg: &LoraConfig) -> Result<LoraSpec, ApiError> {
     Ok(spec)
 }
 
+/// Most entries of a run's `user_metadata`, which is stored with the run.
+pub const MAX_METADATA_ENTRIES: usize = 64;
+/// Most bytes (keys and values) of a run's `user_metadata`.
+pub const MAX_METADATA_BYTES: usize = 16 * 1024;
+
+/// A run's `user_metadata`, bounded: it is kept in the index for as long as the run is.
+pub fn run_metadata(
+    meta: Option<BTreeMap<String, String>>,
+) -> Result<BTreeMap<String, String>, ApiError> {
+    let meta = meta.unwrap_or_default();
+    let bytes: usize = meta.iter().map(|(k, v)| k.len() + v.len()).sum();
+    if meta.len() > MAX_METADATA_ENTRIES || bytes > MAX_METADATA_BYTES {
+        return Err(bad(format!(
+            "user_metadata has {} entries and {bytes} bytes; the limits are \
+             {MAX_METADATA_ENTRIES} entries and {MAX_METADATA_BYTES} bytes",
+            meta.len()
+        )));
+    }
+    Ok(meta)
+}
+
 /// Checks that `name` is the served base model.
 pub fn base_model(model: &ModelInfo, name: &str) -> Result<(), ApiError> {
     if model.matches(name) {
@@ -223,18 +244,24 @@ fn datum(model: &ModelInfo, d: &Datum, i: usize, loss: Loss) -> Result<DatumJob,
         dense.into_iter(),
         &format!("datum {i}: target_tokens"),
     )?;
-    let get = |name: &str| -> Result<Vec<f32>, ApiError> {
+    // Only the inputs the loss reads are expanded (a sparse input costs its declared
+    // size, not its bytes); others are ignored, as unknown keys are.
+    let get = |name: &str, read: bool| -> Result<Vec<f32>, ApiError> {
         match d.loss_fn_inputs.get(name) {
-            Some(t) => floats(t, name, m, i),
-            None => Ok(Vec::new()),
+            Some(t) if read => floats(t, name, m, i),
+            _ => Ok(Vec::new()),
         }
     };
+    let (rl, clipped) = (
+        loss.is_rl(),
+        matches!(loss, Loss::Ppo { .. } | Loss::Cispo { .. }),
+    );
     let inputs = TokenInputs {
-        weights: get("weights")?,
-        advantages: get("advantages")?,
-        sampler_logprobs: get("logprobs")?,
-        clip_low: Some(get("clip_low_threshold")?).filter(|v| !v.is_empty()),
-        clip_high: Some(get("clip_high_threshold")?).filter(|v| !v.is_empty()),
+        weights: get("weights", !rl)?,
+        advantages: get("advantages", rl)?,
+        sampler_logprobs: get("logprobs", rl)?,
+        clip_low: Some(get("clip_low_threshold", clipped)?).filter(|v| !v.is_empty()),
+        clip_high: Some(get("clip_high_threshold", clipped)?).filter(|v| !v.is_empty()),
     };
     if loss.is_rl() && k != 1 {
         return Err(bad(format!(
@@ -254,13 +281,48 @@ fn datum(model: &ModelInfo, d: &Datum, i: usize, loss: Loss) -> Result<DatumJob,
     })
 }
 
-/// The datums of a forward/backward request.
+/// The targets a datum declares (`tokens x k`), read from its lengths and shapes
+/// without expanding anything.
+fn declared_targets(d: &Datum) -> usize {
+    let n: usize = d
+        .model_input
+        .chunks
+        .iter()
+        .map(|c| match c {
+            lathe_sdk::types::ModelInputChunk::EncodedText { tokens } => tokens.len(),
+            _ => 0,
+        })
+        .fold(0, usize::saturating_add);
+    let k = match d.loss_fn_inputs.get("target_tokens").map(|t| t.dims()) {
+        Some(dims) if dims.len() == 2 => dims[1],
+        _ => 1,
+    };
+    n.saturating_mul(k)
+}
+
+/// The datums of a forward/backward request. `limits.tokens_per_request` bounds its
+/// declared targets (`tokens x k` over all datums) before any tensor is expanded, so
+/// what a request may make the server allocate is bounded by the operator, whatever
+/// its sparse tensors declare.
 pub fn forward_input(
     model: &ModelInfo,
     input: &ForwardBackwardInput,
+    limits: &KeyLimits,
 ) -> Result<Vec<DatumJob>, ApiError> {
     if input.data.is_empty() {
         return Err(bad("data is empty: send at least one datum"));
+    }
+    let declared = input
+        .data
+        .iter()
+        .map(declared_targets)
+        .fold(0, usize::saturating_add);
+    if declared > limits.tokens_per_request {
+        return Err(bad(format!(
+            "this request declares {declared} targets (tokens x targets per position); the \
+             limit is {} per request (--max-tokens-per-request): split it into several requests",
+            limits.tokens_per_request
+        )));
     }
     let loss = loss(&input.loss_fn, input.loss_fn_config.as_ref())?;
     input
@@ -413,7 +475,12 @@ mod tests {
             vec![2, 3],
             vec![1.0, 1.0],
         );
-        let jobs = forward_input(&m, &input(vec![ok.clone()], "cross_entropy")).unwrap();
+        let jobs = forward_input(
+            &m,
+            &input(vec![ok.clone()], "cross_entropy"),
+            &KeyLimits::default(),
+        )
+        .unwrap();
         assert_eq!(jobs[0].targets, vec![2, 3]);
         let cases: Vec<(Datum, &str, &str)> = vec![
             (
@@ -462,10 +529,11 @@ mod tests {
             (ok.clone(), "bogus", "unknown loss_fn"),
         ];
         for (d, loss_fn, needle) in cases {
-            let err = forward_input(&m, &input(vec![d], loss_fn)).unwrap_err();
+            let err =
+                forward_input(&m, &input(vec![d], loss_fn), &KeyLimits::default()).unwrap_err();
             assert!(err.message.contains(needle), "{needle}: {}", err.message);
         }
-        assert!(forward_input(&m, &input(vec![], "cross_entropy")).is_err());
+        assert!(forward_input(&m, &input(vec![], "cross_entropy"), &KeyLimits::default()).is_err());
     }
 
     #[test]

@@ -6,6 +6,9 @@
 //! 2. 8 sessions sampling 64 tokens at once versus one session alone.
 //! 3. Protocol overhead: a `forward_backward` + `optim_step` round trip on 16 tokens over
 //!    HTTP minus the same work called in-process on the same model.
+//! 4. With `--fairness`: a second API key (the hog) submits a `forward_backward` backlog
+//!    of `--hog-passes` full passes, then the first key (the victim) submits a small one;
+//!    the victim's latency, in passes of the hog's, against its latency alone.
 
 use std::time::{Duration, Instant};
 
@@ -42,13 +45,22 @@ pub struct ServeBenchArgs {
     /// Timed rounds per measurement (after one warm-up).
     #[arg(long, default_value_t = 3)]
     rounds: usize,
+    /// Also measure a small request's latency behind another key's backlog.
+    #[arg(long)]
+    fairness: bool,
+    /// Passes in the hog's backlog (`--fairness`).
+    #[arg(long, default_value_t = 6)]
+    hog_passes: usize,
 }
 
 const KEY: &str = "tml-bench";
+const HOG_KEY: &str = "tml-bench-hog";
 
+#[derive(Clone)]
 struct Http {
     url: String,
     client: reqwest::Client,
+    key: &'static str,
 }
 
 impl Http {
@@ -56,7 +68,7 @@ impl Http {
         let resp = self
             .client
             .post(format!("{}{path}", self.url))
-            .header("X-API-Key", KEY)
+            .header("X-API-Key", self.key)
             .json(body)
             .send()
             .await?;
@@ -141,7 +153,7 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<Value> {
     let config = ServerConfig {
         port: 0,
         data_dir: data_dir.clone(),
-        api_keys: vec![KEY.into()],
+        api_keys: vec![KEY.into(), HOG_KEY.into()],
         ..Default::default()
     };
     let rt = tokio::runtime::Runtime::new()?;
@@ -150,6 +162,7 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<Value> {
         let http = Http {
             url: srv.base_url(),
             client: reqwest::Client::builder().timeout(Duration::from_secs(600)).build()?,
+            key: KEY,
         };
         let caps = http.client.get(format!("{}/api/v1/get_server_capabilities", http.url))
             .header("X-API-Key", KEY).send().await?.json::<Value>().await?;
@@ -252,6 +265,58 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<Value> {
             }
         }
         let overheads: Vec<f64> = http_times.iter().zip(&direct_times).map(|(h, d)| (h - d) * 1000.0).collect();
+
+        // 4. Fairness: the victim's small request behind another key's backlog.
+        let fairness = if a.fairness {
+            let hog = Http { key: HOG_KEY, ..http.clone() };
+            let hog_session = hog.post("/api/v1/create_session", &json!({})).await?["session_id"]
+                .as_str().context("session id")?.to_string();
+            let body = json!({"session_id": hog_session, "model_seq_id": 0, "base_model": base,
+                "lora_config": {"rank": spec.rank, "seed": 99}});
+            let id = hog.call("/api/v1/create_model", &body).await?["model_id"].as_str().context("id")?.to_string();
+            let mut hog_run = Run { id, seq: 0 };
+            let pass = lathe_server::train::PASS_TOKENS;
+            let hog_datum = datum(&tokens(4, pass + 1, vocab));
+            let victim_tokens = tokens(5, a.train_tokens + 1, vocab);
+            let victim = &mut runs[1];
+            let (mut alone, mut behind, mut passes) = (Vec::new(), Vec::new(), Vec::new());
+            for round in 0..=a.rounds {
+                let t = Instant::now();
+                fb(&http, victim, &victim_tokens).await?;
+                let alone_s = t.elapsed().as_secs_f64();
+                let body = json!({"forward_backward_input": {"data": vec![hog_datum.clone(); a.hog_passes],
+                                  "loss_fn": "cross_entropy"}, "model_id": hog_run.id, "seq_id": hog_run.next()});
+                let t_hog = Instant::now();
+                let hog_id = hog.post("/api/v1/forward_backward", &body).await?["request_id"]
+                    .as_str().context("id")?.to_string();
+                // Let the hog's first pass start, as a backlog would have.
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                let t = Instant::now();
+                fb(&http, victim, &victim_tokens).await?;
+                let behind_s = t.elapsed().as_secs_f64();
+                hog.wait(&hog_id).await?;
+                let pass_s = t_hog.elapsed().as_secs_f64() / (a.hog_passes as f64 + 1.0);
+                eprintln!("bench serve: fairness round {round}: victim alone {alone_s:.2} s, behind {} hog passes {behind_s:.2} s, one pass {pass_s:.2} s", a.hog_passes);
+                if round > 0 {
+                    alone.push(alone_s);
+                    behind.push(behind_s);
+                    passes.push(behind_s / pass_s);
+                }
+            }
+            let (alone, behind, passes) = (stats(alone), stats(behind), stats(passes));
+            Some(json!({
+                "hog_backlog_passes": a.hog_passes,
+                "pass_tokens": pass,
+                "victim_tokens": a.train_tokens,
+                "victim_alone_s_median": round(alone.median),
+                "victim_behind_backlog_s_median": round(behind.median),
+                "victim_latency_in_passes_median": round(passes.median),
+                "victim_latency_in_passes_max": round(passes.max),
+                "target_passes": 2.0,
+            }))
+        } else {
+            None
+        };
         let http_ms = stats(http_times).median * 1000.0;
         let inproc = stats(direct_times).median;
         let overhead = stats(overheads);
@@ -293,6 +358,7 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<Value> {
                 "overhead_ms_max": round(overhead.max),
                 "target_overhead_ms": 15.0,
             },
+            "fairness": fairness,
             "peak_rss_mib": round(peak_rss_mib()),
         }))
     });

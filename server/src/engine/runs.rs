@@ -218,6 +218,9 @@ impl Engine {
         seq_id: Option<u64>,
         req: SaveRequest,
     ) -> Result<String, EngineError> {
+        if let Some(first) = self.repeated(owner, run_id, seq_id) {
+            return Ok(first);
+        }
         let spec = self.loaded_run(owner, run_id)?.spec;
         let uri = CheckpointUri {
             run_id: run_id.to_string(),
@@ -261,6 +264,9 @@ impl Engine {
         seq_id: Option<u64>,
         sampling_session_seq_id: Option<u64>,
     ) -> Result<String, EngineError> {
+        if let Some(first) = self.repeated(owner, run_id, seq_id) {
+            return Ok(first);
+        }
         let session_id = self.loaded_run(owner, run_id)?.session_id.clone();
         let seq = match sampling_session_seq_id {
             Some(s) => s,
@@ -304,6 +310,9 @@ impl Engine {
         uri: &CheckpointUri,
         optimizer: bool,
     ) -> Result<String, EngineError> {
+        if let Some(first) = self.repeated(owner, run_id, seq_id) {
+            return Ok(first);
+        }
         check_loadable(uri, optimizer)?;
         let (row, dir) = self.resolve_checkpoint(owner, uri)?;
         let spec = self.loaded_run(owner, run_id)?.spec;

@@ -427,6 +427,20 @@ impl Engine {
         Ok(request_id)
     }
 
+    /// The request id of an earlier submission of `(run, seq_id)` by `owner`: a client
+    /// re-sending a submission (after a lost response) gets its first future back, before
+    /// any check that the first one's own effects would now fail (a save's name exists,
+    /// a snapshot would be taken twice).
+    pub(super) fn repeated(
+        &self,
+        owner: &str,
+        run_id: &str,
+        seq_id: Option<u64>,
+    ) -> Option<String> {
+        let run = self.runs.get(run_id).filter(|r| r.owner == owner)?;
+        run.seen.get(&seq_id?).cloned()
+    }
+
     /// Records that the submission with `seq_id` on a run was rejected, so the run's
     /// later operations do not wait for it. (Clients number operations before the server
     /// sees them; a rejected one would otherwise leave a hole in the order.)
