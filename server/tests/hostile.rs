@@ -293,9 +293,11 @@ fn each_key_has_its_own_limits_and_one_at_a_limit_slows_no_one_else() {
     );
     assert_limited(status, &v, "max_live_runs");
     // Operations queued behind a missing seq_id fill A's queue.
+    let mut queued = Vec::new();
     for seq in [5, 6] {
         let (status, v) = a.post("/api/v1/forward", &forward_body(&t.model_id, seq, data(1)));
         assert_eq!(status, 200, "{v}");
+        queued.push(v["request_id"].as_str().unwrap().to_string());
     }
     let resp = reqwest::blocking::Client::new()
         .post(format!("{}/api/v1/forward", server.url))
@@ -306,6 +308,17 @@ fn each_key_has_its_own_limits_and_one_at_a_limit_slows_no_one_else() {
     assert_eq!(resp.status().as_u16(), 429);
     assert_eq!(resp.headers()["retry-after"], "1");
     assert_limited(429, &resp.json().unwrap(), "max_queued_operations");
+    // The operations the run waits for are admitted at the limit, the queue drains, and
+    // the refused seq_id 7, sent again as the SDK does after Retry-After, runs.
+    for seq in 1..=4 {
+        a.call("/api/v1/forward", &forward_body(&t.model_id, seq, data(1)))
+            .unwrap();
+    }
+    for id in &queued {
+        a.wait(id).unwrap();
+    }
+    a.call("/api/v1/forward", &forward_body(&t.model_id, 7, data(1)))
+        .unwrap();
     // Another key is not affected by A's queue.
     let b_session = b.session();
     let mut u = Trainer::new(&b, &b_session, 0, 2);
@@ -350,10 +363,19 @@ fn each_key_has_its_own_limits_and_one_at_a_limit_slows_no_one_else() {
         &json!({"model_id": u.model_id, "path": "two", "seq_id": u.seq}),
     );
     assert_limited(status, &v, "max_checkpoints");
-    assert!(
-        u.step(data(3), 1e-3).is_finite(),
-        "the refused seq_id is skipped"
+    // A 429 keeps its seq_id open: once the key deletes a checkpoint, the same request
+    // sent again (as the SDKs retry) saves, and the run goes on in order.
+    let one = format!(
+        "/api/v1/training_runs/{}/checkpoints/weights/one",
+        u.model_id
     );
+    assert_eq!(b.delete(&one).0, 200);
+    b.call(
+        "/api/v1/save_weights",
+        &json!({"model_id": u.model_id, "path": "two", "seq_id": u.seq}),
+    )
+    .unwrap();
+    assert!(u.step(data(3), 1e-3).is_finite());
     server.stop();
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -24,13 +24,17 @@ fn future(request_id: String, model_id: &str) -> Json<UntypedApiFuture> {
     })
 }
 
-/// Passes an ordered submission's result through; when it was rejected, tells the engine
-/// that its `seq_id` will never come, so the run's later operations do not wait for it.
+/// Passes an ordered submission's result through; when it was refused for good, tells
+/// the engine that its `seq_id` will never come, so the run's later operations do not
+/// wait for it. A 429 is not for good: the SDK sends the same `seq_id` again once the
+/// key's queue has drained, so that number stays open.
 async fn ordered<T>(
     (s, owner, model_id, seq): (AppState, Owner, String, Option<u64>),
     result: Result<T, ApiError>,
 ) -> Result<T, ApiError> {
-    if let (Err(_), Some(seq)) = (&result, seq) {
+    let for_good =
+        matches!(&result, Err(e) if e.status != axum::http::StatusCode::TOO_MANY_REQUESTS);
+    if let (true, Some(seq)) = (for_good, seq) {
         let _ = s
             .engine
             .call(move |e| e.skip_seq(&owner.0, &model_id, seq))

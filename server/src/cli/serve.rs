@@ -84,6 +84,12 @@ struct LimitArgs {
     /// Bytes of checkpoints one key may store (429).
     #[arg(long, default_value_t = KeyLimits::default().checkpoint_bytes)]
     max_checkpoint_bytes: u64,
+    /// Live sessions one key may have (429).
+    #[arg(long, default_value_t = KeyLimits::default().sessions)]
+    max_sessions_per_key: usize,
+    /// Sampling sessions one key may have open (429).
+    #[arg(long, default_value_t = KeyLimits::default().samplers)]
+    max_samplers: usize,
 }
 
 impl LimitArgs {
@@ -97,6 +103,8 @@ impl LimitArgs {
             stop_string_bytes: self.max_stop_string_bytes.max(1),
             checkpoints: self.max_checkpoints,
             checkpoint_bytes: self.max_checkpoint_bytes,
+            sessions: self.max_sessions_per_key.max(1),
+            samplers: self.max_samplers.max(1),
         }
     }
 }

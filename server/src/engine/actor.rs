@@ -131,9 +131,31 @@ impl EngineHandle {
             .await
     }
 
+    /// Runs a begin/store/finish flow on its own task, so a client that disconnects
+    /// midway cannot leave the engine's catalog and the index disagreeing.
+    async fn detached<R: Send + 'static>(
+        &self,
+        flow: impl std::future::Future<Output = Result<R, EngineError>> + Send + 'static,
+    ) -> Result<R, EngineError> {
+        tokio::spawn(flow)
+            .await
+            .map_err(|e| EngineError::Internal(format!("engine task failed: {e}")))?
+    }
+
     /// Deletes one of the owner's checkpoints: hidden at once, files then index row
-    /// removed off the actor (see `store::data_dir`).
+    /// removed off the actor (see `store::data_dir`). Runs to completion even if the
+    /// caller goes away.
     pub async fn delete_checkpoint(
+        &self,
+        owner: String,
+        uri: CheckpointUri,
+    ) -> Result<(), EngineError> {
+        let this = self.clone();
+        self.detached(async move { this.delete_checkpoint_now(owner, uri).await })
+            .await
+    }
+
+    async fn delete_checkpoint_now(
         &self,
         owner: String,
         uri: CheckpointUri,
@@ -149,8 +171,19 @@ impl EngineHandle {
     }
 
     /// Publishes or unpublishes one of the owner's checkpoints. Unpublishing revokes
-    /// access before the index is written.
+    /// access before the index is written. Runs to completion even if the caller goes.
     pub async fn set_public(
+        &self,
+        owner: String,
+        uri: CheckpointUri,
+        public: bool,
+    ) -> Result<(), EngineError> {
+        let this = self.clone();
+        self.detached(async move { this.set_public_now(owner, uri, public).await })
+            .await
+    }
+
+    async fn set_public_now(
         &self,
         owner: String,
         uri: CheckpointUri,
@@ -168,8 +201,20 @@ impl EngineHandle {
         result
     }
 
-    /// Sets or clears the TTL of one of the owner's checkpoints.
+    /// Sets or clears the TTL of one of the owner's checkpoints. Runs to completion even
+    /// if the caller goes away.
     pub async fn set_ttl(
+        &self,
+        owner: String,
+        uri: CheckpointUri,
+        ttl: Option<Ttl>,
+    ) -> Result<(), EngineError> {
+        let this = self.clone();
+        self.detached(async move { this.set_ttl_now(owner, uri, ttl).await })
+            .await
+    }
+
+    async fn set_ttl_now(
         &self,
         owner: String,
         uri: CheckpointUri,

@@ -280,3 +280,54 @@ fn a_failed_pass_fails_its_request_and_drops_the_rest() {
     let b = sent.lock().unwrap().pop().unwrap();
     assert_eq!(b.runs[0].request_id, after);
 }
+
+#[test]
+fn a_snapshot_evicted_before_it_was_taken_is_never_taken() {
+    use crate::worker::RunOp;
+    let (mut engine, sent) = engine();
+    let run = live_run(&mut engine, &sent, "a");
+    let ids: Vec<String> = (1..=5)
+        .map(|seq| {
+            engine
+                .snapshot_for_sampler("a", &run, Some(seq), Some(seq))
+                .unwrap()
+        })
+        .collect();
+    // The fifth evicted the first while all five were still queued.
+    pump_now(&mut engine);
+    let batch = sent.lock().unwrap().pop();
+    let taken: Vec<String> = batch
+        .iter()
+        .flat_map(|b| &b.runs)
+        .filter_map(|w| match &w.op {
+            RunOp::Snapshot { sampler_id } => Some(sampler_id.clone()),
+            _ => None,
+        })
+        .collect();
+    assert!(taken.iter().all(|s| !s.ends_with(":sample:1")), "{taken:?}");
+    match engine.futures.poll(&ids[0], "a") {
+        Some(super::futures::Poll::Ready(r)) => {
+            let failure = r.as_ref().as_ref().unwrap_err();
+            assert!(
+                failure.message.contains("evicted before it was taken"),
+                "{}",
+                failure.message
+            );
+        }
+        _ => panic!("the evicted snapshot's future answers at once"),
+    }
+}
+
+#[test]
+fn the_operation_a_run_waits_for_is_admitted_at_the_queue_limit() {
+    use crate::worker::RunOp;
+    let (mut engine, sent) = engine();
+    engine.config.limits.queued_operations = 1;
+    let run = live_run(&mut engine, &sent, "a");
+    let step = || RunOp::OptimStep(Default::default());
+    engine.submit("a", &run, Some(2), step()).unwrap();
+    let full = engine.submit("a", &run, Some(3), step()).unwrap_err();
+    assert!(matches!(full, super::EngineError::Limit(_)), "{full:?}");
+    // Seq 1 is what the run waits for: admitted although the queue is full.
+    engine.submit("a", &run, Some(1), step()).unwrap();
+}

@@ -27,6 +27,10 @@ pub struct KeyLimits {
     pub checkpoints: usize,
     /// Bytes of checkpoints stored.
     pub checkpoint_bytes: u64,
+    /// Live sessions.
+    pub sessions: usize,
+    /// Open sampling sessions (each may hold an adapter snapshot in memory).
+    pub samplers: usize,
 }
 
 impl Default for KeyLimits {
@@ -40,6 +44,8 @@ impl Default for KeyLimits {
             stop_string_bytes: 256,
             checkpoints: 1000,
             checkpoint_bytes: 20 << 30,
+            sessions: 64,
+            samplers: 256,
         }
     }
 }
@@ -64,6 +70,40 @@ fn exceeded(limit: &'static str, retry_after_s: u64, message: String) -> EngineE
 }
 
 impl Engine {
+    /// Refuses a new session when `owner` has `sessions` live.
+    pub(super) fn check_sessions(&self, owner: &str) -> Result<(), EngineError> {
+        let live = self.sessions.values().filter(|s| s.owner == owner).count();
+        let max = self.config.limits.sessions;
+        if live >= max {
+            return Err(exceeded(
+                "max_sessions_per_key",
+                30,
+                format!(
+                    "this key has {live} live sessions, its limit (--max-sessions-per-key {max}); \
+                     close one (ServiceClient.close) or let it expire first"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Refuses a new sampling session when `owner` has `samplers` open.
+    pub(super) fn check_samplers(&self, owner: &str) -> Result<(), EngineError> {
+        let open = self.samplers.values().filter(|s| s.owner == owner).count();
+        let max = self.config.limits.samplers;
+        if open >= max {
+            return Err(exceeded(
+                "max_samplers",
+                30,
+                format!(
+                    "this key has {open} sampling sessions open, its limit (--max-samplers \
+                     {max}); they close with their session"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Refuses a new run when `owner` has `live_runs` loaded.
     pub(super) fn check_live_runs(&self, owner: &str) -> Result<(), EngineError> {
         let live = self.runs.values().filter(|r| r.owner == owner).count();
@@ -130,18 +170,13 @@ impl Engine {
                  max_tokens)); the limit is {max} (--max-sampling-tokens)"
             )));
         }
+        // Every sampling request, queued or running, is in `inflight` until answered.
         let in_flight = self
-            .samples
-            .iter()
-            .filter(|q| q.owner == owner)
-            .map(|q| q.work.job.token_budget())
-            .sum::<usize>()
-            + self
-                .inflight
-                .values()
-                .filter(|i| i.owner == owner)
-                .map(|i| i.sample_tokens)
-                .sum::<usize>();
+            .inflight
+            .values()
+            .filter(|i| i.owner == owner)
+            .map(|i| i.sample_tokens)
+            .sum::<usize>();
         if in_flight.saturating_add(tokens) > max {
             return Err(exceeded(
                 "max_sampling_tokens",

@@ -268,6 +268,7 @@ impl Engine {
             return Ok(first);
         }
         let session_id = self.loaded_run(owner, run_id)?.session_id.clone();
+        self.check_samplers(owner)?;
         let seq = match sampling_session_seq_id {
             Some(s) => s,
             None => self.next_arrival() + 1_000_000_000,

@@ -30,7 +30,9 @@ impl Engine {
         pin: Option<Pin>,
     ) {
         if let Some(s) = self.sessions.get_mut(session_id) {
-            s.samplers.push(sampler_id.clone());
+            if !s.samplers.contains(&sampler_id) {
+                s.samplers.push(sampler_id.clone());
+            }
         }
         self.samplers.insert(
             sampler_id,
@@ -77,12 +79,14 @@ impl Engine {
             None => (SamplerSource::Base, None),
         };
         let id = format!("{session_id}:sample:{seq}");
-        if let Some(existing) = self.samplers.get(&id) {
-            if existing.owner != owner {
+        match self.samplers.get(&id) {
+            Some(existing) if existing.owner != owner => {
                 return Err(EngineError::BadRequest(format!(
                     "sampler {id} already exists"
                 )));
             }
+            Some(_) => {}
+            None => self.check_samplers(owner)?,
         }
         self.register_sampler(owner, session_id, id.clone(), source, pin);
         Ok(id)

@@ -46,12 +46,18 @@ pub enum Kind {
     },
 }
 
+/// The least a forward pass or sampling request is charged: every pick has a fixed cost
+/// in the worker, so a key sending one-token requests is not served a thousand of them
+/// for each of another key's full passes.
+pub const MIN_CHARGE: u64 = 64;
+
 impl Kind {
-    fn cost(&self) -> u64 {
+    /// The service a pick of this kind is charged, in tokens.
+    pub fn charge(&self) -> u64 {
         match *self {
-            Kind::Forward { tokens, .. } => tokens as u64,
+            Kind::Forward { tokens, .. } => (tokens as u64).max(MIN_CHARGE),
             Kind::Other => 0,
-            Kind::Sample { cost, .. } => cost as u64,
+            Kind::Sample { cost, .. } => (cost as u64).max(MIN_CHARGE),
         }
     }
 }
@@ -124,7 +130,7 @@ pub fn plan(candidates: &[Candidate], limits: Limits, levels: &[u64]) -> Vec<usi
             Kind::Other => unreachable!("taken above"),
         };
         if take {
-            charge[c.owner] = charge[c.owner].saturating_add(c.kind.cost());
+            charge[c.owner] = charge[c.owner].saturating_add(c.kind.charge());
             chosen.push(c.key);
         }
     }

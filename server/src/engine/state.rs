@@ -3,7 +3,7 @@
 //! plain synchronous function, so the whole engine is testable without channels; the
 //! actor (`actor.rs`) only calls them.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use lathe_sdk::types::CheckpointUri;
@@ -20,6 +20,7 @@ use super::catalog::Catalog;
 use super::futures::Futures;
 use super::info::ModelInfo;
 use super::limits::KeyLimits;
+use super::runs::MAX_SNAPSHOTS_PER_RUN;
 use super::scheduler::{self, Candidate, Kind, Limits, Service};
 use super::EngineError;
 
@@ -84,6 +85,9 @@ impl WorkerLink for crate::worker::WorkerHandle {
         crate::worker::WorkerHandle::is_alive(self)
     }
 }
+
+/// How long an expired session's id is remembered (to answer 410 rather than 404).
+const EXPIRED_SESSION_MEMORY: Duration = Duration::from_secs(24 * 3600);
 
 /// What every request gets once the worker thread is gone.
 const WORKER_GONE: &str =
@@ -197,7 +201,8 @@ pub struct Engine {
     pub(super) catalog: Catalog,
     pub(super) store_work: StoreWork,
     pub(super) sessions: HashMap<String, Session>,
-    pub(super) expired_sessions: HashSet<String>,
+    /// Sessions expired recently (answered 410, not 404), with when they expired.
+    pub(super) expired_sessions: HashMap<String, Instant>,
     pub(super) runs: HashMap<String, Run>,
     pub(super) samplers: HashMap<String, Sampler>,
     pub(super) futures: Futures,
@@ -253,7 +258,7 @@ impl Engine {
             catalog: Catalog::new(checkpoints, checkpoint_dir),
             store_work: StoreWork::default(),
             sessions: HashMap::new(),
-            expired_sessions: HashSet::new(),
+            expired_sessions: HashMap::new(),
             runs: HashMap::new(),
             samplers: HashMap::new(),
             futures: Futures::with_budget(result_budget),
@@ -296,6 +301,7 @@ impl Engine {
     /// Opens a session for `owner`.
     pub fn create_session(&mut self, owner: &str) -> Result<String, EngineError> {
         self.check_open()?;
+        self.check_sessions(owner)?;
         let id = uuid::Uuid::new_v4().to_string();
         self.sessions.insert(
             id.clone(),
@@ -316,7 +322,7 @@ impl Engine {
                 s.last_heartbeat = Instant::now();
                 Ok(())
             }
-            _ if self.expired_sessions.contains(session_id) => Err(EngineError::Gone(format!(
+            _ if self.expired_sessions.contains_key(session_id) => Err(EngineError::Gone(format!(
                 "session {session_id} expired after {} s without a heartbeat",
                 self.config.session_timeout.as_secs()
             ))),
@@ -331,7 +337,7 @@ impl Engine {
         owner: &str,
         session_id: &str,
     ) -> Result<&mut Session, EngineError> {
-        if self.expired_sessions.contains(session_id) {
+        if self.expired_sessions.contains_key(session_id) {
             return Err(EngineError::Gone(format!("session {session_id} expired")));
         }
         match self.sessions.get_mut(session_id) {
@@ -358,7 +364,15 @@ impl Engine {
             // A retried submission answers with its first future, whatever the limits.
             return Ok(retry.clone());
         }
-        self.check_queue(owner)?;
+        // The operation the run is waiting for is admitted even at the key's queue limit:
+        // refusing it would leave the queue full of operations waiting for it.
+        let awaited = {
+            let run = &self.runs[run_id];
+            seq_id.is_some_and(|s| s == run.next_seq)
+        };
+        if !awaited {
+            self.check_queue(owner)?;
+        }
         self.check_request_tokens(op.tokens())?;
         let arrival = self.next_arrival();
         let run = self.loaded_run(owner, run_id)?;
@@ -568,13 +582,9 @@ impl Engine {
         let active: Vec<&str> = owners.iter().map(String::as_str).collect();
         let levels = self.service.levels(&active);
         let chosen = scheduler::plan(&candidates, limits, &levels);
-        for c in candidates.iter().filter(|c| chosen.contains(&c.key)) {
-            let cost = match c.kind {
-                Kind::Forward { tokens, .. } => tokens,
-                Kind::Sample { cost, .. } => cost,
-                Kind::Other => 0,
-            };
-            self.service.charge(&owners[c.owner], cost as u64);
+        let picked: std::collections::HashSet<usize> = chosen.iter().copied().collect();
+        for c in candidates.iter().filter(|c| picked.contains(&c.key)) {
+            self.service.charge(&owners[c.owner], c.kind.charge());
         }
         let mut batch = Batch {
             drop_snapshots: std::mem::take(&mut self.drop_snapshots),
@@ -593,6 +603,10 @@ impl Engine {
             if key < base {
                 let (run_id, seq) = &heads[key];
                 let run = self.runs.get_mut(run_id).expect("head of a live run");
+                // Dispatching a head commits the run to it: a seq_id that never arrived
+                // before it (its reorder wait ran out) is now past, and refused if it
+                // comes late, so this head stays the head until it is done.
+                run.next_seq = run.next_seq.max(*seq);
                 // A forward request with more than one pass left gives up its next pass
                 // and stays at the head of its run.
                 let head = run.pending.get_mut(seq).expect("head exists");
@@ -604,10 +618,17 @@ impl Engine {
                     if n < data.len() {
                         let chunk: Vec<DatumJob> = data.drain(..n).collect();
                         let with_grad = *with_grad;
-                        let progress = self
-                            .inflight
-                            .get_mut(&head.request_id)
-                            .expect("a queued request is in flight");
+                        let Some(progress) = self.inflight.get_mut(&head.request_id) else {
+                            // Cannot happen: a queued request is in flight until answered.
+                            let q = run.pending.remove(seq).expect("head exists");
+                            run.next_seq = seq + 1;
+                            tracing::error!(request = %q.request_id, "a queued request had no in-flight entry");
+                            refused.push((
+                                q.request_id,
+                                Failure::server("internal error: lost track of this request"),
+                            ));
+                            continue;
+                        };
                         let first = !progress.more_passes;
                         progress.more_passes = true;
                         run.inflight = true;
@@ -645,6 +666,20 @@ impl Engine {
                         }
                     }
                 }
+                // A snapshot evicted (by newer ones) before it was taken is not taken: the
+                // worker would hold an adapter nothing refers to.
+                if let RunOp::Snapshot { sampler_id } = &q.op {
+                    if !self.samplers.contains_key(sampler_id) {
+                        refused.push((
+                            q.request_id,
+                            Failure::user(format!(
+                                "sampler snapshot {sampler_id} was evicted before it was taken: \
+                                 a run keeps its {MAX_SNAPSHOTS_PER_RUN} most recent snapshots"
+                            )),
+                        ));
+                        continue;
+                    }
+                }
                 run.inflight = true;
                 batch.runs.push(RunWork {
                     request_id: q.request_id,
@@ -665,7 +700,15 @@ impl Engine {
         }
         batch.samples.reverse();
         for (request_id, failure) in refused {
-            self.inflight.remove(&request_id);
+            if let Some(Inflight {
+                run_id: Some(run_id),
+                after: After::DropRunOnFailure,
+                ..
+            }) = self.inflight.remove(&request_id)
+            {
+                // A run created from a checkpoint it may no longer read: it never was.
+                self.forget_run(&run_id);
+            }
             self.futures.resolve(&request_id, Err(failure));
         }
         if batch.is_empty() {
@@ -858,8 +901,11 @@ impl Engine {
                     }
                 }
             }
-            self.expired_sessions.insert(id);
+            self.expired_sessions.insert(id, now);
         }
+        // An expired session is told apart from an unknown one for a day.
+        self.expired_sessions
+            .retain(|_, at| now.saturating_duration_since(*at) < EXPIRED_SESSION_MEMORY);
         self.futures.expire(now, self.config.future_ttl);
         for (uri, version) in self.catalog.take_expired(now_unix()) {
             tracing::info!(checkpoint = %uri, "checkpoint TTL passed; deleting it");

@@ -90,8 +90,11 @@ impl Worker {
             .runs
             .into_iter()
             .partition(|w| matches!(w.op, RunOp::Forward { .. }));
+        // Each operation, and each fused group, is its own unit for a panic: one that
+        // panics fails alone, and every other keeps its outcome (a save committed to the
+        // index must reach the engine's catalog whatever runs after it).
         for work in others {
-            let result = self.run_op(&work);
+            let result = contained(|| self.run_op(&work)).and_then(|r| r);
             outcomes.push(Outcome {
                 request_id: work.request_id,
                 result,
@@ -103,11 +106,15 @@ impl Worker {
                 .filter(|w| matches!(w.op, RunOp::Forward { with_grad: g, .. } if g == with_grad))
                 .collect();
             if !group.is_empty() {
-                outcomes.extend(self.forward_group(&group, with_grad));
+                let ids = group.iter().map(|w| w.request_id.clone());
+                outcomes.extend(contained_group(ids, || {
+                    self.forward_group(&group, with_grad)
+                }));
             }
         }
         if !batch.samples.is_empty() {
-            outcomes.extend(self.sample_group(&batch.samples));
+            let ids = batch.samples.iter().map(|s| s.request_id.clone());
+            outcomes.extend(contained_group(ids, || self.sample_group(&batch.samples)));
         }
         outcomes
     }
@@ -412,6 +419,35 @@ impl RunModel {
             has_grad: false,
             staged: AdapterGrads::default(),
         }
+    }
+}
+
+/// Runs `f`, turning a panic into a server failure (logged).
+fn contained<T>(f: impl FnOnce() -> T) -> Result<T, Failure> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|panic| {
+        let msg = panic
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "unknown panic".into());
+        tracing::error!("worker operation panicked (contained): {msg}");
+        Failure::server(format!("internal error: {msg}"))
+    })
+}
+
+/// Runs a group's `f`; if it panics, each of `ids` fails with the panic.
+fn contained_group(
+    ids: impl Iterator<Item = String>,
+    f: impl FnOnce() -> Vec<Outcome>,
+) -> Vec<Outcome> {
+    match contained(f) {
+        Ok(outcomes) => outcomes,
+        Err(failure) => ids
+            .map(|request_id| Outcome {
+                request_id,
+                result: Err(failure.clone()),
+            })
+            .collect(),
     }
 }
 
