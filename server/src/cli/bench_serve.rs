@@ -154,6 +154,11 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<Value> {
         port: 0,
         data_dir: data_dir.clone(),
         api_keys: vec![KEY.into(), HOG_KEY.into()],
+        // The benchmark's clients send no heartbeats; its sessions must outlive it.
+        engine: lathe_server::engine::EngineConfig {
+            session_timeout: Duration::from_secs(24 * 3600),
+            ..Default::default()
+        },
         ..Default::default()
     };
     let rt = tokio::runtime::Runtime::new()?;
