@@ -166,8 +166,16 @@ pub async fn start(model: LoadedModel, config: ServerConfig) -> Result<RunningSe
     let info = ModelInfo::of(&model);
     let catalog = store.all_checkpoints()?;
     let (handle, rx) = engine::channel(store.clone());
+    let decode_mode = config.decode_mode.on_this_cpu();
+    if decode_mode != config.decode_mode {
+        tracing::warn!(
+            "decode mode fast asked for, but this CPU has no AVX-512, which the \
+             block-quantized decode kernels need to beat f32; decoding with the f32 weights \
+             (--decode-mode exact)"
+        );
+    }
     let worker = worker::spawn(
-        Worker::new(model, config.decode_mode, store.clone()),
+        Worker::new(model, decode_mode, store.clone()),
         handle.outcome_sink(),
     );
     let engine = Engine::new(

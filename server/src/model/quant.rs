@@ -260,6 +260,20 @@ fn q41_block_exact(w: &[f32]) -> Option<(f32, f32, [u8; HALF])> {
     None
 }
 
+/// Whether this CPU has vectorised block-quantized kernels. Without AVX-512 they fall
+/// back to portable code that is slower than the f32 path (README: measured on an
+/// AVX2-only machine), so callers choosing a decode path should prefer f32 then.
+pub fn has_fast_kernels() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 fn q8_rows(xs: &[f32], m: usize, k: usize, q: &[i8], s: &[f32], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     {

@@ -34,6 +34,20 @@ pub enum DecodeMode {
     Exact,
 }
 
+impl DecodeMode {
+    /// The mode to serve with when `self` is asked for on this CPU: `Fast` needs the
+    /// vectorised block-quantized kernels ([`crate::model::quant::has_fast_kernels`]);
+    /// without them the f32 weights decode faster, so `Exact` is used (same reported
+    /// log-probabilities; for Q4_1 models, the same tokens too).
+    pub fn on_this_cpu(self) -> Self {
+        if self == DecodeMode::Fast && !crate::model::quant::has_fast_kernels() {
+            DecodeMode::Exact
+        } else {
+            self
+        }
+    }
+}
+
 /// One sampling request: a prompt, its adapter, and how to sample.
 #[derive(Debug, Clone)]
 pub struct SampleJob {
