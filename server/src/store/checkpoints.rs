@@ -216,7 +216,16 @@ impl CheckpointDir {
             .uri()
             .ok_or_else(|| StoreError::Invalid(format!("unknown kind {}", meta.kind)))?;
         let name_dir = self.name_dir(&uri);
+        let new_name = !name_dir.exists();
         create_private_dirs(&name_dir)?;
+        if new_name {
+            // The directories a first save creates must survive a power cut too.
+            let kind_dir = name_dir.parent().expect("a name has a kind directory");
+            let run_dir = kind_dir.parent().expect("a kind has a run directory");
+            for dir in [kind_dir, run_dir, &self.root] {
+                sync_dir(dir)?;
+            }
+        }
         let version = format!("{VERSION_PREFIX}{}", uuid::Uuid::new_v4().simple());
         let dir = name_dir.join(&version);
         create_private_dirs(&dir)?;
