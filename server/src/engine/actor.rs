@@ -332,11 +332,7 @@ async fn flush(store: Store, engine: mpsc::WeakSender<Message>, work: StoreWork)
 /// the engine for every tenant.
 fn contained(what: &str, step: impl FnOnce()) {
     if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(step)) {
-        let msg = panic
-            .downcast_ref::<String>()
-            .map(String::as_str)
-            .or_else(|| panic.downcast_ref::<&str>().copied())
-            .unwrap_or("unknown panic");
+        let msg = crate::worker::panic_message(panic.as_ref());
         tracing::error!("engine {what} panicked (contained; the engine goes on): {msg}");
     }
 }

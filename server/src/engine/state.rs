@@ -720,12 +720,7 @@ impl Engine {
             samples = batch.samples.len(),
             "dispatching a batch"
         );
-        let ids: Vec<String> = batch
-            .runs
-            .iter()
-            .map(|w| w.request_id.clone())
-            .chain(batch.samples.iter().map(|s| s.request_id.clone()))
-            .collect();
+        let ids = batch.request_ids();
         if self.worker.send(batch) {
             self.busy = true;
         } else {
@@ -747,14 +742,8 @@ impl Engine {
         tracing::error!("the model worker thread has stopped; failing every pending request");
         self.worker_gone = true;
         self.busy = false;
-        let queued: Vec<String> = self
-            .runs
-            .values_mut()
-            .flat_map(|r| std::mem::take(&mut r.pending).into_values())
-            .map(|q| q.request_id)
-            .chain(self.samples.drain(..).map(|q| q.work.request_id))
-            .chain(self.inflight.keys().cloned())
-            .collect();
+        let mut queued = self.take_queued();
+        queued.extend(self.inflight.keys().cloned());
         for id in queued {
             self.inflight.remove(&id);
             self.futures.resolve(&id, Err(Failure::server(WORKER_GONE)));
@@ -946,13 +935,7 @@ impl Engine {
     /// Stops accepting work; queued (not started) work fails with category `server`.
     pub fn begin_shutdown(&mut self) {
         self.draining = true;
-        let queued: Vec<String> = self
-            .runs
-            .values_mut()
-            .flat_map(|r| std::mem::take(&mut r.pending).into_values())
-            .map(|q| q.request_id)
-            .chain(self.samples.drain(..).map(|q| q.work.request_id))
-            .collect();
+        let queued = self.take_queued();
         for id in queued {
             self.inflight.remove(&id);
             self.futures.resolve(
@@ -962,6 +945,17 @@ impl Engine {
                 )),
             );
         }
+    }
+
+    /// Removes every queued (not dispatched) run operation and sampling request; returns
+    /// their request ids.
+    fn take_queued(&mut self) -> Vec<String> {
+        self.runs
+            .values_mut()
+            .flat_map(|r| std::mem::take(&mut r.pending).into_values())
+            .map(|q| q.request_id)
+            .chain(self.samples.drain(..).map(|q| q.work.request_id))
+            .collect()
     }
 
     /// Whether the worker has nothing running.

@@ -136,10 +136,28 @@ pub struct Batch {
 }
 
 impl Batch {
+    /// The futures the batch completes, runs' operations first.
+    pub fn request_ids(&self) -> Vec<String> {
+        self.runs
+            .iter()
+            .map(|w| w.request_id.clone())
+            .chain(self.samples.iter().map(|s| s.request_id.clone()))
+            .collect()
+    }
+
     /// Whether there is nothing to do.
     pub fn is_empty(&self) -> bool {
         self.runs.is_empty() && self.samples.is_empty() && self.drop_snapshots.is_empty()
     }
+}
+
+/// The message of a caught panic's payload.
+pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "unknown panic".into())
 }
 
 /// Who is to blame for a failure; decides the `category` the client sees.

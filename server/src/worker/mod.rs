@@ -6,7 +6,8 @@ mod runner;
 mod thread;
 
 pub use jobs::{
-    Batch, Blame, Done, Failure, Outcome, Pass, RunOp, RunWork, SampleWork, SamplerSource,
+    panic_message, Batch, Blame, Done, Failure, Outcome, Pass, RunOp, RunWork, SampleWork,
+    SamplerSource,
 };
 pub use runner::{merge_forward_outputs, Worker};
 pub use thread::{spawn, WorkerHandle};

@@ -425,11 +425,7 @@ impl RunModel {
 /// Runs `f`, turning a panic into a server failure (logged).
 fn contained<T>(f: impl FnOnce() -> T) -> Result<T, Failure> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|panic| {
-        let msg = panic
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_else(|| "unknown panic".into());
+        let msg = super::jobs::panic_message(panic.as_ref());
         tracing::error!("worker operation panicked (contained): {msg}");
         Failure::server(format!("internal error: {msg}"))
     })

@@ -49,20 +49,11 @@ pub fn spawn(mut worker: Worker, on_done: impl Fn(Vec<Outcome>) + Send + 'static
         .name("lathe-worker".into())
         .spawn(move || {
             while let Ok(batch) = rx.recv() {
-                let ids: Vec<String> = batch
-                    .runs
-                    .iter()
-                    .map(|w| w.request_id.clone())
-                    .chain(batch.samples.iter().map(|s| s.request_id.clone()))
-                    .collect();
+                let ids = batch.request_ids();
                 let outcomes = match catch_unwind(AssertUnwindSafe(|| worker.run_batch(batch))) {
                     Ok(o) => o,
                     Err(panic) => {
-                        let msg = panic
-                            .downcast_ref::<String>()
-                            .cloned()
-                            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                            .unwrap_or_else(|| "unknown panic".into());
+                        let msg = super::jobs::panic_message(panic.as_ref());
                         tracing::error!("worker panicked: {msg}");
                         ids.into_iter()
                             .map(|request_id| Outcome {
