@@ -85,13 +85,14 @@ fn a_load_queued_before_the_owner_unpublishes_is_refused_when_it_runs() {
         }),
     }]);
     // Alice unpublishes while Bob's load waits.
-    assert!(engine.begin_set_public("alice", &uri, false).unwrap());
+    let (was, version) = engine.begin_set_public("alice", &uri, false).unwrap();
+    assert!(was);
     engine.pump();
     assert_eq!(sent.lock().unwrap().len(), 1, "nothing sent for the load");
     let failure = failure_of(&mut engine, &load, "bob").expect("the load failed");
     assert!(failure.contains("unknown checkpoint"), "{failure}");
     // Published again, a load reaches the worker with the current version's directory.
-    engine.finish_set_public(&uri, true, false, true);
+    engine.finish_set_public(&uri, &version, true, false, true);
     engine.load("bob", &run_id, Some(2), &uri, false).unwrap();
     engine.pump();
     let sent = sent.lock().unwrap();

@@ -190,13 +190,16 @@ impl EngineHandle {
         public: bool,
     ) -> Result<(), EngineError> {
         let u = uri.clone();
-        let was = self
+        let (was, version) = self
             .call(move |e| e.begin_set_public(&owner, &u, public))
             .await??;
-        let u = uri.clone();
-        let result = self.blocking(move |s| Ok(s.set_public(&u, public)?)).await;
+        let (u, v) = (uri.clone(), version.clone());
+        let result = self
+            .blocking(move |s| Ok(s.set_public(&u, &v, public)?))
+            .await
+            .and_then(|current| replaced_check(&uri, current));
         let written = result.is_ok();
-        self.call(move |e| e.finish_set_public(&uri, public, was, written))
+        self.call(move |e| e.finish_set_public(&uri, &version, public, was, written))
             .await?;
         result
     }
@@ -221,12 +224,16 @@ impl EngineHandle {
         ttl: Option<Ttl>,
     ) -> Result<(), EngineError> {
         let u = uri.clone();
-        let at = self
+        let (at, version) = self
             .call(move |e| e.begin_set_ttl(&owner, &u, ttl))
             .await??;
-        let u = uri.clone();
-        self.blocking(move |s| Ok(s.set_expiry(&u, at)?)).await?;
-        self.call(move |e| e.finish_set_ttl(&uri, at)).await
+        let (u, v) = (uri.clone(), version.clone());
+        let current = self
+            .blocking(move |s| Ok(s.set_expiry(&u, &v, at)?))
+            .await?;
+        replaced_check(&uri, current)?;
+        self.call(move |e| e.finish_set_ttl(&uri, &version, at))
+            .await
     }
 
     /// A tar of a checkpoint `owner` may read, built off the actor and the async threads
@@ -274,6 +281,18 @@ impl EngineHandle {
                 Ok(false) => tokio::time::sleep(Duration::from_millis(50)).await,
             }
         }
+    }
+}
+
+/// A publish or TTL write found the version it applied to replaced by a save meanwhile
+/// (`current` false): the new version was not touched, and the client is told to ask again.
+fn replaced_check(uri: &CheckpointUri, current: bool) -> Result<(), EngineError> {
+    if current {
+        Ok(())
+    } else {
+        Err(EngineError::BadRequest(format!(
+            "checkpoint {uri} was replaced (or deleted) while this request ran; send it again"
+        )))
     }
 }
 

@@ -147,16 +147,25 @@ impl Catalog {
         }
     }
 
-    /// Sets whether a checkpoint is published.
-    pub fn set_public(&mut self, uri: &CheckpointUri, public: bool) {
-        if let Some(e) = self.entries.get_mut(uri) {
+    /// Sets whether `version` of a checkpoint is published (a newer version is left
+    /// alone: it starts private).
+    pub fn set_public(&mut self, uri: &CheckpointUri, version: &str, public: bool) {
+        if let Some(e) = self
+            .entries
+            .get_mut(uri)
+            .filter(|e| e.row.version == version)
+        {
             e.row.public = public;
         }
     }
 
-    /// Sets a checkpoint's expiry.
-    pub fn set_expiry(&mut self, uri: &CheckpointUri, at: Option<i64>) {
-        if let Some(e) = self.entries.get_mut(uri) {
+    /// Sets the expiry of `version` of a checkpoint.
+    pub fn set_expiry(&mut self, uri: &CheckpointUri, version: &str, at: Option<i64>) {
+        if let Some(e) = self
+            .entries
+            .get_mut(uri)
+            .filter(|e| e.row.version == version)
+        {
             e.row.meta.expires_at = at;
         }
     }
@@ -212,7 +221,7 @@ mod tests {
         let a = row("a", "alice", "v-1").meta.uri().unwrap();
         assert!(c.readable("alice", &a).is_ok());
         assert!(c.readable("bob", &a).is_err());
-        c.set_public(&a, true);
+        c.set_public(&a, "v-1", true);
         assert!(c.readable("bob", &a).is_ok());
         assert!(c.owned("bob", &a).is_err(), "published is not owned");
         let v = c.begin_delete("alice", &a).unwrap();
@@ -225,7 +234,9 @@ mod tests {
             c.readable("bob", &a).is_err(),
             "a new version is private again"
         );
-        c.set_expiry(&a, Some(10));
+        c.set_expiry(&a, "v-1", Some(10));
+        assert!(c.take_expired(10).is_empty(), "that version is gone");
+        c.set_expiry(&a, "v-2", Some(10));
         assert!(c.take_expired(9).is_empty());
         assert_eq!(c.take_expired(10), vec![(a.clone(), "v-2".to_string())]);
         assert!(c.take_expired(11).is_empty(), "already being deleted");

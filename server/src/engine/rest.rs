@@ -177,46 +177,49 @@ impl Engine {
 
     /// Checks that `owner` may publish or unpublish; unpublishing takes effect at once
     /// (before the index write), so access is never wider than the index says. Returns
-    /// the current setting, to restore if the write fails.
+    /// the current setting, to restore if the write fails, and the version it applies to.
     pub fn begin_set_public(
         &mut self,
         owner: &str,
         uri: &CheckpointUri,
         public: bool,
-    ) -> Result<bool, EngineError> {
-        let was = self.catalog.owned(owner, uri)?.public;
+    ) -> Result<(bool, String), EngineError> {
+        let row = self.catalog.owned(owner, uri)?;
+        let (was, version) = (row.public, row.version.clone());
         if !public {
-            self.catalog.set_public(uri, false);
+            self.catalog.set_public(uri, &version, false);
         }
-        Ok(was)
+        Ok((was, version))
     }
 
-    /// The publish write ended: `public` if it was written, else back to `was`.
+    /// The publish write of `version` ended: `public` if it was written, else back to
+    /// `was`. A version a save replaced meanwhile is gone; the new one stays private.
     pub fn finish_set_public(
         &mut self,
         uri: &CheckpointUri,
+        version: &str,
         public: bool,
         was: bool,
         written: bool,
     ) {
         self.catalog
-            .set_public(uri, if written { public } else { was });
+            .set_public(uri, version, if written { public } else { was });
     }
 
-    /// Checks that `owner` may set a TTL; returns the expiry to write.
+    /// Checks that `owner` may set a TTL; returns the expiry to write and the version.
     pub fn begin_set_ttl(
         &mut self,
         owner: &str,
         uri: &CheckpointUri,
         ttl: Option<Ttl>,
-    ) -> Result<Option<i64>, EngineError> {
-        self.catalog.owned(owner, uri)?;
-        Ok(ttl.map(|t| t.expires_at(now_unix())))
+    ) -> Result<(Option<i64>, String), EngineError> {
+        let version = self.catalog.owned(owner, uri)?.version.clone();
+        Ok((ttl.map(|t| t.expires_at(now_unix())), version))
     }
 
-    /// The TTL write succeeded.
-    pub fn finish_set_ttl(&mut self, uri: &CheckpointUri, expires_at: Option<i64>) {
-        self.catalog.set_expiry(uri, expires_at);
+    /// The TTL write of `version` succeeded.
+    pub fn finish_set_ttl(&mut self, uri: &CheckpointUri, version: &str, expires_at: Option<i64>) {
+        self.catalog.set_expiry(uri, version, expires_at);
     }
 
     /// The directory of a checkpoint `owner` may download.

@@ -169,18 +169,34 @@ impl Store {
         self.lock().db.all_checkpoints()
     }
 
-    /// Publishes or unpublishes.
-    pub fn set_public(&self, uri: &CheckpointUri, public: bool) -> Result<(), StoreError> {
-        self.lock()
-            .db
-            .set_public(&uri.run_id, uri.kind.type_name(), &uri.name, public)
+    /// Publishes or unpublishes `version` of a checkpoint; false if it is no longer the
+    /// current one.
+    pub fn set_public(
+        &self,
+        uri: &CheckpointUri,
+        version: &str,
+        public: bool,
+    ) -> Result<bool, StoreError> {
+        self.lock().db.set_public(
+            &uri.run_id,
+            uri.kind.type_name(),
+            &uri.name,
+            version,
+            public,
+        )
     }
 
-    /// Sets or clears an expiry.
-    pub fn set_expiry(&self, uri: &CheckpointUri, at: Option<i64>) -> Result<(), StoreError> {
+    /// Sets or clears the expiry of `version` of a checkpoint; false if it is no longer
+    /// the current one.
+    pub fn set_expiry(
+        &self,
+        uri: &CheckpointUri,
+        version: &str,
+        at: Option<i64>,
+    ) -> Result<bool, StoreError> {
         self.lock()
             .db
-            .set_expiry(&uri.run_id, uri.kind.type_name(), &uri.name, at)
+            .set_expiry(&uri.run_id, uri.kind.type_name(), &uri.name, version, at)
     }
 
     /// Records a new run.

@@ -344,33 +344,38 @@ impl Db {
     }
 
     /// Sets whether a checkpoint is readable by every key.
+    /// Applies to `version` only (a save that replaced it meanwhile is not touched);
+    /// returns whether it still was current.
     pub fn set_public(
         &self,
         run_id: &str,
         kind: &str,
         name: &str,
+        version: &str,
         public: bool,
-    ) -> Result<(), StoreError> {
-        self.conn.execute(
-            "UPDATE checkpoints SET public = ?4 WHERE run_id = ?1 AND kind = ?2 AND name = ?3",
-            params![run_id, kind, name, public],
+    ) -> Result<bool, StoreError> {
+        let n = self.conn.execute(
+            "UPDATE checkpoints SET public = ?5 WHERE run_id = ?1 AND kind = ?2 AND name = ?3 AND version = ?4",
+            params![run_id, kind, name, version, public],
         )?;
-        Ok(())
+        Ok(n > 0)
     }
 
     /// Sets or clears a checkpoint's expiry.
+    /// Applies to `version` only; returns whether it still was current.
     pub fn set_expiry(
         &self,
         run_id: &str,
         kind: &str,
         name: &str,
+        version: &str,
         expires_at: Option<i64>,
-    ) -> Result<(), StoreError> {
-        self.conn.execute(
-            "UPDATE checkpoints SET expires_at = ?4 WHERE run_id = ?1 AND kind = ?2 AND name = ?3",
-            params![run_id, kind, name, expires_at],
+    ) -> Result<bool, StoreError> {
+        let n = self.conn.execute(
+            "UPDATE checkpoints SET expires_at = ?5 WHERE run_id = ?1 AND kind = ?2 AND name = ?3 AND version = ?4",
+            params![run_id, kind, name, version, expires_at],
         )?;
-        Ok(())
+        Ok(n > 0)
     }
 }
 
@@ -449,7 +454,9 @@ mod tests {
             .unwrap();
         let (page, total) = db.checkpoints_of_owner("alice", 0, 1).unwrap();
         assert_eq!((page[0].meta.name.as_str(), total), ("b", 2));
-        db.set_public("s:train:0", "training", "a", true).unwrap();
+        assert!(db
+            .set_public("s:train:0", "training", "a", "v-1", true)
+            .unwrap());
         assert!(
             db.checkpoint("s:train:0", "training", "a")
                 .unwrap()
@@ -468,8 +475,12 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!((a.version.as_str(), a.public), ("v-3", false));
-        db.set_expiry("s:train:0", "training", "b", Some(5))
-            .unwrap();
+        assert!(!db
+            .set_expiry("s:train:0", "training", "b", "v-0", Some(5))
+            .unwrap());
+        assert!(db
+            .set_expiry("s:train:0", "training", "b", "v-2", Some(5))
+            .unwrap());
         // Deleting a version that was replaced meanwhile deletes nothing.
         assert!(!db
             .delete_checkpoint("s:train:0", "training", "a", "v-1")
