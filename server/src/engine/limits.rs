@@ -127,7 +127,7 @@ impl Engine {
             .runs
             .values()
             .filter(|r| r.owner == owner)
-            .map(|r| r.pending.len())
+            .map(|r| r.queue.len())
             .sum::<usize>()
             + self.samples.iter().filter(|q| q.owner == owner).count();
         let max = self.config.limits.queued_operations;

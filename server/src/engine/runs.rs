@@ -14,7 +14,8 @@ use crate::store::checkpoints::CheckpointMeta;
 use crate::store::db::{CheckpointRow, RunRow};
 use crate::worker::{RunOp, SamplerSource};
 
-use super::state::{now_unix, After, Inflight, Queued, Run};
+use super::run_queue::Queued;
+use super::state::{now_unix, After, Inflight, Run};
 use super::{Engine, EngineError, Ttl};
 
 /// In-memory sampler snapshots (`save_weights_and_get_sampling_client`) kept per run;
@@ -77,7 +78,7 @@ impl Engine {
         if let Some(run) = self.runs.get(&run_id) {
             // A retried create: answer with the same future.
             if run.owner == owner {
-                if let Some(id) = run.seen.get(&0) {
+                if let Some(id) = run.queue.seen(0) {
                     return Ok(UntypedApiFuture {
                         request_id: id.clone(),
                         model_id: Some(run_id),
@@ -115,16 +116,12 @@ impl Engine {
             owner: owner.to_string(),
             session_id: session_id.to_string(),
             spec,
-            next_seq: 0,
-            pending: BTreeMap::new(),
-            seen: BTreeMap::new(),
+            queue: Default::default(),
             inflight: false,
             last_submit: Instant::now(),
-            skipped: Default::default(),
             snapshots: Default::default(),
         };
-        run.seen.insert(0, request_id.clone());
-        run.pending.insert(
+        run.queue.push(
             0,
             Queued {
                 request_id: request_id.clone(),

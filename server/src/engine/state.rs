@@ -3,7 +3,7 @@
 //! plain synchronous function, so the whole engine is testable without channels; the
 //! actor (`actor.rs`) only calls them.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use lathe_sdk::types::CheckpointUri;
@@ -20,6 +20,7 @@ use super::catalog::Catalog;
 use super::futures::Futures;
 use super::info::ModelInfo;
 use super::limits::KeyLimits;
+use super::run_queue::{Admit, Queued, RunQueue};
 use super::runs::MAX_SNAPSHOTS_PER_RUN;
 use super::scheduler::{self, Candidate, Kind, Limits, Service};
 use super::EngineError;
@@ -100,28 +101,15 @@ pub(super) struct Session {
     pub samplers: Vec<String>,
 }
 
-pub(super) struct Queued {
-    pub request_id: String,
-    pub arrival: u64,
-    pub since: Instant,
-    pub op: RunOp,
-}
-
 pub(super) struct Run {
     pub owner: String,
     pub session_id: String,
     pub spec: LoraSpec,
-    /// The next `seq_id` to execute.
-    pub next_seq: u64,
-    /// Submitted operations by `seq_id`, waiting for their turn.
-    pub pending: BTreeMap<u64, Queued>,
-    /// Request ids by `seq_id`, to answer a repeated submission with the same future.
-    pub seen: BTreeMap<u64, String>,
+    /// Its operations in `seq_id` order.
+    pub queue: RunQueue,
     pub inflight: bool,
     /// When the run last submitted an operation (to judge whether batching can pay).
     pub last_submit: Instant,
-    /// `seq_id`s whose submissions were rejected: nothing will come for them.
-    pub skipped: BTreeSet<u64>,
     /// In-memory sampler snapshots taken from this run, least recently used first.
     pub snapshots: VecDeque<String>,
 }
@@ -222,12 +210,6 @@ pub struct Engine {
     /// The worker thread died: nothing can run any more.
     pub(super) worker_gone: bool,
 }
-
-/// How far ahead of a run's next operation a `seq_id` may be. Clients number their
-/// operations and may submit several before the first runs (a pipelined loop keeps two or
-/// three in flight); a number further ahead than this is refused, which bounds each run's
-/// reorder buffer and keeps `seq_id + 1` far from overflow.
-pub const MAX_SEQ_AHEAD: u64 = 1024;
 
 /// A run or sampling client that submitted within this long counts as active for
 /// batching decisions.
@@ -360,57 +342,27 @@ impl Engine {
     ) -> Result<String, EngineError> {
         self.check_open()?;
         self.loaded_run(owner, run_id)?;
-        if let Some(retry) = seq_id.and_then(|s| self.runs[run_id].seen.get(&s)) {
+        if let Some(retry) = seq_id.and_then(|s| self.runs[run_id].queue.seen(s)) {
             // A retried submission answers with its first future, whatever the limits.
             return Ok(retry.clone());
         }
         // The operation the run is waiting for is admitted even at the key's queue limit:
         // refusing it would leave the queue full of operations waiting for it.
-        let awaited = {
-            let run = &self.runs[run_id];
-            seq_id.is_some_and(|s| s == run.next_seq)
-        };
+        let awaited = seq_id.is_some_and(|s| s == self.runs[run_id].queue.next_seq());
         if !awaited {
             self.check_queue(owner)?;
         }
         self.check_request_tokens(op.tokens())?;
         let arrival = self.next_arrival();
         let run = self.loaded_run(owner, run_id)?;
-        let seq = match seq_id {
-            Some(s) => s,
-            None => run
-                .pending
-                .keys()
-                .next_back()
-                .map_or(run.next_seq, |&k| k.saturating_add(1))
-                .max(run.next_seq),
+        let seq = match run.queue.admit(seq_id, run_id)? {
+            Admit::Repeat(existing) => return Ok(existing),
+            Admit::At(seq) => seq,
         };
-        if let Some(existing) = run.seen.get(&seq) {
-            return Ok(existing.clone());
-        }
-        if seq > run.next_seq.saturating_add(MAX_SEQ_AHEAD) {
-            return Err(EngineError::BadRequest(format!(
-                "seq_id {seq} of {run_id} is more than {MAX_SEQ_AHEAD} operations ahead of the \
-                 next one to run ({}); wait for earlier operations to finish",
-                run.next_seq
-            )));
-        }
-        run.skipped.remove(&seq);
         let session_id = run.session_id.clone();
-        if seq < run.next_seq {
-            return Err(EngineError::BadRequest(format!(
-                "seq_id {seq} of {run_id} was already executed (next is {})",
-                run.next_seq
-            )));
-        }
         let request_id = uuid::Uuid::new_v4().to_string();
-        run.seen.insert(seq, request_id.clone());
         run.last_submit = Instant::now();
-        // Keep the dedupe window bounded.
-        while run.seen.len() > 4096 {
-            run.seen.pop_first();
-        }
-        run.pending.insert(
+        run.queue.push(
             seq,
             Queued {
                 request_id: request_id.clone(),
@@ -452,7 +404,7 @@ impl Engine {
         seq_id: Option<u64>,
     ) -> Option<String> {
         let run = self.runs.get(run_id).filter(|r| r.owner == owner)?;
-        run.seen.get(&seq_id?).cloned()
+        run.queue.seen(seq_id?).cloned()
     }
 
     /// Records that the submission with `seq_id` on a run was rejected, so the run's
@@ -460,10 +412,7 @@ impl Engine {
     /// sees them; a rejected one would otherwise leave a hole in the order.)
     pub fn skip_seq(&mut self, owner: &str, run_id: &str, seq: u64) {
         if let Some(run) = self.runs.get_mut(run_id).filter(|r| r.owner == owner) {
-            let window = run.next_seq..=run.next_seq.saturating_add(MAX_SEQ_AHEAD);
-            if window.contains(&seq) && !run.seen.contains_key(&seq) {
-                run.skipped.insert(seq);
-            }
+            run.queue.skip(seq);
         }
     }
 
@@ -511,21 +460,16 @@ impl Engine {
         };
         let pass_budget = self.config.max_batch_tokens;
         for (run_id, run) in &mut self.runs {
-            while run.skipped.remove(&run.next_seq) {
-                run.next_seq += 1;
-            }
             if run.inflight {
                 continue;
             }
-            let Some((&seq, q)) = run.pending.first_key_value() else {
+            let next = run.queue.next_seq();
+            // A missing seq_id is waited for, but not forever.
+            let Some((seq, q)) = run.queue.ready(now, self.config.reorder_timeout) else {
                 continue;
             };
-            if seq != run.next_seq {
-                // A missing seq_id: wait for it, but not forever.
-                if now.duration_since(q.since) < self.config.reorder_timeout {
-                    continue;
-                }
-                tracing::warn!(run = %run_id, missing = run.next_seq, next = seq, "skipping a seq_id that never arrived");
+            if seq != next {
+                tracing::warn!(run = %run_id, missing = next, next = seq, "skipping a seq_id that never arrived");
             }
             oldest = Some(oldest.map_or(q.since, |o| o.min(q.since)));
             let kind = match &q.op {
@@ -606,10 +550,10 @@ impl Engine {
                 // Dispatching a head commits the run to it: a seq_id that never arrived
                 // before it (its reorder wait ran out) is now past, and refused if it
                 // comes late, so this head stays the head until it is done.
-                run.next_seq = run.next_seq.max(*seq);
+                run.queue.commit_to(*seq);
                 // A forward request with more than one pass left gives up its next pass
                 // and stays at the head of its run.
-                let head = run.pending.get_mut(seq).expect("head exists");
+                let head = run.queue.get_mut(*seq).expect("head exists");
                 if let RunOp::Forward {
                     data, with_grad, ..
                 } = &mut head.op
@@ -620,8 +564,7 @@ impl Engine {
                         let with_grad = *with_grad;
                         let Some(progress) = self.inflight.get_mut(&head.request_id) else {
                             // Cannot happen: a queued request is in flight until answered.
-                            let q = run.pending.remove(seq).expect("head exists");
-                            run.next_seq = seq + 1;
+                            let q = run.queue.take(*seq).expect("head exists");
                             tracing::error!(request = %q.request_id, "a queued request had no in-flight entry");
                             refused.push((
                                 q.request_id,
@@ -644,8 +587,7 @@ impl Engine {
                         continue;
                     }
                 }
-                let mut q = run.pending.remove(seq).expect("head exists");
-                run.next_seq = seq + 1;
+                let mut q = run.queue.take(*seq).expect("head exists");
                 if let RunOp::Forward { pass, .. } = &mut q.op {
                     // Its last pass (or its only one).
                     let progress = self.inflight.get_mut(&q.request_id);
@@ -815,12 +757,7 @@ impl Engine {
             // The run was unloaded meanwhile; its future was answered then.
             return;
         };
-        let head = run
-            .pending
-            .first_key_value()
-            .filter(|(_, q)| q.request_id == id)
-            .map(|(&seq, _)| seq);
-        let Some(seq) = head else {
+        let Some(seq) = run.queue.head_of(&id) else {
             return;
         };
         match outcome.result {
@@ -832,8 +769,7 @@ impl Engine {
                 self.inflight.insert(id, inflight);
             }
             Err(failure) => {
-                run.pending.remove(&seq);
-                run.next_seq = seq + 1;
+                run.queue.take(seq);
                 self.futures.resolve(&id, Err(failure));
             }
         }
@@ -841,8 +777,8 @@ impl Engine {
 
     /// Drops a run from memory, failing whatever it still had queued.
     pub(super) fn forget_run(&mut self, run_id: &str) {
-        if let Some(run) = self.runs.remove(run_id) {
-            for (_, q) in run.pending {
+        if let Some(mut run) = self.runs.remove(run_id) {
+            for q in run.queue.drain() {
                 self.inflight.remove(&q.request_id);
                 self.futures.resolve(
                     &q.request_id,
@@ -952,7 +888,7 @@ impl Engine {
     fn take_queued(&mut self) -> Vec<String> {
         self.runs
             .values_mut()
-            .flat_map(|r| std::mem::take(&mut r.pending).into_values())
+            .flat_map(|r| r.queue.drain())
             .map(|q| q.request_id)
             .chain(self.samples.drain(..).map(|q| q.work.request_id))
             .collect()
