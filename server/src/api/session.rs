@@ -34,7 +34,7 @@ pub async fn auth_token(
 
 /// The body (`CreateSessionRequest`: tags, metadata, SDK version) is read for validity
 /// only and kept nowhere, so it is skimmed, not built: its free-form metadata would
-/// otherwise cost ~100x its bytes as a JSON tree.
+/// otherwise cost many times its bytes as a JSON tree.
 pub async fn create_session(
     State(s): State<AppState>,
     Extension(owner): Extension<Owner>,

@@ -98,7 +98,9 @@ fn datum(tokens: usize) -> crate::train::DatumJob {
 
 /// The worker's answer to a forward pass over `n` datums with loss `loss` each.
 fn pass_result(request_id: &str, n: usize, loss: f64) -> crate::worker::Outcome {
-    let outputs: Vec<serde_json::Value> = (0..n).map(|i| serde_json::json!({"i": i})).collect();
+    let outputs: Vec<serde_json::Value> = (0..n)
+        .map(|i| serde_json::json!({"logprobs": {"data": [i as f64], "dtype": "float32"}}))
+        .collect();
     crate::worker::Outcome {
         request_id: request_id.into(),
         result: Ok(crate::worker::Done {

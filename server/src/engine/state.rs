@@ -342,9 +342,9 @@ impl Engine {
     ) -> Result<String, EngineError> {
         self.check_open()?;
         self.loaded_run(owner, run_id)?;
-        if let Some(retry) = seq_id.and_then(|s| self.runs[run_id].queue.seen(s)) {
+        if let Some(first) = self.repeated(owner, run_id, seq_id) {
             // A retried submission answers with its first future, whatever the limits.
-            return Ok(retry.clone());
+            return Ok(first);
         }
         // The operation the run is waiting for is admitted even at the key's queue limit:
         // refusing it would leave the queue full of operations waiting for it.
@@ -740,7 +740,7 @@ impl Engine {
                 (r, _) => r.map(|d| d.body),
             };
             let result = match partial {
-                Some(earlier) => result.map(|last| merge_forward_outputs(earlier, last)),
+                Some(earlier) => result.and_then(|last| merge_forward_outputs(earlier, last)),
                 None => result,
             };
             self.futures.resolve(&outcome.request_id, result);
@@ -760,12 +760,15 @@ impl Engine {
         let Some(seq) = run.queue.head_of(&id) else {
             return;
         };
-        match outcome.result {
-            Ok(done) => {
-                inflight.partial = Some(match inflight.partial.take() {
-                    Some(earlier) => merge_forward_outputs(earlier, done.body),
-                    None => done.body,
-                });
+        let joined = outcome
+            .result
+            .and_then(|done| match inflight.partial.take() {
+                Some(earlier) => merge_forward_outputs(earlier, done.body),
+                None => Ok(done.body),
+            });
+        match joined {
+            Ok(body) => {
+                inflight.partial = Some(body);
                 self.inflight.insert(id, inflight);
             }
             Err(failure) => {

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use lathe_sdk::types::{CheckpointKind, CheckpointUri, TensorData};
+use lathe_sdk::types::{CheckpointKind, CheckpointUri, ForwardBackwardOutput, TensorData};
 use serde_json::json;
 
 use super::jobs::{Batch, Done, Failure, Outcome, RunOp, RunWork, SampleWork, SamplerSource};
@@ -481,22 +481,24 @@ fn forward_output(results: &[DatumResult], data: &[train::DatumJob]) -> serde_js
     })
 }
 
-/// Joins the results of two consecutive passes of one forward request: outputs in
-/// order, loss sums added (losses are plain sums over datums).
+/// Joins the results of two consecutive passes of one forward request, through the
+/// wire type: outputs in order, `:sum` metrics added (losses are plain sums over datums).
 pub fn merge_forward_outputs(
-    mut first: serde_json::Value,
+    first: serde_json::Value,
     next: serde_json::Value,
-) -> serde_json::Value {
-    let loss = |v: &serde_json::Value| v["metrics"]["loss:sum"].as_f64().unwrap_or(0.0);
-    let total = loss(&first) + loss(&next);
-    if let (Some(outputs), serde_json::Value::Array(more)) = (
-        first["loss_fn_outputs"].as_array_mut(),
-        next["loss_fn_outputs"].clone(),
-    ) {
-        outputs.extend(more);
+) -> Result<serde_json::Value, Failure> {
+    let parse = |v| {
+        serde_json::from_value::<ForwardBackwardOutput>(v)
+            .map_err(|e| Failure::server(format!("joining a request's passes: {e}")))
+    };
+    let (mut joined, next) = (parse(first)?, parse(next)?);
+    joined.loss_fn_outputs.extend(next.loss_fn_outputs);
+    for (key, value) in next.metrics {
+        if key.ends_with(":sum") {
+            *joined.metrics.entry(key).or_default() += value;
+        }
     }
-    first["metrics"]["loss:sum"] = json!(total);
-    first
+    Ok(serde_json::to_value(joined).expect("the wire type serialises"))
 }
 
 /// `SampleResponse` JSON.
