@@ -1168,8 +1168,7 @@ proptest! {
 
     /// The same bodies with every loss input sparse and all zero: two bytes per row
     /// (`sparse_crow_indices`) however many values a row declares. Only the inputs the
-    /// loss reads are expanded (this once expanded all five, 125x a 4.4 KB body), and
-    /// only within the declared-size allowance.
+    /// loss reads may be expanded, and only within the declared-size allowance.
     #[test]
     fn compact_sparse_bodies_stay_within_the_bound(
         n in 1usize..=MAX_SEQ,
@@ -1224,9 +1223,8 @@ proptest! {
         prop_assert_eq!(run_body(Kind::Forward, &to_body(&fb))?, Some(false));
     }
 
-    /// Paths (checkpoint URIs) of every shape, as each body that carries one.
-    /// (`CheckpointUri::from_str` once collected every `/`-separated part: an 8.2 KB
-    /// `"tinker://" + "/" * 8192` held 401 KB.)
+    /// Paths (checkpoint URIs) of every shape, as each body that carries one, thousands
+    /// of `/` included.
     #[test]
     fn checkpoint_uris_stay_within_the_bound(
         parts in vec(prop_oneof![
@@ -1269,8 +1267,7 @@ proptest! {
     }
 
     /// `create_session`'s free-form `user_metadata`, which the handler skims without
-    /// keeping it. (Decoded as a `serde_json::Value` it once cost 93x: 125 one-entry
-    /// objects, a 900-byte body, held 84 KB.)
+    /// keeping it: nested one-entry objects, the costliest tree per byte.
     #[test]
     fn session_metadata_stays_within_the_bound(len in 0usize..20_000, elem in tree_elem()) {
         let body = to_body(&json!({"user_metadata": {"k": vec![elem; len]}}));

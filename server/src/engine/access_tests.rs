@@ -26,18 +26,10 @@ fn published(kind: CheckpointKind) -> (CheckpointRow, CheckpointUri) {
         name: "shared".into(),
     };
     let row = CheckpointRow {
+        // `for_test` is rank 4 on attention and MLP: SPEC.
         meta: CheckpointMeta {
-            run_id: uri.run_id.clone(),
-            kind: kind.type_name().into(),
-            name: uri.name.clone(),
-            owner: "alice".into(),
             base_model: "tiny".into(),
-            created_at: 1,
-            expires_at: None,
-            rank: SPEC.rank,
-            train_attn: SPEC.train_attn,
-            train_mlp: SPEC.train_mlp,
-            train_unembed: SPEC.train_unembed,
+            ..CheckpointMeta::for_test(&uri.run_id, kind.type_name(), &uri.name, "alice")
         },
         version: "v-1".into(),
         size_bytes: 1,

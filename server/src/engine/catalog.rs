@@ -192,19 +192,7 @@ mod tests {
 
     fn row(name: &str, owner: &str, version: &str) -> CheckpointRow {
         CheckpointRow {
-            meta: CheckpointMeta {
-                run_id: "r".into(),
-                kind: "sampler".into(),
-                name: name.into(),
-                owner: owner.into(),
-                base_model: "m".into(),
-                created_at: 1,
-                expires_at: None,
-                rank: 4,
-                train_attn: true,
-                train_mlp: true,
-                train_unembed: false,
-            },
+            meta: CheckpointMeta::for_test("r", "sampler", name, owner),
             version: version.into(),
             size_bytes: 1,
             public: false,

@@ -8,6 +8,7 @@ mod actor;
 #[cfg(test)]
 mod batching_tests;
 mod catalog;
+mod dispatch;
 mod error;
 mod futures;
 mod info;

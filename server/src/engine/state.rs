@@ -11,18 +11,14 @@ use lathe_sdk::types::CheckpointUri;
 use crate::model::LoraSpec;
 use crate::store::checkpoints::CheckpointDir;
 use crate::store::db::{CheckpointRow, RunRow};
-use crate::train::DatumJob;
-use crate::worker::{
-    merge_forward_outputs, Batch, Failure, Outcome, Pass, RunOp, RunWork, SampleWork, SamplerSource,
-};
+use crate::worker::{Batch, Failure, RunOp, SampleWork, SamplerSource};
 
 use super::catalog::Catalog;
 use super::futures::Futures;
 use super::info::ModelInfo;
 use super::limits::KeyLimits;
 use super::run_queue::{Admit, Queued, RunQueue};
-use super::runs::MAX_SNAPSHOTS_PER_RUN;
-use super::scheduler::{self, Candidate, Kind, Limits, Service};
+use super::scheduler::Service;
 use super::EngineError;
 
 /// Engine settings.
@@ -91,7 +87,7 @@ impl WorkerLink for crate::worker::WorkerHandle {
 const EXPIRED_SESSION_MEMORY: Duration = Duration::from_secs(24 * 3600);
 
 /// What every request gets once the worker thread is gone.
-const WORKER_GONE: &str =
+pub(super) const WORKER_GONE: &str =
     "the model worker has stopped (see the server log); the server must be restarted";
 
 pub(super) struct Session {
@@ -213,7 +209,7 @@ pub struct Engine {
 
 /// A run or sampling client that submitted within this long counts as active for
 /// batching decisions.
-const ACTIVE_WINDOW: Duration = Duration::from_secs(2);
+pub(super) const ACTIVE_WINDOW: Duration = Duration::from_secs(2);
 
 /// Unix seconds now.
 pub fn now_unix() -> i64 {
@@ -438,246 +434,9 @@ impl Engine {
         ))
     }
 
-    /// Sends the next batch to the worker if it is idle and there is work. Work that
-    /// arrives at an idle worker waits `batch_window` first, so that requests sent at the
-    /// same moment by several sessions share one pass; the return value is when to call
-    /// again for that.
-    pub fn pump(&mut self) -> Option<Instant> {
-        if self.busy {
-            return None;
-        }
-        let now = Instant::now();
-        let mut oldest: Option<Instant> = None;
-        let mut candidates = Vec::new();
-        let mut heads: Vec<(String, u64)> = Vec::new();
-        let mut owners: Vec<String> = Vec::new();
-        let mut owner_index = |owner: &str| match owners.iter().position(|o| o == owner) {
-            Some(i) => i,
-            None => {
-                owners.push(owner.to_string());
-                owners.len() - 1
-            }
-        };
-        let pass_budget = self.config.max_batch_tokens;
-        for (run_id, run) in &mut self.runs {
-            if run.inflight {
-                continue;
-            }
-            let next = run.queue.next_seq();
-            // A missing seq_id is waited for, but not forever.
-            let Some((seq, q)) = run.queue.ready(now, self.config.reorder_timeout) else {
-                continue;
-            };
-            if seq != next {
-                tracing::warn!(run = %run_id, missing = next, next = seq, "skipping a seq_id that never arrived");
-            }
-            oldest = Some(oldest.map_or(q.since, |o| o.min(q.since)));
-            let kind = match &q.op {
-                RunOp::Forward {
-                    data, with_grad, ..
-                } => Kind::Forward {
-                    tokens: next_pass(data, pass_budget).1,
-                    with_grad: *with_grad,
-                },
-                _ => Kind::Other,
-            };
-            candidates.push(Candidate {
-                key: heads.len(),
-                arrival: q.arrival,
-                owner: owner_index(&run.owner),
-                kind,
-            });
-            heads.push((run_id.clone(), seq));
-        }
-        let base = heads.len();
-        for (i, q) in self.samples.iter().enumerate() {
-            oldest = Some(oldest.map_or(q.since, |o: Instant| o.min(q.since)));
-            candidates.push(Candidate {
-                key: base + i,
-                arrival: q.arrival,
-                owner: owner_index(&q.owner),
-                kind: Kind::Sample {
-                    tokens: q.work.job.prompt.len(),
-                    streams: q.work.job.num_samples,
-                    cost: q.work.job.token_budget(),
-                },
-            });
-        }
-        // Waiting only pays when another client may be about to submit too: a run or a
-        // sampling client that submitted recently (a lone client never waits).
-        self.sample_submits
-            .retain(|_, at| now.duration_since(*at) < ACTIVE_WINDOW);
-        let active = self
-            .runs
-            .values()
-            .filter(|r| now.duration_since(r.last_submit) < ACTIVE_WINDOW)
-            .count()
-            + self.sample_submits.len();
-        if let Some(oldest) = oldest.filter(|_| active > 1 && !self.draining) {
-            let ready_at = oldest + self.config.batch_window;
-            if now < ready_at {
-                return Some(ready_at);
-            }
-        }
-        let limits = Limits {
-            max_batch_tokens: self.config.max_batch_tokens,
-            max_sample_streams: self.config.max_sample_streams,
-        };
-        let active: Vec<&str> = owners.iter().map(String::as_str).collect();
-        let levels = self.service.levels(&active);
-        let chosen = scheduler::plan(&candidates, limits, &levels);
-        let picked: std::collections::HashSet<usize> = chosen.iter().copied().collect();
-        for c in candidates.iter().filter(|c| picked.contains(&c.key)) {
-            self.service.charge(&owners[c.owner], c.kind.charge());
-        }
-        let mut batch = Batch {
-            drop_snapshots: std::mem::take(&mut self.drop_snapshots),
-            ..Default::default()
-        };
-        for run_id in std::mem::take(&mut self.unload) {
-            batch.runs.push(RunWork {
-                request_id: String::new(),
-                run_id,
-                op: RunOp::Unload,
-            });
-        }
-        let mut sample_keys: Vec<usize> = Vec::new();
-        let mut refused: Vec<(String, Failure)> = Vec::new();
-        for key in chosen {
-            if key < base {
-                let (run_id, seq) = &heads[key];
-                let run = self.runs.get_mut(run_id).expect("head of a live run");
-                // Dispatching a head commits the run to it: a seq_id that never arrived
-                // before it (its reorder wait ran out) is now past, and refused if it
-                // comes late, so this head stays the head until it is done.
-                run.queue.commit_to(*seq);
-                // A forward request with more than one pass left gives up its next pass
-                // and stays at the head of its run.
-                let head = run.queue.get_mut(*seq).expect("head exists");
-                if let RunOp::Forward {
-                    data, with_grad, ..
-                } = &mut head.op
-                {
-                    let (n, _) = next_pass(data, pass_budget);
-                    if n < data.len() {
-                        let chunk: Vec<DatumJob> = data.drain(..n).collect();
-                        let with_grad = *with_grad;
-                        let Some(progress) = self.inflight.get_mut(&head.request_id) else {
-                            // Cannot happen: a queued request is in flight until answered.
-                            let q = run.queue.take(*seq).expect("head exists");
-                            tracing::error!(request = %q.request_id, "a queued request had no in-flight entry");
-                            refused.push((
-                                q.request_id,
-                                Failure::server("internal error: lost track of this request"),
-                            ));
-                            continue;
-                        };
-                        let first = !progress.more_passes;
-                        progress.more_passes = true;
-                        run.inflight = true;
-                        batch.runs.push(RunWork {
-                            request_id: head.request_id.clone(),
-                            run_id: run_id.clone(),
-                            op: RunOp::Forward {
-                                data: chunk,
-                                with_grad,
-                                pass: Pass { first, last: false },
-                            },
-                        });
-                        continue;
-                    }
-                }
-                let mut q = run.queue.take(*seq).expect("head exists");
-                if let RunOp::Forward { pass, .. } = &mut q.op {
-                    // Its last pass (or its only one).
-                    let progress = self.inflight.get_mut(&q.request_id);
-                    let first = progress.as_ref().is_none_or(|p| !p.more_passes);
-                    if let Some(p) = progress {
-                        p.more_passes = false;
-                    }
-                    *pass = Pass { first, last: true };
-                }
-                // Access to a checkpoint is checked when it is used, not when the load
-                // was queued: the owner may have unpublished, deleted or replaced it.
-                if let RunOp::Load { uri, dir, .. } = &mut q.op {
-                    match self.catalog.readable(&run.owner, uri) {
-                        Ok(row) => *dir = self.catalog.dir_of(row).unwrap_or_default(),
-                        Err(e) => {
-                            refused.push((q.request_id, Failure::user(e.message())));
-                            continue;
-                        }
-                    }
-                }
-                // A snapshot evicted (by newer ones) before it was taken is not taken: the
-                // worker would hold an adapter nothing refers to.
-                if let RunOp::Snapshot { sampler_id } = &q.op {
-                    if !self.samplers.contains_key(sampler_id) {
-                        refused.push((
-                            q.request_id,
-                            Failure::user(format!(
-                                "sampler snapshot {sampler_id} was evicted before it was taken: \
-                                 a run keeps its {MAX_SNAPSHOTS_PER_RUN} most recent snapshots"
-                            )),
-                        ));
-                        continue;
-                    }
-                }
-                run.inflight = true;
-                batch.runs.push(RunWork {
-                    request_id: q.request_id,
-                    run_id: run_id.clone(),
-                    op: q.op,
-                });
-            } else {
-                sample_keys.push(key - base);
-            }
-        }
-        sample_keys.sort_unstable();
-        for i in sample_keys.into_iter().rev() {
-            let q = self.samples.remove(i).expect("sample exists");
-            match self.check_pin(&q.owner, q.pin.as_ref()) {
-                Ok(()) => batch.samples.push(q.work),
-                Err(e) => refused.push((q.work.request_id, Failure::user(e.message()))),
-            }
-        }
-        batch.samples.reverse();
-        for (request_id, failure) in refused {
-            if let Some(Inflight {
-                run_id: Some(run_id),
-                after: After::DropRunOnFailure,
-                ..
-            }) = self.inflight.remove(&request_id)
-            {
-                // A run created from a checkpoint it may no longer read: it never was.
-                self.forget_run(&run_id);
-            }
-            self.futures.resolve(&request_id, Err(failure));
-        }
-        if batch.is_empty() {
-            return None;
-        }
-        tracing::debug!(
-            runs = batch.runs.len(),
-            forward_tokens = batch.runs.iter().map(|w| w.op.tokens()).sum::<usize>(),
-            samples = batch.samples.len(),
-            "dispatching a batch"
-        );
-        let ids = batch.request_ids();
-        if self.worker.send(batch) {
-            self.busy = true;
-        } else {
-            for id in ids {
-                self.inflight.remove(&id);
-                self.futures.resolve(&id, Err(Failure::server(WORKER_GONE)));
-            }
-            self.worker_died();
-        }
-        None
-    }
-
     /// The worker thread is gone: every request in flight or queued fails with a clear
     /// error, and new work is refused (503), so no client waits forever.
-    fn worker_died(&mut self) {
+    pub(super) fn worker_died(&mut self) {
         if self.worker_gone {
             return;
         }
@@ -702,80 +461,6 @@ impl Engine {
             return Err("the server is shutting down".into());
         }
         Ok(())
-    }
-
-    /// Takes a finished batch's outcomes: records checkpoints, resolves futures.
-    pub fn complete(&mut self, outcomes: Vec<Outcome>) {
-        self.busy = false;
-        for outcome in outcomes {
-            let Some(mut inflight) = self.inflight.remove(&outcome.request_id) else {
-                continue;
-            };
-            if let Some(run) = inflight.run_id.as_ref().and_then(|r| self.runs.get_mut(r)) {
-                run.inflight = false;
-            }
-            if inflight.more_passes {
-                self.pass_done(outcome, inflight);
-                continue;
-            }
-            let partial = inflight.partial.take();
-            let result = match (outcome.result, inflight.after) {
-                (Ok(mut done), _) if done.saved.is_some() => {
-                    // The worker committed the save to the index before answering.
-                    self.catalog.saved(done.saved.take().expect("checked"));
-                    Ok(done.body)
-                }
-                (Ok(done), After::Unloaded) => {
-                    if let Some(id) = &inflight.run_id {
-                        self.forget_run(id);
-                    }
-                    Ok(done.body)
-                }
-                (Err(f), After::DropRunOnFailure) => {
-                    if let Some(id) = &inflight.run_id {
-                        self.forget_run(id);
-                    }
-                    Err(f)
-                }
-                (r, _) => r.map(|d| d.body),
-            };
-            let result = match partial {
-                Some(earlier) => result.and_then(|last| merge_forward_outputs(earlier, last)),
-                None => result,
-            };
-            self.futures.resolve(&outcome.request_id, result);
-        }
-    }
-
-    /// A pass of a forward request with more passes queued finished: keep its results
-    /// for the last one, or fail the whole request (its remaining passes are dropped,
-    /// and the worker discards the gradient of its finished ones).
-    fn pass_done(&mut self, outcome: Outcome, mut inflight: Inflight) {
-        let id = outcome.request_id;
-        let run = inflight.run_id.as_ref().and_then(|r| self.runs.get_mut(r));
-        let Some(run) = run else {
-            // The run was unloaded meanwhile; its future was answered then.
-            return;
-        };
-        let Some(seq) = run.queue.head_of(&id) else {
-            return;
-        };
-        let joined = outcome
-            .result
-            .and_then(|done| match inflight.partial.take() {
-                Some(earlier) => merge_forward_outputs(earlier, done.body),
-                None => Ok(done.body),
-            });
-        match joined {
-            Ok(body) => {
-                inflight.partial = Some(body);
-                self.inflight.insert(id, inflight);
-            }
-            Err(failure) => {
-                run.queue.take(seq);
-                self.futures.resolve(&id, Err(failure));
-            }
-        }
     }
 
     /// Drops a run from memory, failing whatever it still had queued.
@@ -906,18 +591,4 @@ impl Engine {
     pub fn session_count(&self) -> usize {
         self.sessions.len()
     }
-}
-
-/// How many datums from the front of `data` make the next pass of at most `budget`
-/// tokens (at least one, however long), and their tokens.
-pub(super) fn next_pass(data: &[DatumJob], budget: usize) -> (usize, usize) {
-    let mut tokens = 0;
-    for (i, d) in data.iter().enumerate() {
-        let n = d.tokens.len();
-        if i > 0 && tokens + n > budget {
-            return (i, tokens);
-        }
-        tokens += n;
-    }
-    (data.len(), tokens)
 }

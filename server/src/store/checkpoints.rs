@@ -88,6 +88,26 @@ impl CheckpointMeta {
     }
 }
 
+#[cfg(test)]
+impl CheckpointMeta {
+    /// A rank-4 attention + MLP checkpoint of `owner` on base model `m`, for tests.
+    pub(crate) fn for_test(run_id: &str, kind: &str, name: &str, owner: &str) -> Self {
+        Self {
+            run_id: run_id.into(),
+            kind: kind.into(),
+            name: name.into(),
+            owner: owner.into(),
+            base_model: "m".into(),
+            created_at: 1,
+            expires_at: None,
+            rank: 4,
+            train_attn: true,
+            train_mlp: true,
+            train_unembed: false,
+        }
+    }
+}
+
 /// Named points in the store's write sequences. Production code runs with none set; a
 /// test sets a hook that panics at one of them, which is what a `kill -9` there leaves.
 #[derive(Clone, Default)]
@@ -490,20 +510,8 @@ pub fn archive(dir: &Path) -> Result<Vec<u8>, StoreError> {
 mod tests {
     use super::*;
 
-    pub(crate) fn meta(name: &str) -> CheckpointMeta {
-        CheckpointMeta {
-            run_id: "s:train:0".into(),
-            kind: "training".into(),
-            name: name.into(),
-            owner: "o".into(),
-            base_model: "m".into(),
-            created_at: 1,
-            expires_at: None,
-            rank: 4,
-            train_attn: true,
-            train_mlp: true,
-            train_unembed: false,
-        }
+    fn meta(name: &str) -> CheckpointMeta {
+        CheckpointMeta::for_test("s:train:0", "training", name, "o")
     }
 
     fn temp() -> PathBuf {

@@ -11,19 +11,7 @@ use std::sync::Arc;
 use super::*;
 
 fn meta(name: &str) -> CheckpointMeta {
-    CheckpointMeta {
-        run_id: "s:train:0".into(),
-        kind: "training".into(),
-        name: name.into(),
-        owner: "alice".into(),
-        base_model: "m".into(),
-        created_at: 1,
-        expires_at: None,
-        rank: 4,
-        train_attn: true,
-        train_mlp: true,
-        train_unembed: false,
-    }
+    CheckpointMeta::for_test("s:train:0", "training", name, "alice")
 }
 
 fn uri(name: &str) -> CheckpointUri {

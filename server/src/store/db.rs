@@ -412,17 +412,8 @@ mod tests {
 
     fn meta(run: &str, name: &str, created_at: i64) -> CheckpointMeta {
         CheckpointMeta {
-            run_id: run.into(),
-            kind: "training".into(),
-            name: name.into(),
-            owner: "alice".into(),
-            base_model: "m".into(),
             created_at,
-            expires_at: None,
-            rank: 8,
-            train_attn: true,
-            train_mlp: false,
-            train_unembed: true,
+            ..CheckpointMeta::for_test(run, "training", name, "alice")
         }
     }
 
