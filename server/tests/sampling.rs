@@ -283,7 +283,7 @@ fn too_long_requests_are_rejected() {
 
 #[test]
 fn host_decode_steps_equal_the_tensor_decode_path() {
-    use lathe_server::model::host_decode::{HostDecoder, StepRow};
+    use lathe_server::model::host_decode::{HostAdapter, HostDecoder, StepRow};
     use lathe_server::model::KvCache;
     // Llama, Qwen2 (q/k/v biases) and Qwen3 (q/k norms); a batch mixing two adapters, the
     // base model and prompts of different lengths, over several steps.
@@ -311,7 +311,11 @@ fn host_decode_steps_equal_the_tensor_decode_path() {
         t.forward_cached(&batch, &adapters, &mut refs, false)
             .unwrap();
         let mut host_caches = caches.clone();
-        let host = HostDecoder::new(t, &adapters, quantized)
+        let host_adapters = [
+            HostAdapter::new(t, &a).unwrap(),
+            HostAdapter::new(t, &b).unwrap(),
+        ];
+        let host = HostDecoder::new(t, host_adapters.iter().collect(), quantized)
             .unwrap()
             .expect("CPU f32 model");
         for step in 0..4u32 {
@@ -453,4 +457,111 @@ fn more_rows_than_the_few_rows_kernels_take_decode_the_same_as_one() {
             assert!((x - y).abs() < 1e-4, "sample {i}: {x} vs {y}");
         }
     }
+}
+
+#[test]
+fn a_request_admitted_between_steps_joins_the_running_decode_and_leaves_first() {
+    use lathe_server::sample::{Admission, RunningDecode};
+    use std::sync::Arc;
+    for mode in [DecodeMode::Exact, DecodeMode::Fast] {
+        let model = tiny(Arch::Llama);
+        let (t, tok) = (&model.transformer, &model.tokenizer);
+        let a = Arc::new(random_adapter(&model, full_spec(4), 1));
+        let long = SampleJob {
+            max_tokens: 20,
+            ..job(tokens(1, 7, 256), Some(0), 2, 5)
+        };
+        let short = SampleJob {
+            max_tokens: 3,
+            ..job(tokens(2, 4, 256), None, 1, 9)
+        };
+        let mut running = RunningDecode::new(mode);
+        let admitted = running.admit(
+            t,
+            vec![Admission {
+                key: "long",
+                job: long.clone(),
+                adapter: Some(a.clone()),
+            }],
+        );
+        assert!(admitted.is_empty());
+        for _ in 0..5 {
+            assert!(running.step(t, tok).is_empty());
+        }
+        assert_eq!(running.streams(), 2);
+        let admitted = running.admit(
+            t,
+            vec![Admission {
+                key: "short",
+                job: short.clone(),
+                adapter: None,
+            }],
+        );
+        assert!(admitted.is_empty());
+        assert_eq!(
+            running.streams(),
+            3,
+            "the new request decodes with the running one"
+        );
+        let mut order = Vec::new();
+        let mut outputs = std::collections::HashMap::new();
+        let mut steps = 0;
+        while !running.is_empty() {
+            for (key, out) in running.step(t, tok) {
+                order.push(key);
+                outputs.insert(key, out.unwrap());
+            }
+            steps += 1;
+        }
+        assert_eq!(order, vec!["short", "long"], "{mode:?}");
+        // 20 tokens in all: 5 steps before the join, the 15 after it (the last step picks
+        // the 20th token and runs no forward pass).
+        assert_eq!(steps, 15);
+        // Each request's tokens and log-probabilities are those it gets decoded alone.
+        for (key, j, adapters) in [("long", &long, vec![a.as_ref()]), ("short", &short, vec![])] {
+            let alone = sample(t, tok, &adapters, std::slice::from_ref(j), mode).unwrap();
+            let got = &outputs[key];
+            assert_eq!(got.sequences.len(), alone[0].sequences.len());
+            for (x, y) in got.sequences.iter().zip(&alone[0].sequences) {
+                assert_eq!(x.tokens, y.tokens, "{key} {mode:?}");
+                assert_eq!(x.stop, y.stop);
+                for (p, q) in x.logprobs.iter().zip(&y.logprobs) {
+                    assert!((p - q).abs() < 1e-5, "{key}: {p} vs {q}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_bad_request_fails_alone_at_admission() {
+    use lathe_server::sample::{Admission, RunningDecode};
+    let model = tiny(Arch::Llama);
+    let t = &model.transformer;
+    let mut running = RunningDecode::new(DecodeMode::Exact);
+    let too_long = SampleJob {
+        max_tokens: t.max_seq_len(),
+        ..job(tokens(1, 7, 256), None, 1, 0)
+    };
+    let finished = running.admit(
+        t,
+        vec![
+            Admission {
+                key: 1,
+                job: too_long,
+                adapter: None,
+            },
+            Admission {
+                key: 2,
+                job: job(tokens(2, 4, 256), None, 3, 0),
+                adapter: None,
+            },
+        ],
+    );
+    assert_eq!(finished.len(), 1);
+    assert_eq!(finished[0].0, 1);
+    let err = finished[0].1.as_ref().unwrap_err().to_string();
+    assert!(err.contains("context limit"), "{err}");
+    assert_eq!(running.streams(), 3);
+    assert_eq!(running.live().collect::<Vec<_>>(), vec![(&2, 3)]);
 }

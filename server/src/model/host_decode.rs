@@ -69,14 +69,20 @@ fn lora_delta(a: &[f32], bt: &[f32], scale: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
-/// An adapter's factors in host form, by layer and projection.
-struct HostAdapter {
+/// An adapter's factors in host form, by layer and projection. Built once per adapter
+/// and kept while sequences decode with it (copying the factors costs a few MB).
+pub struct HostAdapter {
     layers: Vec<[Option<HostLora>; 7]>,
     head: Option<HostLora>,
 }
 
 impl HostAdapter {
-    fn new(a: &Adapter, layers: usize) -> candle_core::Result<Self> {
+    /// `a`'s factors for `model`'s layers.
+    pub fn new(model: &Transformer, a: &Adapter) -> Result<Self, ModelError> {
+        Ok(Self::copy(a, model.config.num_hidden_layers)?)
+    }
+
+    fn copy(a: &Adapter, layers: usize) -> candle_core::Result<Self> {
         let scale = a.scale();
         let pair = |t: Target| -> candle_core::Result<Option<HostLora>> {
             a.pairs
@@ -134,13 +140,13 @@ fn host(t: &Tensor) -> candle_core::Result<Vec<f32>> {
     t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()
 }
 
-/// A model and a set of adapters, ready for host decode steps. Building one copies the
-/// adapters' factors and the norm weights (a few MB), so build it once per sampling call.
+/// A model and a set of adapters in host form, ready for host decode steps. Building
+/// one copies the norm weights (a few KB); the adapters are built once by the caller.
 pub struct HostDecoder<'m> {
     model: &'m Transformer,
     /// The block-quantized decode weights; `None` decodes with the f32 weights.
     dec: Option<&'m DecodeWeights>,
-    adapters: Vec<HostAdapter>,
+    adapters: Vec<&'m HostAdapter>,
     blocks: Vec<HostBlock>,
     final_norm: Vec<f32>,
 }
@@ -157,23 +163,23 @@ pub struct StepRow {
 }
 
 impl<'m> HostDecoder<'m> {
+    /// Whether decode steps of `model` run on the host: the model is on the CPU in f32.
+    pub fn applies(model: &Transformer) -> bool {
+        model.device().is_cpu() && model.weights.dtype() == DType::F32
+    }
+
     /// A decoder for `model` with `adapters`, using the block-quantized decode weights when
     /// `quantized` and the f32 weights otherwise; `None` when the model is not on the CPU
     /// in `f32` (callers then use [`Transformer::forward_cached`]).
     pub fn new(
         model: &'m Transformer,
-        adapters: &[&Adapter],
+        adapters: Vec<&'m HostAdapter>,
         quantized: bool,
     ) -> Result<Option<Self>, ModelError> {
         let w = &model.weights;
-        if !model.device().is_cpu() || w.dtype() != DType::F32 {
+        if !Self::applies(model) {
             return Ok(None);
         }
-        let layers = model.config.num_hidden_layers;
-        let adapters = adapters
-            .iter()
-            .map(|a| HostAdapter::new(a, layers))
-            .collect::<candle_core::Result<Vec<_>>>()?;
         let blocks = w
             .layers
             .iter()

@@ -3,9 +3,11 @@
 
 pub mod decode;
 pub mod logits;
+pub mod running;
 
 pub use decode::{
     sample, sample_timed, DecodeMode, Generated, SampleJob, SampleOutput, SampleTimings, Stop,
     DEFAULT_MAX_TOKENS,
 };
 pub use logits::Picker;
+pub use running::{Admission, Finished, RunningDecode};

@@ -1,0 +1,663 @@
+//! Continuous batching: sampling requests join a running decode between two steps and
+//! leave it when their last sequence ends (iteration-level scheduling, as in Orca, TGI
+//! and vLLM).
+//!
+//! A [`RunningDecode`] holds every live sequence with its KV cache, its generator and its
+//! adapter. [`RunningDecode::admit`] prefills new prompts in one batched pass and adds
+//! their samples; [`RunningDecode::step`] picks every live sequence's next token and
+//! advances the unfinished ones by one forward step, all adapters together. Between two
+//! calls the caller may run anything else (a training pass), so no request holds the
+//! model for its whole length, and a short request admitted later finishes first.
+//!
+//! A request fails alone where the failure is its own (its prompt, its stop strings);
+//! a failed forward step fails every request in it, since their caches may be half
+//! written, and leaves the set empty and usable.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::{DType, Tensor};
+use rand::{rngs::StdRng, SeedableRng};
+use rayon::prelude::*;
+
+use super::decode::{DecodeMode, Generated, SampleJob, SampleOutput, SampleTimings, Stop};
+use super::logits::token_logprob;
+use crate::model::host_decode::{HostAdapter, HostDecoder, StepRow};
+use crate::model::transformer::TopK;
+use crate::model::{Adapter, KvCache, ModelError, PackedBatch, TextTokenizer, Transformer};
+
+/// A sampling request to start decoding, `key` naming it in what comes back.
+pub struct Admission<K> {
+    /// The caller's name for the request.
+    pub key: K,
+    /// Prompt and settings (its `adapter` index is ignored: `adapter` below decides).
+    pub job: SampleJob,
+    /// The adapter to sample with; `None` is the base model.
+    pub adapter: Option<Arc<Adapter>>,
+}
+
+/// A request that left the decode: its output, or why it failed.
+pub type Finished<K> = (K, Result<SampleOutput, ModelError>);
+
+/// An adapter some live request samples with.
+struct Slot {
+    adapter: Arc<Adapter>,
+    /// Its factors in host form, when decode steps run on the host.
+    host: Option<HostAdapter>,
+    /// Requests using it; the slot is freed at zero.
+    users: usize,
+}
+
+/// A request with sequences still decoding.
+struct Request<K> {
+    key: K,
+    job: SampleJob,
+    slot: Option<usize>,
+    /// Its sequences not yet ended.
+    live: usize,
+    /// Ended sequences, with their sample index.
+    ended: Vec<(usize, Generated)>,
+    prompt_logprobs: Option<Vec<Option<f32>>>,
+    topk_prompt_logprobs: Option<Vec<Option<TopK>>>,
+    /// The prompt's f32 KV cache, kept when the sampled tokens are rescored at the end.
+    prompt_cache: Option<KvCache>,
+}
+
+/// One sequence being decoded.
+struct Stream {
+    request: usize,
+    sample: usize,
+    cache: KvCache,
+    /// Next-token logits, waiting for a pick.
+    logits: Vec<f32>,
+    rng: StdRng,
+    out: Generated,
+}
+
+/// What prefilling one prompt gives.
+struct Prefilled {
+    cache: KvCache,
+    first: Vec<f32>,
+    prompt_logprobs: Option<Vec<Option<f32>>>,
+    topk_prompt_logprobs: Option<Vec<Option<TopK>>>,
+}
+
+/// Every sequence being decoded, across requests and adapters. `K` names requests.
+pub struct RunningDecode<K> {
+    mode: DecodeMode,
+    slots: Vec<Option<Slot>>,
+    requests: Vec<Option<Request<K>>>,
+    /// Grouped by slot, so a step's batch has one segment per adapter.
+    streams: Vec<Stream>,
+    timings: SampleTimings,
+}
+
+impl<K> RunningDecode<K> {
+    /// An empty decode choosing tokens with `mode`'s weights.
+    pub fn new(mode: DecodeMode) -> Self {
+        Self {
+            mode,
+            slots: Vec::new(),
+            requests: Vec::new(),
+            streams: Vec::new(),
+            timings: SampleTimings::default(),
+        }
+    }
+
+    /// Whether no request is decoding.
+    pub fn is_empty(&self) -> bool {
+        self.requests.iter().all(Option::is_none)
+    }
+
+    /// Sequences still decoding, across all requests.
+    pub fn streams(&self) -> usize {
+        self.streams.len()
+    }
+
+    /// Each decoding request with its sequences still decoding.
+    pub fn live(&self) -> impl Iterator<Item = (&K, usize)> {
+        self.requests.iter().flatten().map(|r| (&r.key, r.live))
+    }
+
+    /// Time spent in each phase so far.
+    pub fn timings(&self) -> SampleTimings {
+        self.timings
+    }
+
+    /// Drops every request (after a panic left the set in doubt); returns their keys.
+    pub fn clear(&mut self) -> Vec<K> {
+        self.streams.clear();
+        self.slots.clear();
+        self.requests.drain(..).flatten().map(|r| r.key).collect()
+    }
+
+    /// Prefills `admissions`' prompts (one batched pass; alone, one by one, if that
+    /// fails, so a bad prompt fails only its own request) and adds their sequences. A
+    /// request that fails, or that asks for no new tokens, comes back at once.
+    pub fn admit(
+        &mut self,
+        model: &Transformer,
+        admissions: Vec<Admission<K>>,
+    ) -> Vec<Finished<K>> {
+        let start = Instant::now();
+        let mut finished = Vec::new();
+        let mut valid = Vec::with_capacity(admissions.len());
+        for a in admissions {
+            match check(model, &a.job) {
+                Ok(()) => valid.push(a),
+                Err(e) => finished.push((a.key, Err(e))),
+            }
+        }
+        if valid.is_empty() {
+            return finished;
+        }
+        let rescores = match self.rescores(model) {
+            Ok(r) => r,
+            Err(e) => {
+                finished.extend(valid.into_iter().map(|a| (a.key, Err(copy(&e)))));
+                return finished;
+            }
+        };
+        match prefill(model, &valid) {
+            Ok(pre) => {
+                for (a, p) in valid.into_iter().zip(pre) {
+                    finished.extend(self.add(model, a, p, rescores));
+                }
+            }
+            Err(_) if valid.len() > 1 => {
+                for a in valid {
+                    match prefill(model, std::slice::from_ref(&a)) {
+                        Ok(mut p) => {
+                            let p = p.pop().expect("one prompt, one prefill");
+                            finished.extend(self.add(model, a, p, rescores));
+                        }
+                        Err(e) => finished.push((a.key, Err(e))),
+                    }
+                }
+            }
+            Err(e) => finished.extend(valid.into_iter().map(|a| (a.key, Err(copy(&e))))),
+        }
+        // Stable: the samples of a request keep their order within a slot.
+        self.streams
+            .sort_by_key(|s| self.requests[s.request].as_ref().and_then(|r| r.slot));
+        self.timings.prefill += start.elapsed();
+        finished
+    }
+
+    /// Whether this mode's sampled tokens are rescored with the f32 weights at the end.
+    fn rescores(&self, model: &Transformer) -> Result<bool, ModelError> {
+        Ok(self.mode == DecodeMode::Fast && !model.decode_weights()?.exact())
+    }
+
+    /// Adds one prefilled request's sequences; returns it at once if it has none to run.
+    fn add(
+        &mut self,
+        model: &Transformer,
+        a: Admission<K>,
+        pre: Prefilled,
+        rescores: bool,
+    ) -> Option<Finished<K>> {
+        let slot = match a.adapter.map(|ad| self.slot_for(model, ad)).transpose() {
+            Ok(slot) => slot,
+            Err(e) => return Some((a.key, Err(e))),
+        };
+        let index = match self.requests.iter().position(Option::is_none) {
+            Some(i) => i,
+            None => {
+                self.requests.push(None);
+                self.requests.len() - 1
+            }
+        };
+        let samples = if a.job.max_tokens == 0 {
+            0
+        } else {
+            a.job.num_samples
+        };
+        for sample in 0..samples {
+            let rng = match a.job.seed {
+                Some(seed) => StdRng::seed_from_u64(seed.wrapping_add(sample as u64)),
+                None => StdRng::from_os_rng(),
+            };
+            self.streams.push(Stream {
+                request: index,
+                sample,
+                cache: pre.cache.clone(),
+                logits: pre.first.clone(),
+                rng,
+                out: Generated {
+                    tokens: Vec::new(),
+                    logprobs: Vec::new(),
+                    stop: Stop::Length,
+                },
+            });
+        }
+        let ended = (samples..a.job.num_samples)
+            .map(|i| {
+                let empty = Generated {
+                    tokens: Vec::new(),
+                    logprobs: Vec::new(),
+                    stop: Stop::Length,
+                };
+                (i, empty)
+            })
+            .collect();
+        self.requests[index] = Some(Request {
+            key: a.key,
+            job: a.job,
+            slot,
+            live: samples,
+            ended,
+            prompt_logprobs: pre.prompt_logprobs,
+            topk_prompt_logprobs: pre.topk_prompt_logprobs,
+            prompt_cache: rescores.then_some(pre.cache),
+        });
+        (samples == 0).then(|| self.finish(model, index))
+    }
+
+    /// The slot holding `adapter` (the same `Arc`), made if new.
+    fn slot_for(
+        &mut self,
+        model: &Transformer,
+        adapter: Arc<Adapter>,
+    ) -> Result<usize, ModelError> {
+        let found = self.slots.iter().position(|s| {
+            s.as_ref()
+                .is_some_and(|s| Arc::ptr_eq(&s.adapter, &adapter))
+        });
+        if let Some(i) = found {
+            self.slots[i].as_mut().expect("found").users += 1;
+            return Ok(i);
+        }
+        let host = if HostDecoder::applies(model) {
+            Some(HostAdapter::new(model, &adapter)?)
+        } else {
+            None
+        };
+        let slot = Some(Slot {
+            adapter,
+            host,
+            users: 1,
+        });
+        match self.slots.iter().position(Option::is_none) {
+            Some(i) => {
+                self.slots[i] = slot;
+                Ok(i)
+            }
+            None => {
+                self.slots.push(slot);
+                Ok(self.slots.len() - 1)
+            }
+        }
+    }
+
+    /// One iteration: every live sequence picks its next token; requests whose
+    /// sequences have all ended leave (returned); the rest advance one forward step.
+    pub fn step(&mut self, model: &Transformer, tokenizer: &TextTokenizer) -> Vec<Finished<K>> {
+        let start = Instant::now();
+        let mut finished = Vec::new();
+        if self.streams.is_empty() {
+            return finished;
+        }
+        let picked = self.pick(tokenizer);
+        // Sequences that ended join their request's results; a failed pick fails its
+        // request.
+        let mut failed: Vec<(usize, ModelError)> = Vec::new();
+        let mut kept = Vec::with_capacity(self.streams.len());
+        for (stream, result) in std::mem::take(&mut self.streams).into_iter().zip(picked) {
+            match result {
+                Ok(false) => kept.push(stream),
+                Ok(true) => {
+                    let r = self.requests[stream.request]
+                        .as_mut()
+                        .expect("live request");
+                    r.live -= 1;
+                    r.ended.push((stream.sample, stream.out));
+                }
+                Err(e) => {
+                    if !failed.iter().any(|(i, _)| *i == stream.request) {
+                        failed.push((stream.request, e));
+                    }
+                }
+            }
+        }
+        self.streams = kept;
+        for (index, e) in failed {
+            self.streams.retain(|s| s.request != index);
+            if let Some(r) = self.remove(index) {
+                finished.push((r.key, Err(e)));
+            }
+        }
+        let done: Vec<usize> = (0..self.requests.len())
+            .filter(|&i| self.requests[i].as_ref().is_some_and(|r| r.live == 0))
+            .collect();
+        let decoded = start.elapsed();
+        for index in done {
+            finished.push(self.finish(model, index));
+        }
+        let forward = Instant::now();
+        if !self.streams.is_empty() {
+            if let Err(e) = self.forward(model) {
+                // The caches may be half written: every request in the step fails.
+                tracing::warn!("a decode step failed; failing its requests: {e}");
+                self.streams.clear();
+                let all: Vec<usize> = (0..self.requests.len()).collect();
+                for index in all {
+                    if let Some(r) = self.remove(index) {
+                        finished.push((r.key, Err(copy(&e))));
+                    }
+                }
+            }
+        }
+        self.timings.decode += decoded + forward.elapsed();
+        finished
+    }
+
+    /// Each live sequence picks its next token from its logits; `Ok(true)` when it
+    /// ended. Sequences pick in parallel: a pick reads the whole vocabulary row.
+    fn pick(&mut self, tokenizer: &TextTokenizer) -> Vec<Result<bool, ModelError>> {
+        let jobs: Vec<Option<&SampleJob>> = self
+            .requests
+            .iter()
+            .map(|r| r.as_ref().map(|r| &r.job))
+            .collect();
+        let pick = |st: &mut Stream| -> Result<bool, ModelError> {
+            let job = jobs[st.request].expect("live request");
+            let tok = job.picker.pick(&st.logits, &mut st.rng);
+            st.out.tokens.push(tok as u32);
+            st.out.logprobs.push(token_logprob(&st.logits, tok) as f32);
+            let stopped = job.stop_tokens.contains(&(tok as u32))
+                || tokenizer.eos_ids().contains(&(tok as u32))
+                || (!job.stop_strings.is_empty()
+                    && hits_stop_string(tokenizer, &st.out.tokens, &job.stop_strings)?);
+            if stopped {
+                st.out.stop = Stop::Stop;
+            }
+            Ok(stopped || st.out.tokens.len() >= job.max_tokens)
+        };
+        if self.streams.len() > 1 {
+            self.streams.par_iter_mut().map(pick).collect()
+        } else {
+            self.streams.iter_mut().map(pick).collect()
+        }
+    }
+
+    /// Advances every live sequence by its newest token, all adapters in one step.
+    fn forward(&mut self, model: &Transformer) -> Result<(), ModelError> {
+        // The slots in use, numbered densely for this step.
+        let mut dense: Vec<usize> = Vec::new();
+        let mut index_of = vec![usize::MAX; self.slots.len()];
+        for st in &self.streams {
+            if let Some(s) = self.requests[st.request].as_ref().and_then(|r| r.slot) {
+                if index_of[s] == usize::MAX {
+                    index_of[s] = dense.len();
+                    dense.push(s);
+                }
+            }
+        }
+        let adapter_of = |st: &Stream| {
+            self.requests[st.request]
+                .as_ref()
+                .and_then(|r| r.slot)
+                .map(|s| index_of[s])
+        };
+        let slot = |s: usize| self.slots[s].as_ref().expect("a slot in use");
+        let quantized = self.mode == DecodeMode::Fast;
+        // On the CPU, decode steps run over plain buffers (see `model::host_decode`).
+        if HostDecoder::applies(model) {
+            let hosts: Vec<&HostAdapter> = dense
+                .iter()
+                .map(|&s| slot(s).host.as_ref().expect("built for a host model"))
+                .collect();
+            let host = HostDecoder::new(model, hosts, quantized)?.expect("checked above");
+            let rows: Vec<StepRow> = self
+                .streams
+                .iter()
+                .map(|st| StepRow {
+                    token: *st.out.tokens.last().expect("a token"),
+                    adapter: adapter_of(st),
+                    position: st.cache.len(),
+                })
+                .collect();
+            let mut caches: Vec<&mut KvCache> =
+                self.streams.iter_mut().map(|st| &mut st.cache).collect();
+            let logits = host.step(&rows, &mut caches)?;
+            let vocab = logits.len() / rows.len();
+            for (st, row) in self.streams.iter_mut().zip(logits.chunks_exact(vocab)) {
+                st.logits.clear();
+                st.logits.extend_from_slice(row);
+            }
+            return Ok(());
+        }
+        let adapters: Vec<&Adapter> = dense.iter().map(|&s| slot(s).adapter.as_ref()).collect();
+        let last: Vec<[u32; 1]> = self
+            .streams
+            .iter()
+            .map(|st| [*st.out.tokens.last().expect("a token")])
+            .collect();
+        let seqs: Vec<(&[u32], Option<usize>, usize)> = self
+            .streams
+            .iter()
+            .zip(&last)
+            .map(|(st, t)| (t.as_slice(), adapter_of(st), st.cache.len()))
+            .collect();
+        let batch = PackedBatch::new(&seqs, model.device())?;
+        let mut caches: Vec<&mut KvCache> =
+            self.streams.iter_mut().map(|st| &mut st.cache).collect();
+        let logits = model.forward_cached(&batch, &adapters, &mut caches, quantized)?;
+        let rows: Vec<Vec<f32>> = logits.to_dtype(DType::F32)?.to_vec2()?;
+        for (st, row) in self.streams.iter_mut().zip(rows) {
+            st.logits = row;
+        }
+        Ok(())
+    }
+
+    /// Removes request `index` and releases its adapter slot.
+    fn remove(&mut self, index: usize) -> Option<Request<K>> {
+        let r = self.requests.get_mut(index)?.take()?;
+        if let Some(s) = r.slot {
+            let slot = self.slots[s].as_mut().expect("a slot in use");
+            slot.users -= 1;
+            if slot.users == 0 {
+                self.slots[s] = None;
+            }
+        }
+        Some(r)
+    }
+
+    /// Request `index`, all of whose sequences ended, leaves with its output (its
+    /// sampled tokens rescored first when the mode asks for it).
+    fn finish(&mut self, model: &Transformer, index: usize) -> Finished<K> {
+        let adapter = self.requests[index].as_ref().and_then(|r| r.slot).map(|s| {
+            self.slots[s]
+                .as_ref()
+                .expect("a slot in use")
+                .adapter
+                .clone()
+        });
+        let mut r = self.remove(index).expect("a live request");
+        r.ended.sort_by_key(|(i, _)| *i);
+        let mut sequences: Vec<Generated> = r.ended.into_iter().map(|(_, g)| g).collect();
+        if let Some(cache) = &r.prompt_cache {
+            let start = Instant::now();
+            let rescored = rescore(model, adapter.as_deref(), &r.job, cache, &mut sequences);
+            self.timings.rescore += start.elapsed();
+            if let Err(e) = rescored {
+                return (r.key, Err(e));
+            }
+        }
+        let output = SampleOutput {
+            sequences,
+            prompt_logprobs: r.prompt_logprobs,
+            topk_prompt_logprobs: r.topk_prompt_logprobs,
+        };
+        (r.key, Ok(output))
+    }
+}
+
+/// Whether a request can run on `model` at all.
+fn check(model: &Transformer, job: &SampleJob) -> Result<(), ModelError> {
+    if job.prompt.is_empty() {
+        return Err(ModelError::Input("empty prompt".into()));
+    }
+    if job.prompt.len().saturating_add(job.max_tokens) > model.max_seq_len() {
+        return Err(ModelError::Input(format!(
+            "prompt of {} tokens plus max_tokens {} exceeds the context limit of {}",
+            job.prompt.len(),
+            job.max_tokens,
+            model.max_seq_len()
+        )));
+    }
+    Ok(())
+}
+
+/// Prompts through the f32 weights in one batch, filling each one's KV cache and giving
+/// the first token's logits (and the prompt's log-probabilities when asked for). The
+/// product is compute-bound, and each prompt's cache is then exact whatever the batch.
+fn prefill<K>(
+    model: &Transformer,
+    admissions: &[Admission<K>],
+) -> Result<Vec<Prefilled>, ModelError> {
+    let dev = model.device();
+    let mut adapters: Vec<&Adapter> = Vec::new();
+    let seqs: Vec<(&[u32], Option<usize>, usize)> = admissions
+        .iter()
+        .map(|a| {
+            let index = a.adapter.as_ref().map(|ad| {
+                match adapters.iter().position(|b| std::ptr::eq(*b, ad.as_ref())) {
+                    Some(i) => i,
+                    None => {
+                        adapters.push(ad.as_ref());
+                        adapters.len() - 1
+                    }
+                }
+            });
+            (a.job.prompt.as_slice(), index, 0)
+        })
+        .collect();
+    let batch = PackedBatch::new(&seqs, dev)?;
+    let mut caches: Vec<KvCache> = vec![KvCache::default(); admissions.len()];
+    let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
+    let jobs = || admissions.iter().map(|a| &a.job);
+    let topk = jobs().map(|j| j.topk_prompt_logprobs).max().unwrap_or(0);
+    let scored = topk > 0 || jobs().any(|j| j.prompt_logprobs);
+    let (first, lp, alternatives) = if scored {
+        // Row i of a prompt predicts token i+1; the last row's target is a placeholder.
+        let targets: Vec<u32> = jobs()
+            .flat_map(|j| j.prompt[1..].iter().copied().chain([0]))
+            .collect();
+        let rows = targets.len();
+        let targets = Tensor::from_vec(targets, (rows, 1), dev)?;
+        let (logits, lp, alternatives) =
+            model.forward_cached_topk(&batch, &adapters, &mut refs, &targets, topk)?;
+        let lp: Vec<f32> = lp.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+        (logits, lp, alternatives)
+    } else {
+        // Prompts may go through the decode weights only when those are the f32 weights
+        // exactly; each product then picks its kernel by row count (a short prompt is
+        // faster through the block kernels, a long one stays f32).
+        let exact = model.decode_weights()?.exact();
+        let logits = model.forward_cached(&batch, &adapters, &mut refs, exact)?;
+        (logits, Vec::new(), Vec::new())
+    };
+    drop(refs);
+    let first: Vec<Vec<f32>> = first.to_dtype(DType::F32)?.to_vec2()?;
+    let mut offset = 0;
+    let mut out = Vec::with_capacity(admissions.len());
+    for ((job, cache), first) in jobs().zip(caches).zip(first) {
+        let n = job.prompt.len();
+        let prompt_logprobs = job.prompt_logprobs.then(|| {
+            std::iter::once(None)
+                .chain(lp[offset..offset + n - 1].iter().map(|&x| Some(x)))
+                .collect()
+        });
+        // Position i's alternatives come from row i - 1, like its log-probability.
+        let topk_prompt_logprobs =
+            (job.topk_prompt_logprobs > 0).then(|| {
+                std::iter::once(None)
+                    .chain(alternatives[offset..offset + n - 1].iter().map(|row| {
+                        Some(row.iter().take(job.topk_prompt_logprobs).copied().collect())
+                    }))
+                    .collect()
+            });
+        offset += n;
+        out.push(Prefilled {
+            cache,
+            first,
+            prompt_logprobs,
+            topk_prompt_logprobs,
+        });
+    }
+    Ok(out)
+}
+
+/// Replaces each sequence's log-probabilities with the f32 trainer's. The first token
+/// was drawn from the f32 prefill's logits, so its log-probability is already exact;
+/// the others are scored in one batched pass over the generated tokens, continuing
+/// copies of the prompt's f32 KV cache.
+fn rescore(
+    model: &Transformer,
+    adapter: Option<&Adapter>,
+    job: &SampleJob,
+    prompt_cache: &KvCache,
+    sequences: &mut [Generated],
+) -> Result<(), ModelError> {
+    let order: Vec<usize> = (0..sequences.len())
+        .filter(|&i| sequences[i].tokens.len() >= 2)
+        .collect();
+    if order.is_empty() {
+        return Ok(());
+    }
+    let adapters: Vec<&Adapter> = adapter.into_iter().collect();
+    let which = adapter.map(|_| 0);
+    let seqs: Vec<(&[u32], Option<usize>, usize)> = order
+        .iter()
+        .map(|&i| {
+            let toks = &sequences[i].tokens;
+            (&toks[..toks.len() - 1], which, job.prompt.len())
+        })
+        .collect();
+    let batch = PackedBatch::new(&seqs, model.device())?;
+    let targets: Vec<u32> = order
+        .iter()
+        .flat_map(|&i| sequences[i].tokens[1..].iter().copied())
+        .collect();
+    let rows = targets.len();
+    let targets = Tensor::from_vec(targets, (rows, 1), model.device())?;
+    let mut caches: Vec<KvCache> = vec![prompt_cache.clone(); order.len()];
+    let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
+    let (_, lp) = model.forward_cached_logprobs(&batch, &adapters, &mut refs, &targets)?;
+    let lp: Vec<f32> = lp.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+    let mut offset = 0;
+    for &i in &order {
+        let n = sequences[i].tokens.len() - 1;
+        sequences[i].logprobs[1..].copy_from_slice(&lp[offset..offset + n]);
+        offset += n;
+    }
+    Ok(())
+}
+
+/// Whether the text ends in a stop string. Checked after every token, so only a window
+/// that can hold the newest occurrence is decoded: a stop string of `L` bytes spans at
+/// most `L` tokens (every token is at least one byte), plus one for a split character.
+fn hits_stop_string(
+    tokenizer: &TextTokenizer,
+    tokens: &[u32],
+    stops: &[String],
+) -> Result<bool, ModelError> {
+    let longest = stops.iter().map(String::len).max().unwrap_or(0);
+    let window = &tokens[tokens.len().saturating_sub(longest + 1)..];
+    let text = tokenizer.decode(window)?;
+    Ok(stops
+        .iter()
+        .any(|s| !s.is_empty() && text.contains(s.as_str())))
+}
+
+/// A copy of `e` for each of several requests it fails: bad input stays bad input, a
+/// fault stays a fault (with its message).
+fn copy(e: &ModelError) -> ModelError {
+    match e {
+        ModelError::Input(m) => ModelError::Input(m.clone()),
+        ModelError::Lora(m) => ModelError::Lora(m.clone()),
+        other => ModelError::Candle(candle_core::Error::Msg(other.to_string())),
+    }
+}
