@@ -13,7 +13,7 @@ use super::futures::{FutureResult, Poll};
 use super::state::StoreWork;
 use super::{rest, Engine, EngineError, Ttl};
 use crate::store::Store;
-use crate::worker::Outcome;
+use crate::worker::BatchReport;
 
 type Message = Box<dyn FnOnce(&mut Engine) + Send>;
 
@@ -248,11 +248,11 @@ impl EngineHandle {
             .await
     }
 
-    /// A sender the worker thread uses to hand outcomes back.
-    pub fn outcome_sink(&self) -> impl Fn(Vec<Outcome>) + Send + 'static {
+    /// A sender the worker thread uses to hand its batch reports back.
+    pub fn outcome_sink(&self) -> impl Fn(BatchReport) + Send + 'static {
         let tx = self.tx.clone();
-        move |outcomes| {
-            let msg: Message = Box::new(move |engine| engine.complete(outcomes));
+        move |report| {
+            let msg: Message = Box::new(move |engine| engine.complete(report));
             let _ = tx.blocking_send(msg);
         }
     }

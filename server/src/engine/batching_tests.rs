@@ -333,3 +333,123 @@ fn the_operation_a_run_waits_for_is_admitted_at_the_queue_limit() {
     // Seq 1 is what the run waits for: admitted although the queue is full.
     engine.submit("a", &run, Some(1), step()).unwrap();
 }
+
+/// The worker's report: `outcomes` finished, `decoding` still decoding.
+fn report(
+    outcomes: Vec<crate::worker::Outcome>,
+    decoding: &[(&str, usize)],
+) -> crate::worker::BatchReport {
+    crate::worker::BatchReport {
+        outcomes,
+        decoding: decoding.iter().map(|(r, n)| (r.to_string(), *n)).collect(),
+    }
+}
+
+#[test]
+fn a_sampling_request_joins_a_running_decode_at_its_next_step() {
+    let (mut engine, sent) = engine();
+    let mut long = job();
+    long.max_tokens = 50;
+    let a = engine
+        .sample("alice", SamplerRef::BaseModel, long)
+        .unwrap()
+        .request_id;
+    pump_now(&mut engine);
+    let first = sent.lock().unwrap().pop().unwrap();
+    assert_eq!(first.samples.len(), 1);
+    assert!(first.decode_step, "admitted sequences step at once");
+    engine.complete(report(vec![], &[(&a, 1)]));
+    assert!(!engine.is_idle(), "alice's request is still decoding");
+    // Bob arrives while alice's sequence decodes: his request is admitted at the next
+    // step, with no batching window (the worker is busy decoding anyway).
+    let b = engine
+        .sample("bob", SamplerRef::BaseModel, job())
+        .unwrap()
+        .request_id;
+    assert_eq!(engine.pump(), None);
+    let next = sent.lock().unwrap().pop().unwrap();
+    assert_eq!(next.samples.len(), 1);
+    assert_eq!(next.samples[0].request_id, b);
+    assert!(next.decode_step);
+    // Nothing new: decode steps go on, one batch each, until nothing is left.
+    engine.complete(report(vec![], &[(&a, 1), (&b, 1)]));
+    assert_eq!(engine.pump(), None);
+    let step = sent.lock().unwrap().pop().unwrap();
+    assert!(step.decode_step && step.samples.is_empty() && step.runs.is_empty());
+    let done = |id: &str| crate::worker::Outcome {
+        request_id: id.into(),
+        result: Ok(crate::worker::Done {
+            body: serde_json::json!({"sequences": []}),
+            saved: None,
+        }),
+    };
+    // Bob's short request leaves first; alice's goes on.
+    engine.complete(report(vec![done(&b)], &[(&a, 1)]));
+    assert!(matches!(
+        engine.futures.poll(&b, "bob"),
+        Some(super::futures::Poll::Ready(_))
+    ));
+    engine.pump();
+    engine.complete(report(vec![done(&a)], &[]));
+    assert!(engine.is_idle());
+    assert_eq!(engine.pump(), None);
+    assert!(
+        sent.lock().unwrap().len() == 1,
+        "no step once nothing decodes"
+    );
+}
+
+#[test]
+fn a_forward_request_waits_at_most_one_decode_step_behind_another_keys_sampling() {
+    use crate::worker::{Pass, RunOp};
+    let (mut engine, sent) = engine();
+    let run = live_run(&mut engine, &sent, "victim");
+    let mut big = job();
+    big.num_samples = 16;
+    big.max_tokens = 40;
+    let hog = engine
+        .sample("hog", SamplerRef::BaseModel, big)
+        .unwrap()
+        .request_id;
+    pump_now(&mut engine);
+    engine.complete(report(vec![], &[(&hog, 16)]));
+    // The hog's sequences have decoded a while.
+    for _ in 0..5 {
+        pump_now(&mut engine);
+        engine.complete(report(vec![], &[(&hog, 16)]));
+    }
+    let small = RunOp::Forward {
+        data: vec![datum(100)],
+        with_grad: true,
+        pass: Pass::WHOLE,
+    };
+    engine.submit("victim", &run, Some(1), small).unwrap();
+    pump_now(&mut engine);
+    let batch = sent.lock().unwrap().pop().unwrap();
+    assert_eq!(
+        batch.runs.len(),
+        1,
+        "the victim's pass runs in the next batch"
+    );
+    assert!(
+        batch.decode_step,
+        "beside one decode step (116 tokens fit the budget)"
+    );
+}
+
+#[test]
+fn decoding_goes_on_while_the_server_drains() {
+    let (mut engine, sent) = engine();
+    let a = engine
+        .sample("alice", SamplerRef::BaseModel, job())
+        .unwrap()
+        .request_id;
+    pump_now(&mut engine);
+    engine.complete(report(vec![], &[(&a, 1)]));
+    engine.begin_shutdown();
+    assert!(!engine.is_idle());
+    assert_eq!(engine.pump(), None);
+    assert!(sent.lock().unwrap().pop().unwrap().decode_step);
+    engine.complete(report(vec![], &[]));
+    assert!(engine.is_idle());
+}

@@ -1,12 +1,14 @@
 //! Dispatching work to the worker and taking its outcomes back: `pump` forms the next
-//! batch (fair share across keys, a forward request cut into passes, access checked once
-//! more for every checkpoint the batch reads), `complete` resolves futures and joins a
-//! request's passes.
+//! batch (fair share across keys, a forward request cut into passes, decoding one step at
+//! a time, access checked once more for every checkpoint the batch reads), `complete`
+//! resolves futures, joins a request's passes and notes what is still decoding.
 
 use std::time::Instant;
 
 use crate::train::DatumJob;
-use crate::worker::{merge_forward_outputs, Batch, Failure, Outcome, Pass, RunOp, RunWork};
+use crate::worker::{
+    merge_forward_outputs, Batch, BatchReport, Failure, Outcome, Pass, RunOp, RunWork,
+};
 
 use super::runs::MAX_SNAPSHOTS_PER_RUN;
 use super::scheduler::{self, Candidate, Kind, Limits};
@@ -17,7 +19,8 @@ impl Engine {
     /// Sends the next batch to the worker if it is idle and there is work. Work that
     /// arrives at an idle worker waits `batch_window` first, so that requests sent at the
     /// same moment by several sessions share one pass; the return value is when to call
-    /// again for that.
+    /// again for that. While sequences are decoding nothing waits: a sampling request
+    /// arriving then joins the decode at its next step.
     pub fn pump(&mut self) -> Option<Instant> {
         if self.busy {
             return None;
@@ -75,10 +78,19 @@ impl Engine {
                 kind: Kind::Sample {
                     tokens: q.work.job.prompt.len(),
                     streams: q.work.job.num_samples,
-                    cost: q.work.job.token_budget(),
                 },
             });
         }
+        // The decode step is one candidate, offered for the least-served key that has
+        // sequences decoding; every such key is charged its own sequences when it runs.
+        let decode_key = base + self.samples.len();
+        let mut decoders: Vec<(usize, usize)> = Vec::new();
+        for (request_id, streams) in &self.decoding {
+            if let Some(inflight) = self.inflight.get(request_id) {
+                decoders.push((owner_index(&inflight.owner), *streams));
+            }
+        }
+        let live_streams: usize = decoders.iter().map(|(_, n)| n).sum();
         // Waiting only pays when another client may be about to submit too: a run or a
         // sampling client that submitted recently (a lone client never waits).
         self.sample_submits
@@ -89,7 +101,8 @@ impl Engine {
             .filter(|r| now.duration_since(r.last_submit) < ACTIVE_WINDOW)
             .count()
             + self.sample_submits.len();
-        if let Some(oldest) = oldest.filter(|_| active > 1 && !self.draining) {
+        let waits = active > 1 && !self.draining && self.decoding.is_empty();
+        if let Some(oldest) = oldest.filter(|_| waits) {
             let ready_at = oldest + self.config.batch_window;
             if now < ready_at {
                 return Some(ready_at);
@@ -98,13 +111,27 @@ impl Engine {
         let limits = Limits {
             max_batch_tokens: self.config.max_batch_tokens,
             max_sample_streams: self.config.max_sample_streams,
+            live_streams,
         };
         let active: Vec<&str> = owners.iter().map(String::as_str).collect();
         let levels = self.service.levels(&active);
+        if let Some(&(owner, _)) = decoders.iter().min_by_key(|(o, _)| levels[*o]) {
+            candidates.push(Candidate {
+                key: decode_key,
+                // Ongoing work: older than anything queued.
+                arrival: 0,
+                owner,
+                kind: Kind::Decode {
+                    streams: live_streams,
+                },
+            });
+        }
         let chosen = scheduler::plan(&candidates, limits, &levels);
         let picked: std::collections::HashSet<usize> = chosen.iter().copied().collect();
         for c in candidates.iter().filter(|c| picked.contains(&c.key)) {
-            self.service.charge(&owners[c.owner], c.kind.charge());
+            if c.key != decode_key {
+                self.service.charge(&owners[c.owner], c.kind.charge());
+            }
         }
         let mut batch = Batch {
             drop_snapshots: std::mem::take(&mut self.drop_snapshots),
@@ -204,7 +231,7 @@ impl Engine {
                     run_id: run_id.clone(),
                     op: q.op,
                 });
-            } else {
+            } else if key < decode_key {
                 sample_keys.push(key - base);
             }
         }
@@ -217,6 +244,13 @@ impl Engine {
             }
         }
         batch.samples.reverse();
+        // New sequences take their first step with the running ones at once.
+        batch.decode_step = picked.contains(&decode_key) || !batch.samples.is_empty();
+        if batch.decode_step {
+            for &(owner, streams) in &decoders {
+                self.service.charge(&owners[owner], streams as u64);
+            }
+        }
         for (request_id, failure) in refused {
             if let Some(Inflight {
                 run_id: Some(run_id),
@@ -236,6 +270,8 @@ impl Engine {
             runs = batch.runs.len(),
             forward_tokens = batch.runs.iter().map(|w| w.op.tokens()).sum::<usize>(),
             samples = batch.samples.len(),
+            decode_step = batch.decode_step,
+            live_streams,
             "dispatching a batch"
         );
         let ids = batch.request_ids();
@@ -251,10 +287,13 @@ impl Engine {
         None
     }
 
-    /// Takes a finished batch's outcomes: records checkpoints, resolves futures.
-    pub fn complete(&mut self, outcomes: Vec<Outcome>) {
+    /// Takes a finished batch's report: records checkpoints, resolves futures, notes the
+    /// requests still decoding.
+    pub fn complete(&mut self, report: impl Into<BatchReport>) {
+        let report = report.into();
         self.busy = false;
-        for outcome in outcomes {
+        self.decoding = report.decoding;
+        for outcome in report.outcomes {
             let Some(mut inflight) = self.inflight.remove(&outcome.request_id) else {
                 continue;
             };

@@ -1,10 +1,12 @@
 //! Which queued work the worker runs next: pure functions, unit-tested without channels.
 //!
-//! The worker runs one *pass* at a time: the engine offers each run's next piece of work
+//! The worker runs one batch at a time: the engine offers each run's next piece of work
 //! (a forward request is cut into passes of whole datums of at most the pass budget, see
-//! `state.rs`) and every waiting sampling request, and [`plan`] picks the next batch. Between
-//! any two passes the choice is made again, so a request of millions of tokens holds the
-//! worker one pass at a time, as iteration-level schedulers (Orca, TGI, vLLM) do.
+//! `dispatch.rs`), every waiting sampling request, and a decode step of the sequences
+//! being decoded, and [`plan`] picks the next batch. Between any two passes or decode
+//! steps the choice is made again, so a request of millions of tokens, or of thousands of
+//! sampled tokens, holds the worker one pass or one step at a time, as iteration-level
+//! schedulers (Orca, TGI, vLLM) do.
 //!
 //! Rules:
 //! - Fair share across API keys, in tokens: candidates are taken in order of their key's
@@ -12,16 +14,23 @@
 //!   then age. Each pick charges its tokens to its key, so a key with many runs does not
 //!   take every slot of a pass, and a key that was idle goes ahead of a key with a
 //!   backlog: it waits at most about one pass.
+//! - One budget of `max_batch_tokens` per batch, shared by forward passes, the prompts of
+//!   new sampling requests and a decode step (one token per live sequence); the first
+//!   pick always runs, however large. So a decode step and a training backlog alternate
+//!   by fair share: a key decoding 8 sequences is charged 8 tokens a step and gets about
+//!   `max_batch_tokens / 8` steps for each full pass of another key's backlog.
 //! - Each training run offers at most its next operation in `seq_id` order (the engine
 //!   only lists ready heads), so per-run order holds whatever the batch.
 //! - Forward passes of different runs fuse into one multi-adapter pass while their tokens
-//!   fit the pass budget (the first pick always runs, however large). Passes with and
-//!   without gradient are not mixed: the first forward pick decides which kind runs.
-//! - Cheap operations (optimizer steps, saves, loads) ride along with every batch.
-//! - Sampling requests join in the same fair order while their prompt tokens fit the
-//!   budget and their streams fit `max_sample_streams`; the first always runs.
+//!   fit. Passes with and without gradient are not mixed: the first forward pick decides
+//!   which kind runs.
+//! - Cheap operations (optimizer steps, saves, loads) ride along with every batch, each
+//!   charged [`MIN_CHARGE`].
+//! - New sampling requests join the running decode while their streams fit
+//!   `max_sample_streams` beside the live ones.
 
-use std::collections::HashMap;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
 
 /// What a candidate is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,29 +44,43 @@ pub enum Kind {
     },
     /// Any other run operation.
     Other,
-    /// A sampling request.
+    /// A new sampling request: its prompt is prefilled and its sequences join the decode.
     Sample {
         /// Prompt tokens.
         tokens: usize,
         /// Sequences it decodes.
         streams: usize,
-        /// Tokens it costs: `streams x (prompt + max_tokens)`.
-        cost: usize,
+    },
+    /// One decode step of every live sequence (one token each).
+    Decode {
+        /// Live sequences.
+        streams: usize,
     },
 }
 
-/// The least a forward pass or sampling request is charged: every pick has a fixed cost
-/// in the worker, so a key sending one-token requests is not served a thousand of them
-/// for each of another key's full passes.
+/// The least a pick is charged (a decode step excepted: it is charged per sequence):
+/// every pick has a fixed cost in the worker, so a key sending one-token requests is not
+/// served a thousand of them for each of another key's full passes.
 pub const MIN_CHARGE: u64 = 64;
 
 impl Kind {
     /// The service a pick of this kind is charged, in tokens.
     pub fn charge(&self) -> u64 {
         match *self {
-            Kind::Forward { tokens, .. } => (tokens as u64).max(MIN_CHARGE),
+            Kind::Forward { tokens, .. } | Kind::Sample { tokens, .. } => {
+                (tokens as u64).max(MIN_CHARGE)
+            }
+            Kind::Other => MIN_CHARGE,
+            Kind::Decode { streams } => streams as u64,
+        }
+    }
+
+    /// Tokens it takes of a batch's budget.
+    fn tokens(&self) -> usize {
+        match *self {
+            Kind::Forward { tokens, .. } | Kind::Sample { tokens, .. } => tokens,
+            Kind::Decode { streams } => streams,
             Kind::Other => 0,
-            Kind::Sample { cost, .. } => (cost as u64).max(MIN_CHARGE),
         }
     }
 }
@@ -78,60 +101,64 @@ pub struct Candidate {
 /// Batch limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
-    /// Most input tokens of one pass of fused forward passes (and of sampling prompts).
+    /// Most tokens of one batch: forward passes, new prompts and a decode step together.
     pub max_batch_tokens: usize,
     /// Most sequences decoded together.
     pub max_sample_streams: usize,
+    /// Sequences decoding now.
+    pub live_streams: usize,
 }
 
 /// The keys of the candidates to run now, in the order they were picked. `levels[o]` is
-/// the service level of owner `o` (see [`Service::levels`]).
+/// the service level of owner `o` (see [`Service::levels`]). Takes `O(n log n)` for `n`
+/// candidates: each key's candidates are a queue by age, and the keys a heap by level.
 pub fn plan(candidates: &[Candidate], limits: Limits, levels: &[u64]) -> Vec<usize> {
     let mut charge: Vec<u64> = levels.to_vec();
-    let mut left: Vec<&Candidate> = candidates.iter().collect();
-    let mut chosen: Vec<usize> = left
+    let mut chosen: Vec<usize> = candidates
         .iter()
         .filter(|c| c.kind == Kind::Other)
         .map(|c| c.key)
         .collect();
-    left.retain(|c| c.kind != Kind::Other);
+    // Each key's candidates, oldest last (popped first).
+    let mut queues: Vec<Vec<&Candidate>> = vec![Vec::new(); levels.len()];
+    for c in candidates.iter().filter(|c| c.kind != Kind::Other) {
+        queues[c.owner].push(c);
+    }
+    let mut heap = BinaryHeap::new();
+    for (owner, q) in queues.iter_mut().enumerate() {
+        q.sort_unstable_by_key(|c| Reverse(c.arrival));
+        if let Some(c) = q.last() {
+            heap.push(Reverse((charge[owner], c.arrival, owner)));
+        }
+    }
     let mut grad_kind: Option<bool> = None;
-    let (mut forward_tokens, mut forwards) = (0usize, 0usize);
-    let (mut sample_tokens, mut streams, mut samples) = (0usize, 0usize, 0usize);
-    while !left.is_empty() {
-        let at = (0..left.len())
-            .min_by_key(|&i| (charge[left[i].owner], left[i].arrival))
-            .expect("not empty");
-        let c = left.swap_remove(at);
-        let take = match c.kind {
-            Kind::Forward { tokens, with_grad } => {
-                let kind_ok = *grad_kind.get_or_insert(with_grad) == with_grad;
-                let fits = forwards == 0 || forward_tokens + tokens <= limits.max_batch_tokens;
-                let ok = kind_ok && fits;
-                if ok {
-                    forward_tokens += tokens;
-                    forwards += 1;
+    let (mut used, mut picks, mut admitted) = (0usize, 0usize, 0usize);
+    while let Some(Reverse((_, _, owner))) = heap.pop() {
+        let c = queues[owner].pop().expect("a queued candidate");
+        let fits = picks == 0 || used.saturating_add(c.kind.tokens()) <= limits.max_batch_tokens;
+        let take = fits
+            && match c.kind {
+                Kind::Forward { with_grad, .. } => *grad_kind.get_or_insert(with_grad) == with_grad,
+                Kind::Sample { streams: n, .. } => {
+                    let decoding = limits.live_streams + admitted;
+                    let room =
+                        decoding == 0 || decoding.saturating_add(n) <= limits.max_sample_streams;
+                    if room {
+                        admitted += n;
+                    }
+                    room
                 }
-                ok
-            }
-            Kind::Sample {
-                tokens, streams: n, ..
-            } => {
-                let fits = samples == 0
-                    || (sample_tokens + tokens <= limits.max_batch_tokens
-                        && streams + n <= limits.max_sample_streams);
-                if fits {
-                    sample_tokens += tokens;
-                    streams += n;
-                    samples += 1;
-                }
-                fits
-            }
-            Kind::Other => unreachable!("taken above"),
-        };
+                Kind::Decode { .. } => true,
+                Kind::Other => unreachable!("taken above"),
+            };
         if take {
-            charge[c.owner] = charge[c.owner].saturating_add(c.kind.charge());
+            used = used.saturating_add(c.kind.tokens());
+            picks += 1;
+            charge[owner] = charge[owner].saturating_add(c.kind.charge());
             chosen.push(c.key);
+        }
+        if let Some(next) = queues[owner].last() {
+            heap.push(Reverse((charge[owner], next.arrival, owner)));
         }
     }
     chosen
@@ -178,6 +205,7 @@ mod tests {
     const LIMITS: Limits = Limits {
         max_batch_tokens: 100,
         max_sample_streams: 8,
+        live_streams: 0,
     };
 
     fn fwd(key: usize, arrival: u64, tokens: usize, with_grad: bool) -> Candidate {
@@ -194,11 +222,7 @@ mod tests {
             key,
             arrival,
             owner: 0,
-            kind: Kind::Sample {
-                tokens,
-                streams,
-                cost: tokens * streams,
-            },
+            kind: Kind::Sample { tokens, streams },
         }
     }
 
@@ -277,12 +301,70 @@ mod tests {
 
     #[test]
     fn nothing_waits_forever() {
-        // Whatever arrives later, the least-served key's oldest work of each kind runs.
+        // Whatever arrives later, the least-served key's oldest work runs first: the large
+        // sampling request does not fit beside the old pass, and is first in the next batch.
         let mut c: Vec<Candidate> = (0..50).map(|i| fwd(i, 100 + i as u64, 30, true)).collect();
         c.push(fwd(99, 0, 90, true));
         c.push(sample(98, 1, 1000, 64));
-        let chosen = plan(&c, LIMITS, &[0]);
-        assert!(chosen.contains(&99) && chosen.contains(&98));
+        assert_eq!(plan(&c, LIMITS, &[0])[0], 99);
+        c.retain(|c| c.key != 99);
+        assert_eq!(plan(&c, LIMITS, &[0]), vec![98]);
+    }
+
+    fn decode(key: usize, owner: usize, streams: usize) -> Candidate {
+        Candidate {
+            key,
+            arrival: 0,
+            owner,
+            kind: Kind::Decode { streams },
+        }
+    }
+
+    #[test]
+    fn new_sampling_requests_join_a_decode_while_their_streams_fit() {
+        let limits = Limits {
+            live_streams: 6,
+            ..LIMITS
+        };
+        let c = [decode(0, 0, 6), sample(1, 1, 10, 2), sample(2, 2, 10, 1)];
+        // 6 live + 2 fills the 8 streams: the second request waits for a sequence to end.
+        assert_eq!(plan(&c, limits, &[0]), vec![0, 1]);
+        // Nothing live and a request larger than the limit: it runs alone.
+        let c = [sample(1, 1, 10, 20), sample(2, 2, 10, 1)];
+        assert_eq!(plan(&c, LIMITS, &[0]), vec![1]);
+    }
+
+    #[test]
+    fn a_decode_and_another_keys_training_backlog_share_the_worker_by_tokens() {
+        // Key 0 has an endless backlog of full passes; key 1 decodes 4 sequences. Batch
+        // after batch, each key is served about the same number of tokens.
+        let mut service = Service::default();
+        let mut served = [0u64; 2];
+        let (mut passes, mut steps) = (0, 0);
+        for round in 0..2000u64 {
+            let c = [owned(fwd(1, round, 100, true), 0), decode(2, 1, 4)];
+            let levels = service.levels(&["hog", "sampler"]);
+            for key in plan(&c, LIMITS, &levels) {
+                let (owner, name) = if key == 1 { (0, "hog") } else { (1, "sampler") };
+                let charge = c[key - 1].kind.charge();
+                service.charge(name, charge);
+                served[owner] += charge;
+                if key == 1 {
+                    passes += 1;
+                } else {
+                    steps += 1;
+                }
+            }
+        }
+        let ratio = served[0] as f64 / served[1] as f64;
+        assert!((0.9..1.1).contains(&ratio), "{served:?}");
+        // About 25 decode steps (of 4 tokens) for each pass of 100 tokens, never both in
+        // one batch (they would exceed the budget).
+        assert_eq!(passes + steps, 2000);
+        assert!(
+            (20..=30).contains(&(steps / passes)),
+            "{steps} steps, {passes} passes"
+        );
     }
 
     #[test]

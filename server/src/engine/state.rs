@@ -195,6 +195,9 @@ pub struct Engine {
     /// path) last submitted, so that `pump` knows whether others may be about to.
     pub(super) sample_submits: HashMap<String, Instant>,
     pub(super) inflight: HashMap<String, Inflight>,
+    /// The sampling requests the worker is decoding, with their live sequences, as of
+    /// its last report.
+    pub(super) decoding: Vec<(String, usize)>,
     pub(super) drop_snapshots: Vec<String>,
     pub(super) unload: Vec<String>,
     pub(super) arrivals: u64,
@@ -243,6 +246,7 @@ impl Engine {
             samples: VecDeque::new(),
             sample_submits: HashMap::new(),
             inflight: HashMap::new(),
+            decoding: Vec::new(),
             drop_snapshots: Vec::new(),
             unload: Vec::new(),
             arrivals: 0,
@@ -443,6 +447,7 @@ impl Engine {
         tracing::error!("the model worker thread has stopped; failing every pending request");
         self.worker_gone = true;
         self.busy = false;
+        self.decoding.clear();
         let mut queued = self.take_queued();
         queued.extend(self.inflight.keys().cloned());
         for id in queued {
@@ -582,9 +587,9 @@ impl Engine {
             .collect()
     }
 
-    /// Whether the worker has nothing running.
+    /// Whether the worker has nothing running: no batch, no sequence being decoded.
     pub fn is_idle(&self) -> bool {
-        !self.busy
+        !self.busy && self.decoding.is_empty()
     }
 
     /// Number of live sessions (tests, metrics).

@@ -124,13 +124,18 @@ pub struct SampleWork {
 }
 
 /// What the worker runs in one go: the runs' operations (all forward passes of the
-/// batch fused into one multi-adapter pass), then every sampling request decoded together.
+/// batch fused into one multi-adapter pass), then new sampling requests join the running
+/// decode (their prompts prefilled together), then, if asked, one decode step of every
+/// live sequence.
 #[derive(Debug, Clone, Default)]
 pub struct Batch {
     /// At most one operation per run, so per-run order is the engine's business.
     pub runs: Vec<RunWork>,
-    /// Sampling requests.
+    /// Sampling requests to start decoding.
     pub samples: Vec<SampleWork>,
+    /// Advance every live sequence by one token (a request whose sequences have all
+    /// ended is answered).
+    pub decode_step: bool,
     /// Sampler snapshots to free (their sampling sessions expired).
     pub drop_snapshots: Vec<String>,
 }
@@ -147,7 +152,30 @@ impl Batch {
 
     /// Whether there is nothing to do.
     pub fn is_empty(&self) -> bool {
-        self.runs.is_empty() && self.samples.is_empty() && self.drop_snapshots.is_empty()
+        self.runs.is_empty()
+            && self.samples.is_empty()
+            && self.drop_snapshots.is_empty()
+            && !self.decode_step
+    }
+}
+
+/// What the worker reports after a [`Batch`].
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct BatchReport {
+    /// The requests it finished (a sampling request finishes in the batch whose decode
+    /// step ended its last sequence, not in the one that admitted it).
+    pub outcomes: Vec<Outcome>,
+    /// The sampling requests still decoding, with their sequences not yet ended.
+    pub decoding: Vec<(String, usize)>,
+}
+
+impl From<Vec<Outcome>> for BatchReport {
+    /// A report of finished requests with nothing left decoding.
+    fn from(outcomes: Vec<Outcome>) -> Self {
+        Self {
+            outcomes,
+            decoding: Vec::new(),
+        }
     }
 }
 

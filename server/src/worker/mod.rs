@@ -6,8 +6,8 @@ mod runner;
 mod thread;
 
 pub use jobs::{
-    panic_message, Batch, Blame, Done, Failure, Outcome, Pass, RunOp, RunWork, SampleWork,
-    SamplerSource,
+    panic_message, Batch, BatchReport, Blame, Done, Failure, Outcome, Pass, RunOp, RunWork,
+    SampleWork, SamplerSource,
 };
 pub use runner::{merge_forward_outputs, Worker};
 pub use thread::{spawn, WorkerHandle};

@@ -8,9 +8,12 @@ use std::sync::Arc;
 use lathe_sdk::types::{CheckpointKind, CheckpointUri, ForwardBackwardOutput, TensorData};
 use serde_json::json;
 
-use super::jobs::{Batch, Done, Failure, Outcome, RunOp, RunWork, SampleWork, SamplerSource};
+use super::jobs::{
+    Batch, BatchReport, Done, Failure, Outcome, RunOp, RunWork, SampleWork, SamplerSource,
+};
+use crate::model::pool::on_pool;
 use crate::model::{Adapter, AdapterGrads, LoadedModel, ModelError};
-use crate::sample::{self, DecodeMode, SampleOutput, Stop};
+use crate::sample::{Admission, DecodeMode, Finished, RunningDecode, SampleOutput, Stop};
 use crate::store::checkpoints::CheckpointMeta;
 use crate::store::{peft, Store, StoreError};
 use crate::train::adamw::{self, AdamState};
@@ -32,12 +35,13 @@ struct RunModel {
 /// Model, adapters and the code that runs batches on them.
 pub struct Worker {
     model: LoadedModel,
-    mode: DecodeMode,
     store: Store,
     runs: HashMap<String, RunModel>,
     snapshots: HashMap<String, Arc<Adapter>>,
     /// Most recently used last.
     cached: Vec<(PathBuf, Arc<Adapter>)>,
+    /// The sampling requests being decoded, by request id.
+    running: RunningDecode<String>,
 }
 
 fn model_failure(e: ModelError) -> Failure {
@@ -70,18 +74,18 @@ impl Worker {
     pub fn new(model: LoadedModel, mode: DecodeMode, store: Store) -> Self {
         Self {
             model,
-            mode,
             store,
             runs: HashMap::new(),
             snapshots: HashMap::new(),
             cached: Vec::new(),
+            running: RunningDecode::new(mode),
         }
     }
 
     /// Runs a batch: every run operation, with all forward passes fused into one
-    /// multi-adapter pass, then all sampling requests decoded together. A failing
-    /// request fails alone.
-    pub fn run_batch(&mut self, batch: Batch) -> Vec<Outcome> {
+    /// multi-adapter pass, then new sampling requests join the running decode, then one
+    /// decode step if the batch asks for it. A failing request fails alone.
+    pub fn run_batch(&mut self, batch: Batch) -> BatchReport {
         for id in &batch.drop_snapshots {
             self.snapshots.remove(id);
         }
@@ -113,9 +117,81 @@ impl Worker {
             }
         }
         if !batch.samples.is_empty() {
-            let ids = batch.samples.iter().map(|s| s.request_id.clone());
-            outcomes.extend(contained_group(ids, || self.sample_group(&batch.samples)));
+            outcomes.extend(self.admit(batch.samples));
         }
+        if batch.decode_step {
+            outcomes.extend(self.decoding(Vec::new(), |w| {
+                let m = &w.model;
+                let finished = on_pool(|| w.running.step(&m.transformer, &m.tokenizer));
+                sample_outcomes(finished)
+            }));
+        }
+        BatchReport {
+            outcomes,
+            decoding: self.decoding_now(),
+        }
+    }
+
+    /// The sampling requests still decoding, with their live sequences.
+    pub fn decoding_now(&self) -> Vec<(String, usize)> {
+        self.running.live().map(|(k, n)| (k.clone(), n)).collect()
+    }
+
+    /// Drops every request being decoded (a panic left their state in doubt); returns
+    /// their ids.
+    pub fn abandon_decoding(&mut self) -> Vec<String> {
+        self.running.clear()
+    }
+
+    /// Runs `f` on the running decode; if it panics, every request being decoded fails
+    /// (their caches may be half written) with those of `joining`, and the decode starts
+    /// empty.
+    fn decoding(
+        &mut self,
+        joining: Vec<String>,
+        f: impl FnOnce(&mut Self) -> Vec<Outcome>,
+    ) -> Vec<Outcome> {
+        match contained(|| f(self)) {
+            Ok(outcomes) => outcomes,
+            Err(failure) => {
+                let mut ids = self.abandon_decoding();
+                let new: Vec<String> = joining.into_iter().filter(|id| !ids.contains(id)).collect();
+                ids.extend(new);
+                ids
+            }
+            .into_iter()
+            .map(|request_id| Outcome {
+                request_id,
+                result: Err(failure.clone()),
+            })
+            .collect(),
+        }
+    }
+
+    /// New sampling requests join the running decode: their adapters resolved, their
+    /// prompts prefilled together. A request that cannot start fails alone.
+    fn admit(&mut self, works: Vec<SampleWork>) -> Vec<Outcome> {
+        let mut outcomes = Vec::new();
+        let mut admissions = Vec::with_capacity(works.len());
+        for work in works {
+            match contained(|| self.sampler_adapter(&work.source)).and_then(|r| r) {
+                Ok(adapter) => admissions.push(Admission {
+                    key: work.request_id,
+                    job: work.job,
+                    adapter,
+                }),
+                Err(failure) => outcomes.push(Outcome {
+                    request_id: work.request_id,
+                    result: Err(failure),
+                }),
+            }
+        }
+        // A panic while admitting fails the new requests as well as those decoding.
+        let new: Vec<String> = admissions.iter().map(|a| a.key.clone()).collect();
+        outcomes.extend(self.decoding(new, |w| {
+            let t = &w.model.transformer;
+            sample_outcomes(on_pool(|| w.running.admit(t, admissions)))
+        }));
         outcomes
     }
 
@@ -349,65 +425,6 @@ impl Worker {
             }
         }
     }
-
-    fn sample_group(&mut self, works: &[SampleWork]) -> Vec<Outcome> {
-        let mut outcomes = Vec::new();
-        let mut adapters: Vec<Arc<Adapter>> = Vec::new();
-        let mut runnable: Vec<(&SampleWork, crate::sample::SampleJob)> = Vec::new();
-        for work in works {
-            match self.sampler_adapter(&work.source) {
-                Ok(adapter) => {
-                    let mut job = work.job.clone();
-                    job.adapter =
-                        adapter.map(|a| match adapters.iter().position(|b| Arc::ptr_eq(b, &a)) {
-                            Some(i) => i,
-                            None => {
-                                adapters.push(a);
-                                adapters.len() - 1
-                            }
-                        });
-                    runnable.push((work, job));
-                }
-                Err(failure) => outcomes.push(Outcome {
-                    request_id: work.request_id.clone(),
-                    result: Err(failure),
-                }),
-            }
-        }
-        outcomes.extend(self.decode(&adapters, &runnable));
-        outcomes
-    }
-
-    fn decode(
-        &self,
-        adapters: &[Arc<Adapter>],
-        runnable: &[(&SampleWork, crate::sample::SampleJob)],
-    ) -> Vec<Outcome> {
-        if runnable.is_empty() {
-            return Vec::new();
-        }
-        let refs: Vec<&Adapter> = adapters.iter().map(|a| a.as_ref()).collect();
-        let jobs: Vec<_> = runnable.iter().map(|(_, j)| j.clone()).collect();
-        let m = &self.model;
-        match sample::sample(&m.transformer, &m.tokenizer, &refs, &jobs, self.mode) {
-            Ok(outputs) => runnable
-                .iter()
-                .zip(outputs)
-                .map(|((w, _), out)| Outcome {
-                    request_id: w.request_id.clone(),
-                    result: done(sample_output(out)),
-                })
-                .collect(),
-            Err(_) if runnable.len() > 1 => runnable
-                .iter()
-                .flat_map(|r| self.decode(adapters, std::slice::from_ref(r)))
-                .collect(),
-            Err(e) => vec![Outcome {
-                request_id: runnable[0].0.request_id.clone(),
-                result: Err(model_failure(e)),
-            }],
-        }
-    }
 }
 
 impl RunModel {
@@ -420,6 +437,22 @@ impl RunModel {
             staged: AdapterGrads::default(),
         }
     }
+}
+
+/// The outcomes of sampling requests that left the decode.
+fn sample_outcomes(finished: Vec<Finished<String>>) -> Vec<Outcome> {
+    finished
+        .into_iter()
+        .map(|(request_id, result)| Outcome {
+            request_id,
+            result: result
+                .map(|out| Done {
+                    body: sample_output(out),
+                    saved: None,
+                })
+                .map_err(model_failure),
+        })
+        .collect()
 }
 
 /// Runs `f`, turning a panic into a server failure (logged).

@@ -4,7 +4,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 
-use super::jobs::{Batch, Failure, Outcome};
+use super::jobs::{Batch, BatchReport, Failure, Outcome};
 use super::runner::Worker;
 
 /// Sends batches to the worker thread.
@@ -40,30 +40,34 @@ impl Drop for WorkerHandle {
     }
 }
 
-/// Starts the worker thread. `on_done` receives each batch's outcomes, in the worker
-/// thread. A panic inside a batch fails that batch's requests (category `server`) and
-/// the worker carries on.
-pub fn spawn(mut worker: Worker, on_done: impl Fn(Vec<Outcome>) + Send + 'static) -> WorkerHandle {
+/// Starts the worker thread. `on_done` receives each batch's report, in the worker
+/// thread. A panic inside a batch fails that batch's requests and those being decoded
+/// (category `server`), and the worker carries on.
+pub fn spawn(mut worker: Worker, on_done: impl Fn(BatchReport) + Send + 'static) -> WorkerHandle {
     let (tx, rx) = mpsc::channel::<Batch>();
     let thread = std::thread::Builder::new()
         .name("lathe-worker".into())
         .spawn(move || {
             while let Ok(batch) = rx.recv() {
                 let ids = batch.request_ids();
-                let outcomes = match catch_unwind(AssertUnwindSafe(|| worker.run_batch(batch))) {
-                    Ok(o) => o,
+                let report = match catch_unwind(AssertUnwindSafe(|| worker.run_batch(batch))) {
+                    Ok(report) => report,
                     Err(panic) => {
                         let msg = super::jobs::panic_message(panic.as_ref());
                         tracing::error!("worker panicked: {msg}");
+                        let mut failed = worker.abandon_decoding();
+                        failed.retain(|id| !ids.contains(id));
                         ids.into_iter()
+                            .chain(failed)
                             .map(|request_id| Outcome {
                                 request_id,
                                 result: Err(Failure::server(format!("internal error: {msg}"))),
                             })
-                            .collect()
+                            .collect::<Vec<_>>()
+                            .into()
                     }
                 };
-                on_done(outcomes);
+                on_done(report);
             }
         })
         .expect("spawning the worker thread");
