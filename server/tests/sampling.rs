@@ -565,3 +565,17 @@ fn a_bad_request_fails_alone_at_admission() {
     assert_eq!(running.streams(), 3);
     assert_eq!(running.live().collect::<Vec<_>>(), vec![(&2, 3)]);
 }
+
+#[test]
+fn exact_mode_never_touches_the_block_quantized_weights() {
+    // Exact mode decodes with the f32 weights; on a CPU without the fast block kernels
+    // their portable path is many times slower, so exact mode must not route even a
+    // prompt through them.
+    let model = tiny_model_q4_1(Arch::Llama, 7).unwrap();
+    let t = &model.transformer;
+    let jobs = [job(tokens(1, 7, 256), None, 2, 3)];
+    sample(t, &model.tokenizer, &[], &jobs, DecodeMode::Exact).unwrap();
+    assert!(!t.has_decode_weights());
+    sample(t, &model.tokenizer, &[], &jobs, DecodeMode::Fast).unwrap();
+    assert!(t.has_decode_weights());
+}

@@ -202,6 +202,12 @@ impl Transformer {
         })
     }
 
+    /// Whether the quantized decode weights have been built (they are built on first use
+    /// only: a server decoding with the f32 weights never pays for them).
+    pub fn has_decode_weights(&self) -> bool {
+        self.decode.get().is_some()
+    }
+
     /// The quantized decode weights, built on first call.
     pub fn decode_weights(&self) -> Result<&DecodeWeights, ModelError> {
         if let Some(d) = self.decode.get() {

@@ -158,7 +158,7 @@ impl<K> RunningDecode<K> {
                 return finished;
             }
         };
-        match prefill(model, &valid) {
+        match prefill(model, &valid, self.mode) {
             Ok(pre) => {
                 for (a, p) in valid.into_iter().zip(pre) {
                     finished.extend(self.add(model, a, p, rescores));
@@ -166,7 +166,7 @@ impl<K> RunningDecode<K> {
             }
             Err(_) if valid.len() > 1 => {
                 for a in valid {
-                    match prefill(model, std::slice::from_ref(&a)) {
+                    match prefill(model, std::slice::from_ref(&a), self.mode) {
                         Ok(mut p) => {
                             let p = p.pop().expect("one prompt, one prefill");
                             finished.extend(self.add(model, a, p, rescores));
@@ -516,6 +516,7 @@ fn check(model: &Transformer, job: &SampleJob) -> Result<(), ModelError> {
 fn prefill<K>(
     model: &Transformer,
     admissions: &[Admission<K>],
+    mode: DecodeMode,
 ) -> Result<Vec<Prefilled>, ModelError> {
     let dev = model.device();
     let mut adapters: Vec<&Adapter> = Vec::new();
@@ -552,11 +553,11 @@ fn prefill<K>(
         let lp: Vec<f32> = lp.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
         (logits, lp, alternatives)
     } else {
-        // Prompts may go through the decode weights only when those are the f32 weights
-        // exactly; each product then picks its kernel by row count (a short prompt is
-        // faster through the block kernels, a long one stays f32).
-        let exact = model.decode_weights()?.exact();
-        let logits = model.forward_cached(&batch, &adapters, &mut refs, exact)?;
+        // Prompts may go through the decode weights only in fast mode and when those are
+        // the f32 weights exactly; each product then picks its kernel by row count (a
+        // short prompt is faster through the block kernels, a long one stays f32).
+        let through_decode_weights = mode == DecodeMode::Fast && model.decode_weights()?.exact();
+        let logits = model.forward_cached(&batch, &adapters, &mut refs, through_decode_weights)?;
         (logits, Vec::new(), Vec::new())
     };
     drop(refs);
