@@ -126,10 +126,8 @@ pub async fn archive_url(
     Path((run, kind, name)): Path<(String, String, String)>,
 ) -> Result<Response, ApiError> {
     let u = uri(&run, &kind, &name)?;
-    let check = u.clone();
-    let who = owner.0.clone();
     s.engine
-        .call(move |e| e.checkpoint_dir(&who, &check))
+        .checkpoint_dir(owner.0.clone(), u.clone())
         .await??;
     let token = s
         .auth
@@ -209,7 +207,7 @@ pub async fn list_sessions(
     State(s): State<AppState>,
     Extension(owner): Extension<Owner>,
 ) -> Result<Json<Value>, ApiError> {
-    let ids = s.engine.call(move |e| e.list_sessions(&owner.0)).await?;
+    let ids = s.engine.list_sessions(owner.0).await?;
     Ok(Json(json!({ "sessions": ids })))
 }
 
@@ -218,10 +216,7 @@ pub async fn get_session(
     Extension(owner): Extension<Owner>,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    let (runs, samplers) = s
-        .engine
-        .call(move |e| e.get_session(&owner.0, &id))
-        .await??;
+    let (runs, samplers) = s.engine.get_session(owner.0, id).await??;
     Ok(Json(
         json!({"training_run_ids": runs, "sampler_ids": samplers}),
     ))

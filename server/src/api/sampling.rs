@@ -32,14 +32,7 @@ pub async fn create_sampling_session(
     };
     let id = s
         .engine
-        .call(move |e| {
-            e.create_sampling_session(
-                &owner.0,
-                &req.session_id,
-                req.sampling_session_seq_id,
-                uri.as_ref(),
-            )
-        })
+        .create_sampling_session(owner.0, req.session_id, req.sampling_session_seq_id, uri)
         .await??;
     let resp = CreateSamplingSessionResponse {
         sampling_session_id: id,
@@ -66,11 +59,7 @@ pub async fn asample(
             ))
         }
     };
-    Ok(Json(
-        s.engine
-            .call(move |e| e.sample(&owner.0, sampler, job))
-            .await??,
-    ))
+    Ok(Json(s.engine.sample(owner.0, sampler, job).await??))
 }
 
 pub async fn get_sampler(
@@ -78,9 +67,5 @@ pub async fn get_sampler(
     Extension(owner): Extension<Owner>,
     Path(id): Path<String>,
 ) -> Result<Json<GetSamplerResponse>, ApiError> {
-    Ok(Json(
-        s.engine
-            .call(move |e| e.get_sampler(&owner.0, &id))
-            .await??,
-    ))
+    Ok(Json(s.engine.get_sampler(owner.0, id).await??))
 }

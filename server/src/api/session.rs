@@ -40,7 +40,7 @@ pub async fn create_session(
     Extension(owner): Extension<Owner>,
     ApiJson(_body): ApiJson<serde::de::IgnoredAny>,
 ) -> Result<Json<Value>, ApiError> {
-    let session_id = s.engine.call(move |e| e.create_session(&owner.0)).await??;
+    let session_id = s.engine.create_session(owner.0).await??;
     let resp = CreateSessionResponse {
         session_id,
         info_message: None,
@@ -55,9 +55,7 @@ pub async fn heartbeat(
     Extension(owner): Extension<Owner>,
     ApiJson(req): ApiJson<SessionHeartbeatRequest>,
 ) -> Result<Json<Value>, ApiError> {
-    s.engine
-        .call(move |e| e.heartbeat(&owner.0, &req.session_id))
-        .await??;
+    s.engine.heartbeat(owner.0, req.session_id).await??;
     Ok(Json(json!({"type": "session_heartbeat"})))
 }
 

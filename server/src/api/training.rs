@@ -35,10 +35,7 @@ async fn ordered<T>(
     let for_good =
         matches!(&result, Err(e) if e.status != axum::http::StatusCode::TOO_MANY_REQUESTS);
     if let (true, Some(seq)) = (for_good, seq) {
-        let _ = s
-            .engine
-            .call(move |e| e.skip_seq(&owner.0, &model_id, seq))
-            .await;
+        let _ = s.engine.skip_seq(owner.0, model_id, seq).await;
     }
     result
 }
@@ -61,11 +58,7 @@ pub async fn create_model(
         seed: req.lora_config.seed.unwrap_or_else(rand::random),
         user_metadata: validate::run_metadata(req.user_metadata)?,
     };
-    Ok(Json(
-        s.engine
-            .call(move |e| e.create_model(&owner.0, new))
-            .await??,
-    ))
+    Ok(Json(s.engine.create_model(owner.0, new).await??))
 }
 
 pub async fn get_info(
@@ -73,10 +66,7 @@ pub async fn get_info(
     Extension(owner): Extension<Owner>,
     ApiJson(req): ApiJson<ModelIdRequest>,
 ) -> Result<Json<Value>, ApiError> {
-    let info = s
-        .engine
-        .call(move |e| e.get_info(&owner.0, &req.model_id))
-        .await??;
+    let info = s.engine.get_info(owner.0, req.model_id).await??;
     Ok(Json(with_type(info, "get_info")))
 }
 
@@ -88,17 +78,14 @@ async fn submit_forward(
     data: Vec<crate::train::DatumJob>,
     with_grad: bool,
 ) -> Result<Json<UntypedApiFuture>, ApiError> {
-    let id = model_id.clone();
+    let op = RunOp::Forward {
+        data,
+        with_grad,
+        pass: Pass::WHOLE,
+    };
     let request_id = s
         .engine
-        .call(move |e| {
-            let op = RunOp::Forward {
-                data,
-                with_grad,
-                pass: Pass::WHOLE,
-            };
-            e.submit(&owner.0, &id, seq_id, op)
-        })
+        .submit(owner.0, model_id.clone(), seq_id, op)
         .await??;
     Ok(future(request_id, &model_id))
 }
@@ -155,10 +142,10 @@ async fn optim_step_inner(
 ) -> Result<Json<UntypedApiFuture>, ApiError> {
     adamw::validate(&req.adam_params)
         .map_err(|e| ApiError::bad_request(format!("adam_params: {e}")))?;
-    let id = req.model_id.clone();
+    let op = RunOp::OptimStep(req.adam_params);
     let request_id = s
         .engine
-        .call(move |e| e.submit(&owner.0, &id, req.seq_id, RunOp::OptimStep(req.adam_params)))
+        .submit(owner.0, req.model_id.clone(), req.seq_id, op)
         .await??;
     Ok(future(request_id, &req.model_id))
 }
@@ -190,10 +177,9 @@ async fn save_weights_inner(
         overwrite: req.overwrite,
         ttl: Ttl::from_wire(req.ttl_seconds)?,
     };
-    let id = req.model_id.clone();
     let request_id = s
         .engine
-        .call(move |e| e.save(&owner.0, &id, req.seq_id, save))
+        .save(owner.0, req.model_id.clone(), req.seq_id, save)
         .await??;
     Ok(future(request_id, &req.model_id))
 }
@@ -221,14 +207,12 @@ async fn save_weights_for_sampler_inner(
                 overwrite: true,
                 ttl: Ttl::from_wire(req.ttl_seconds)?,
             };
-            s.engine
-                .call(move |e| e.save(&owner.0, &id, req.seq_id, save))
-                .await??
+            s.engine.save(owner.0, id, req.seq_id, save).await??
         }
         None => {
             let seq = req.sampling_session_seq_id;
             s.engine
-                .call(move |e| e.snapshot_for_sampler(&owner.0, &id, req.seq_id, seq))
+                .snapshot_for_sampler(owner.0, id, req.seq_id, seq)
                 .await??
         }
     };
@@ -257,18 +241,15 @@ async fn load_weights_inner(
     let uri = parse_uri(&req.path)?;
     match (req.model_id, req.session_id, req.model_seq_id) {
         (Some(model_id), _, _) => {
-            let id = model_id.clone();
             let request_id = s
                 .engine
-                .call(move |e| e.load(&owner.0, &id, req.seq_id, &uri, req.optimizer))
+                .load(owner.0, model_id.clone(), req.seq_id, uri, req.optimizer)
                 .await??;
             Ok(future(request_id, &model_id))
         }
         (None, Some(session), Some(seq)) => Ok(Json(
             s.engine
-                .call(move |e| {
-                    e.create_from_checkpoint(&owner.0, &session, seq, &uri, req.optimizer)
-                })
+                .create_from_checkpoint(owner.0, session, seq, uri, req.optimizer)
                 .await??,
         )),
         _ => Err(ApiError::bad_request(
@@ -282,10 +263,9 @@ pub async fn unload_model(
     Extension(owner): Extension<Owner>,
     ApiJson(req): ApiJson<ModelIdRequest>,
 ) -> Result<Json<UntypedApiFuture>, ApiError> {
-    let id = req.model_id.clone();
     let request_id = s
         .engine
-        .call(move |e| e.submit(&owner.0, &id, None, RunOp::Unload))
+        .submit(owner.0, req.model_id.clone(), None, RunOp::Unload)
         .await??;
     Ok(future(request_id, &req.model_id))
 }
@@ -296,9 +276,6 @@ pub async fn weights_info(
     ApiJson(req): ApiJson<WeightsInfoRequest>,
 ) -> Result<Json<Value>, ApiError> {
     let uri = parse_uri(&req.tinker_path)?;
-    let info = s
-        .engine
-        .call(move |e| e.weights_info(&owner.0, &uri))
-        .await??;
+    let info = s.engine.weights_info(owner.0, uri).await??;
     Ok(Json(serde_json::to_value(info).expect("serialises")))
 }

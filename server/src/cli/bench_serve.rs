@@ -8,7 +8,9 @@
 //!    HTTP minus the same work called in-process on the same model.
 //! 4. With `--fairness`: a second API key (the hog) submits a `forward_backward` backlog
 //!    of `--hog-passes` full passes, then the first key (the victim) submits a small one;
-//!    the victim's latency, in passes of the hog's, against its latency alone.
+//!    the victim's latency, in passes of the hog's, against its latency alone. Then the
+//!    hog samples 16 sequences of `--hog-sample-tokens` and the victim's small
+//!    `forward_backward`, and a victim's short sample, run while the hog's decode runs.
 
 use std::time::{Duration, Instant};
 
@@ -51,6 +53,9 @@ pub struct ServeBenchArgs {
     /// Passes in the hog's backlog (`--fairness`).
     #[arg(long, default_value_t = 6)]
     hog_passes: usize,
+    /// New tokens of each of the hog's 16 sampled sequences (`--fairness`).
+    #[arg(long, default_value_t = 128)]
+    hog_sample_tokens: usize,
 }
 
 const KEY: &str = "tml-bench";
@@ -308,8 +313,51 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<Value> {
                     passes.push(behind_s / pass_s);
                 }
             }
+            // The hog samples 16 long sequences; the victim trains, then samples briefly.
+            let body = json!({"model_id": hog_run.id, "seq_id": hog_run.next(), "sampling_session_seq_id": 0});
+            let v = hog.call("/api/v1/save_weights_for_sampler", &body).await?;
+            let hog_sampler = v["sampling_session_id"].as_str().context("sampler")?.to_string();
+            let short = |sampler: &str| json!({"prompt": {"chunks": [{"type": "encoded_text", "tokens": tokens(6, 16, vocab)}]},
+                "sampling_params": {"max_tokens": 8, "seed": 1, "temperature": 1.0},
+                "sampling_session_id": sampler, "num_samples": 1});
+            let (mut fb_behind, mut sample_alone, mut sample_behind, mut hog_decode) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            for round in 0..=a.rounds {
+                let t = Instant::now();
+                http.call("/api/v1/asample", &short(&samplers[1])).await?;
+                let short_alone = t.elapsed().as_secs_f64();
+                let body = json!({"prompt": {"chunks": [{"type": "encoded_text", "tokens": tokens(7, 16, vocab)}]},
+                    "sampling_params": {"max_tokens": a.hog_sample_tokens, "seed": round, "temperature": 1.0},
+                    "sampling_session_id": hog_sampler, "num_samples": 16});
+                let t_hog = Instant::now();
+                let hog_id = hog.post("/api/v1/asample", &body).await?["request_id"].as_str().context("id")?.to_string();
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                let t = Instant::now();
+                fb(&http, victim, &victim_tokens).await?;
+                let fb_s = t.elapsed().as_secs_f64();
+                let t = Instant::now();
+                http.call("/api/v1/asample", &short(&samplers[1])).await?;
+                let short_s = t.elapsed().as_secs_f64();
+                hog.wait(&hog_id).await?;
+                let hog_s = t_hog.elapsed().as_secs_f64();
+                eprintln!("bench serve: fairness round {round}: behind the hog's 16 x {} sample ({hog_s:.2} s): victim forward_backward {fb_s:.2} s, victim sample {short_s:.2} s (alone {short_alone:.2} s)", a.hog_sample_tokens);
+                if round > 0 {
+                    fb_behind.push(fb_s);
+                    sample_alone.push(short_alone);
+                    sample_behind.push(short_s);
+                    hog_decode.push(hog_s);
+                }
+            }
+            let behind_sampling = json!({
+                "hog_sequences": 16,
+                "hog_new_tokens": a.hog_sample_tokens,
+                "hog_sample_s_median": round(stats(hog_decode).median),
+                "victim_forward_backward_s_median": round(stats(fb_behind).median),
+                "victim_sample_8_tokens_alone_s_median": round(stats(sample_alone).median),
+                "victim_sample_8_tokens_behind_s_median": round(stats(sample_behind).median),
+            });
             let (alone, behind, passes) = (stats(alone), stats(behind), stats(passes));
             Some(json!({
+                "behind_sampling": behind_sampling,
                 "hog_backlog_passes": a.hog_passes,
                 "pass_tokens": pass,
                 "victim_tokens": a.train_tokens,

@@ -1,5 +1,6 @@
-//! The engine actor: one tokio task owns the [`Engine`]; everyone else sends it closures
-//! over a bounded channel and awaits the reply (TGI's queue pattern, no shared locks).
+//! The engine actor: one tokio task owns the [`Engine`]; everyone else sends it typed
+//! [`Command`]s over a bounded channel and awaits the reply (TGI's queue pattern, no
+//! shared locks).
 //! The actor does no I/O: index reads and writes run on tokio's blocking pool, either
 //! between two engine calls (listings, deletes, publishing) or as the engine's queued
 //! [`StoreWork`] flushed after each step.
@@ -9,18 +10,17 @@ use std::time::{Duration, Instant};
 use lathe_sdk::types::{CheckpointUri, CheckpointsListResponse, TrainingRun, TrainingRunsResponse};
 use tokio::sync::{mpsc, oneshot};
 
+use super::command::Command;
 use super::futures::{FutureResult, Poll};
 use super::state::StoreWork;
 use super::{rest, Engine, EngineError, Ttl};
 use crate::store::Store;
 use crate::worker::BatchReport;
 
-type Message = Box<dyn FnOnce(&mut Engine) + Send>;
-
 /// A cheap, cloneable handle to the engine task.
 #[derive(Clone)]
 pub struct EngineHandle {
-    tx: mpsc::Sender<Message>,
+    tx: mpsc::Sender<Command>,
     store: Store,
 }
 
@@ -28,17 +28,14 @@ pub struct EngineHandle {
 const TICK: Duration = Duration::from_millis(500);
 
 impl EngineHandle {
-    /// Runs `f` on the engine and returns its result.
-    pub async fn call<R: Send + 'static>(
+    /// Sends the command `make` builds around a reply channel, and awaits the answer.
+    pub(super) async fn request<R>(
         &self,
-        f: impl FnOnce(&mut Engine) -> R + Send + 'static,
+        make: impl FnOnce(oneshot::Sender<R>) -> Command,
     ) -> Result<R, EngineError> {
         let (tx, rx) = oneshot::channel();
-        let msg: Message = Box::new(move |engine| {
-            let _ = tx.send(f(engine));
-        });
         self.tx
-            .send(msg)
+            .send(make(tx))
             .await
             .map_err(|_| EngineError::Unavailable("the engine has stopped".into()))?;
         rx.await.map_err(|_| {
@@ -61,9 +58,8 @@ impl EngineHandle {
         request_id: String,
         timeout: Duration,
     ) -> Result<Option<FutureResult>, EngineError> {
-        let rid = request_id.clone();
         let poll = self
-            .call(move |e| e.futures.poll(&rid, &owner))
+            .poll_future(owner, request_id.clone())
             .await?
             .ok_or_else(|| {
                 EngineError::NotFound(format!(
@@ -160,13 +156,10 @@ impl EngineHandle {
         owner: String,
         uri: CheckpointUri,
     ) -> Result<(), EngineError> {
-        let u = uri.clone();
-        let version = self.call(move |e| e.begin_delete(&owner, &u)).await??;
+        let version = self.begin_delete(owner, uri.clone()).await??;
         let (u, v) = (uri.clone(), version.clone());
         let result = self.blocking(move |s| Ok(s.delete(&u, &v)?)).await;
-        let deleted = result.is_ok();
-        self.call(move |e| e.finish_delete(&uri, &version, deleted))
-            .await?;
+        self.finish_delete(uri, version, result.is_ok()).await?;
         result.map(|_| ())
     }
 
@@ -189,17 +182,13 @@ impl EngineHandle {
         uri: CheckpointUri,
         public: bool,
     ) -> Result<(), EngineError> {
-        let u = uri.clone();
-        let (was, version) = self
-            .call(move |e| e.begin_set_public(&owner, &u, public))
-            .await??;
+        let (was, version) = self.begin_set_public(owner, uri.clone(), public).await??;
         let (u, v) = (uri.clone(), version.clone());
         let result = self
             .blocking(move |s| Ok(s.set_public(&u, &v, public)?))
             .await
             .and_then(|current| replaced_check(&uri, current));
-        let written = result.is_ok();
-        self.call(move |e| e.finish_set_public(&uri, &version, public, was, written))
+        self.finish_set_public(uri, version, public, was, result.is_ok())
             .await?;
         result
     }
@@ -223,17 +212,13 @@ impl EngineHandle {
         uri: CheckpointUri,
         ttl: Option<Ttl>,
     ) -> Result<(), EngineError> {
-        let u = uri.clone();
-        let (at, version) = self
-            .call(move |e| e.begin_set_ttl(&owner, &u, ttl))
-            .await??;
+        let (at, version) = self.begin_set_ttl(owner, uri.clone(), ttl).await??;
         let (u, v) = (uri.clone(), version.clone());
         let current = self
             .blocking(move |s| Ok(s.set_expiry(&u, &v, at)?))
             .await?;
         replaced_check(&uri, current)?;
-        self.call(move |e| e.finish_set_ttl(&uri, &version, at))
-            .await
+        self.finish_set_ttl(uri, version, at).await
     }
 
     /// A tar of a checkpoint `owner` may read, built off the actor and the async threads
@@ -243,7 +228,7 @@ impl EngineHandle {
         owner: String,
         uri: lathe_sdk::types::CheckpointUri,
     ) -> Result<Vec<u8>, EngineError> {
-        let dir = self.call(move |e| e.checkpoint_dir(&owner, &uri)).await??;
+        let dir = self.checkpoint_dir(owner, uri).await??;
         self.blocking(move |_| Ok(crate::store::checkpoints::archive(&dir)?))
             .await
     }
@@ -252,15 +237,14 @@ impl EngineHandle {
     pub fn outcome_sink(&self) -> impl Fn(BatchReport) + Send + 'static {
         let tx = self.tx.clone();
         move |report| {
-            let msg: Message = Box::new(move |engine| engine.complete(report));
-            let _ = tx.blocking_send(msg);
+            let _ = tx.blocking_send(Command::Complete(report));
         }
     }
 
     /// Whether the engine and its worker can serve: `Err` says why not. An engine that
     /// does not answer within `timeout` is unhealthy too.
     pub async fn health(&self, timeout: Duration) -> Result<(), String> {
-        match tokio::time::timeout(timeout, self.call(|e| e.health())).await {
+        match tokio::time::timeout(timeout, self.engine_health()).await {
             Ok(Ok(health)) => health,
             Ok(Err(e)) => Err(e.to_string()),
             Err(_) => Err(format!(
@@ -273,10 +257,10 @@ impl EngineHandle {
     /// Stops taking work, lets the running batch finish (up to `grace`), fails what was
     /// still queued.
     pub async fn shutdown(&self, grace: Duration) {
-        let _ = self.call(|e| e.begin_shutdown()).await;
+        let _ = self.begin_shutdown().await;
         let deadline = Instant::now() + grace;
         while Instant::now() < deadline {
-            match self.call(|e| e.is_idle()).await {
+            match self.is_idle().await {
                 Ok(true) | Err(_) => break,
                 Ok(false) => tokio::time::sleep(Duration::from_millis(50)).await,
             }
@@ -298,7 +282,7 @@ fn replaced_check(uri: &CheckpointUri, current: bool) -> Result<(), EngineError>
 
 /// A channel for the engine over `store`; the engine itself is built later (its worker
 /// needs the handle), then started with [`run`].
-pub fn channel(store: Store) -> (EngineHandle, mpsc::Receiver<Message>) {
+pub fn channel(store: Store) -> (EngineHandle, mpsc::Receiver<Command>) {
     let (tx, rx) = mpsc::channel(1024);
     (EngineHandle { tx, store }, rx)
 }
@@ -306,7 +290,7 @@ pub fn channel(store: Store) -> (EngineHandle, mpsc::Receiver<Message>) {
 /// Writes the engine's queued index work on the blocking pool, then tells the engine
 /// which expired checkpoints are gone. A failed write is logged; an expired checkpoint
 /// whose delete failed becomes visible again and is retried at the next tick.
-async fn flush(store: Store, engine: mpsc::WeakSender<Message>, work: StoreWork) {
+async fn flush(store: Store, engine: mpsc::WeakSender<Command>, work: StoreWork) {
     let done = tokio::task::spawn_blocking(move || {
         for run in &work.new_runs {
             if let Err(e) = store.insert_run(run) {
@@ -337,12 +321,7 @@ async fn flush(store: Store, engine: mpsc::WeakSender<Message>, work: StoreWork)
     if done.is_empty() {
         return;
     }
-    let msg: Message = Box::new(move |e| {
-        for (uri, version, deleted) in done {
-            e.finish_delete(&uri, &version, deleted);
-        }
-    });
-    let _ = tx.send(msg).await;
+    let _ = tx.send(Command::ExpiredDeleted(done)).await;
 }
 
 /// Runs one step of the actor, containing a panic to that step: the engine state is
@@ -358,7 +337,7 @@ fn contained(what: &str, step: impl FnOnce()) {
 
 /// The actor loop: apply messages, tick housekeeping, keep the worker fed. Ends when
 /// every handle is dropped. A panic in any step is contained to it.
-pub async fn run(mut engine: Engine, mut rx: mpsc::Receiver<Message>, handle: EngineHandle) {
+pub async fn run(mut engine: Engine, mut rx: mpsc::Receiver<Command>, handle: EngineHandle) {
     let (store, weak) = (handle.store.clone(), handle.tx.downgrade());
     drop(handle);
     let mut tick = tokio::time::interval(TICK);
@@ -374,7 +353,7 @@ pub async fn run(mut engine: Engine, mut rx: mpsc::Receiver<Message>, handle: En
         let mut ticked = false;
         tokio::select! {
             msg = rx.recv() => match msg {
-                Some(f) => contained("request", || f(&mut engine)),
+                Some(command) => contained("request", || command.apply(&mut engine)),
                 None => break,
             },
             _ = tick.tick() => {

@@ -8,6 +8,7 @@ mod actor;
 #[cfg(test)]
 mod batching_tests;
 mod catalog;
+mod command;
 mod dispatch;
 mod error;
 mod futures;
@@ -24,6 +25,7 @@ mod test_engine;
 mod ttl;
 
 pub use actor::{channel, run, EngineHandle};
+pub use command::Command;
 pub use error::EngineError;
 pub use futures::FutureResult;
 pub use info::ModelInfo;
