@@ -442,10 +442,47 @@ unsafe fn dot_block_avx512(xs: &[f32], m: usize, k: usize, wrows: &[f32], out: &
     }
 }
 
+/// AVX2 version: each 16-float piece of a weight row is loaded once (two registers) and
+/// multiplied into up to four activation rows, with two accumulators per row so eight
+/// independent FMA chains hide the FMA latency (one chain per row, as in a plain dot
+/// product, left three quarters of the FMA units idle and made eight rows cost 2.7 times
+/// one row).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn dot_block_avx2(xs: &[f32], m: usize, k: usize, wrows: &[f32], out: &mut [f32]) {
-    dot_block_generic(xs, m, k, wrows, out)
+    use std::arch::x86_64::*;
+    let full = k / 16 * 16;
+    for (o, wr) in wrows.chunks_exact(k).enumerate() {
+        let mut mi = 0;
+        while mi < m {
+            let r = (m - mi).min(4);
+            let mut lo = [_mm256_setzero_ps(); 4];
+            let mut hi = [_mm256_setzero_ps(); 4];
+            let mut c = 0;
+            while c < full {
+                // SAFETY: c + 16 <= full <= k, the length of `wr` and of each x row.
+                let w0 = _mm256_loadu_ps(wr.as_ptr().add(c));
+                let w1 = _mm256_loadu_ps(wr.as_ptr().add(c + 8));
+                for j in 0..r {
+                    let x = xs.as_ptr().add((mi + j) * k + c);
+                    lo[j] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x), lo[j]);
+                    hi[j] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x.add(8)), hi[j]);
+                }
+                c += 16;
+            }
+            for j in 0..r {
+                let row = &xs[(mi + j) * k..(mi + j + 1) * k];
+                let mut lanes = [0f32; 8];
+                _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(lo[j], hi[j]));
+                let mut total: f32 = lanes.iter().sum();
+                for i in full..k {
+                    total += wr[i] * row[i];
+                }
+                out[o * m + mi + j] = total;
+            }
+            mi += r;
+        }
+    }
 }
 
 /// Dot products of each weight row with each `x` row, with 16 independent lanes so the
@@ -500,6 +537,30 @@ mod tests {
         let mut yt = vec![0f32; n * m];
         dot_block_generic(&xs, m, k, &ws, &mut yt);
         assert!(max_diff(&from_transposed(yt, n, m).unwrap(), &want) < 1e-4);
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn avx2_kernel_matches_gemm_whatever_the_cpu_prefers() {
+        // Called directly: a CPU with AVX-512 would never pick it through `dot_block`.
+        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+            return;
+        }
+        for k in [576, 70, 8, 16] {
+            let n = 9;
+            let w = randn(n, k, 3);
+            let ws: Vec<f32> = w.flatten_all().unwrap().to_vec1().unwrap();
+            for m in 1..=FEW_ROWS {
+                let x = randn(m, k, 11 + m as u64);
+                let want = x.matmul(&w.t().unwrap()).unwrap();
+                let xs: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
+                let mut yt = vec![0f32; n * m];
+                // SAFETY: the CPU supports AVX2 and FMA, checked above.
+                unsafe { dot_block_avx2(&xs, m, k, &ws, &mut yt) };
+                let got = from_transposed(yt, n, m).unwrap();
+                assert!(max_diff(&got, &want) < 1e-4, "m={m} k={k}");
+            }
+        }
     }
 
     #[test]
