@@ -31,10 +31,15 @@ pub struct ServeArgs {
     /// Most LoRA training sessions loaded at once.
     #[arg(long, default_value_t = 64)]
     max_sessions: usize,
-    /// Tokens of one pass: the fused multi-adapter forward/backward the worker runs
-    /// between two scheduling decisions (a larger request runs as several passes).
+    /// Tokens of one batch between two scheduling decisions: a fused multi-adapter
+    /// forward/backward pass (a larger request runs as several passes), new prompts and a
+    /// decode step (one token per sequence) share it.
     #[arg(long, default_value_t = lathe_server::train::PASS_TOKENS)]
     max_batch_tokens: usize,
+    /// Most sequences decoded together, across all keys (a sampling request waits for
+    /// room; one larger than this runs alone).
+    #[arg(long, default_value_t = EngineConfig::default().max_sample_streams)]
+    max_sample_streams: usize,
     /// Largest request body in bytes (413 beyond).
     #[arg(long, default_value_t = lathe_server::api::DEFAULT_MAX_REQUEST_BYTES)]
     max_request_bytes: usize,
@@ -135,6 +140,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         engine: EngineConfig {
             max_sessions: args.max_sessions.max(1),
             max_batch_tokens: args.max_batch_tokens.max(1),
+            max_sample_streams: args.max_sample_streams.max(1),
             session_timeout: Duration::from_secs(args.session_timeout.max(1)),
             limits: args.limits.limits(),
             max_result_bytes: args.max_result_bytes,
