@@ -37,7 +37,8 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = lathe_server::train::PASS_TOKENS)]
     max_batch_tokens: usize,
     /// Most sequences decoded together, across all keys (a sampling request waits for
-    /// room; one larger than this runs alone).
+    /// room, and later ones wait behind it; one larger than this runs when nothing else
+    /// decodes).
     #[arg(long, default_value_t = EngineConfig::default().max_sample_streams)]
     max_sample_streams: usize,
     /// Largest request body in bytes (413 beyond).

@@ -453,3 +453,48 @@ fn decoding_goes_on_while_the_server_drains() {
     engine.complete(report(vec![], &[]));
     assert!(engine.is_idle());
 }
+
+#[test]
+fn a_decode_split_across_keys_does_not_starve_another_keys_training() {
+    use crate::worker::{Pass, RunOp};
+    let (mut engine, sent) = engine();
+    let run = live_run(&mut engine, &sent, "trainer");
+    // One key decodes 63 sequences, a second key 1: the step must not be ranked at the
+    // light key's level, or the trainer would wait about 1000 steps per pass.
+    let mut wide = job();
+    wide.num_samples = 63;
+    wide.max_tokens = 50;
+    let mut long = job();
+    long.max_tokens = 50;
+    let h = engine
+        .sample("hog", SamplerRef::BaseModel, wide)
+        .unwrap()
+        .request_id;
+    let v = engine
+        .sample("light", SamplerRef::BaseModel, long)
+        .unwrap()
+        .request_id;
+    pump_now(&mut engine);
+    engine.complete(report(vec![], &[(&h, 63), (&v, 1)]));
+    let backlog = RunOp::Forward {
+        data: (0..40).map(|_| datum(1000)).collect(),
+        with_grad: true,
+        pass: Pass::WHOLE,
+    };
+    let fb = engine.submit("trainer", &run, Some(1), backlog).unwrap();
+    let mut passes = 0;
+    for _ in 0..100 {
+        pump_now(&mut engine);
+        let batch = sent.lock().unwrap().pop().expect("a batch");
+        let outcomes = if batch.runs.is_empty() {
+            vec![]
+        } else {
+            passes += 1;
+            vec![pass_result(&fb, 1, 1.0)]
+        };
+        engine.complete(report(outcomes, &[(&h, 63), (&v, 1)]));
+    }
+    // A 1000-token pass cannot share a batch with a 64-token step: about one pass per
+    // 16 steps.
+    assert!(passes >= 5, "{passes} passes in 100 batches");
+}

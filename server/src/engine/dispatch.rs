@@ -81,8 +81,9 @@ impl Engine {
                 },
             });
         }
-        // The decode step is one candidate, offered for the least-served key that has
-        // sequences decoding; every such key is charged its own sequences when it runs.
+        // The decode step is one candidate, ranked at the most-served key that has
+        // sequences decoding (so splitting a decode across keys gains nothing); every such
+        // key is charged its own sequences when it runs.
         let decode_key = base + self.samples.len();
         let mut decoders: Vec<(usize, usize)> = Vec::new();
         for (request_id, streams) in &self.decoding {
@@ -115,7 +116,7 @@ impl Engine {
         };
         let active: Vec<&str> = owners.iter().map(String::as_str).collect();
         let levels = self.service.levels(&active);
-        if let Some(&(owner, _)) = decoders.iter().min_by_key(|(o, _)| levels[*o]) {
+        if let Some(&(owner, _)) = decoders.iter().max_by_key(|(o, _)| levels[*o]) {
             candidates.push(Candidate {
                 key: decode_key,
                 // Ongoing work: older than anything queued.
@@ -244,8 +245,10 @@ impl Engine {
             }
         }
         batch.samples.reverse();
-        // New sequences take their first step with the running ones at once.
-        batch.decode_step = picked.contains(&decode_key) || !batch.samples.is_empty();
+        // New sequences step with the running ones when the scheduler picks the step; with
+        // nothing else decoding, they take their first step at once.
+        batch.decode_step =
+            picked.contains(&decode_key) || (decoders.is_empty() && !batch.samples.is_empty());
         if batch.decode_step {
             for &(owner, streams) in &decoders {
                 self.service.charge(&owners[owner], streams as u64);
@@ -292,7 +295,22 @@ impl Engine {
     pub fn complete(&mut self, report: impl Into<BatchReport>) {
         let report = report.into();
         self.busy = false;
-        self.decoding = report.decoding;
+        let before = std::mem::replace(&mut self.decoding, report.decoding);
+        // A request that left the decode must have an outcome; one that has none (a
+        // worker bug) fails rather than waiting forever and holding its key's limits.
+        for (request_id, _) in before {
+            let answered = report.outcomes.iter().any(|o| o.request_id == request_id)
+                || self.decoding.iter().any(|(r, _)| *r == request_id);
+            if !answered && self.inflight.remove(&request_id).is_some() {
+                tracing::error!(request = %request_id, "a sampling request left the decode without an outcome");
+                self.futures.resolve(
+                    &request_id,
+                    Err(Failure::server(
+                        "internal error: this sampling request was lost by the worker",
+                    )),
+                );
+            }
+        }
         for outcome in report.outcomes {
             let Some(mut inflight) = self.inflight.remove(&outcome.request_id) else {
                 continue;

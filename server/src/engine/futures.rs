@@ -41,12 +41,15 @@ struct Entry {
 }
 
 /// All futures by request id. Finished results are kept until retrieved (then for
-/// [`RETRIEVED_GRACE`]) or until the TTL, and within a byte budget: past it the oldest
-/// finished results are dropped first.
+/// [`RETRIEVED_GRACE`]) or until the TTL, and within a byte budget: past it, the API key
+/// holding the most result bytes loses its oldest results first, so one key leaving
+/// results unretrieved cannot push out another key's.
 pub struct Futures {
     map: HashMap<String, Entry>,
-    /// Finished ids, oldest first (ids already gone are skipped when met).
-    finished: VecDeque<String>,
+    /// Each key's finished ids, oldest first (ids already gone are skipped when met).
+    finished: HashMap<String, VecDeque<String>>,
+    /// Bytes each key's finished results hold.
+    held: HashMap<String, usize>,
     done_bytes: usize,
     budget: usize,
 }
@@ -79,7 +82,8 @@ impl Futures {
     pub fn with_budget(budget: usize) -> Self {
         Self {
             map: HashMap::new(),
-            finished: VecDeque::new(),
+            finished: HashMap::new(),
+            held: HashMap::new(),
             done_bytes: 0,
             budget,
         }
@@ -121,15 +125,32 @@ impl Futures {
             bytes,
             retrieved: delivered.then_some(now),
         };
+        let owner = entry.owner.clone();
         self.done_bytes += bytes;
-        self.finished.push_back(request_id.to_string());
+        *self.held.entry(owner.clone()).or_default() += bytes;
+        self.finished
+            .entry(owner)
+            .or_default()
+            .push_back(request_id.to_string());
         self.enforce_budget();
     }
 
+    /// Drops finished results until they fit the budget, each time the oldest of the key
+    /// holding the most bytes.
     fn enforce_budget(&mut self) {
         while self.done_bytes > self.budget {
-            let Some(id) = self.finished.pop_front() else {
+            let Some(owner) = self
+                .held
+                .iter()
+                .max_by_key(|(_, b)| **b)
+                .map(|(o, _)| o.clone())
+            else {
                 break;
+            };
+            let Some(id) = self.finished.get_mut(&owner).and_then(VecDeque::pop_front) else {
+                // Nothing left to drop for this key: its count is stale.
+                self.held.remove(&owner);
+                continue;
             };
             if let Some(Entry {
                 state: State::Done {
@@ -139,10 +160,23 @@ impl Futures {
             }) = self.map.get(&id)
             {
                 if retrieved.is_none() {
-                    tracing::warn!(request = %id, "dropping an unretrieved result: finished results exceed --max-result-bytes");
+                    tracing::warn!(request = %id, owner = %owner, "dropping an unretrieved result: finished results exceed --max-result-bytes");
                 }
-                self.done_bytes -= *bytes;
+                let bytes = *bytes;
+                self.done_bytes -= bytes;
+                self.release(&owner, bytes);
                 self.map.remove(&id);
+            }
+        }
+    }
+
+    /// `bytes` of `owner`'s results are gone.
+    fn release(&mut self, owner: &str, bytes: usize) {
+        if let Some(held) = self.held.get_mut(owner) {
+            *held = held.saturating_sub(bytes);
+            if *held == 0 {
+                self.held.remove(owner);
+                self.finished.remove(owner);
             }
         }
     }
@@ -172,7 +206,7 @@ impl Futures {
     /// Forgets finished futures retrieved more than [`RETRIEVED_GRACE`] ago, or finished
     /// more than `ttl` ago.
     pub fn expire(&mut self, now: Instant, ttl: Duration) {
-        let mut freed = 0;
+        let mut freed: Vec<(String, usize)> = Vec::new();
         self.map.retain(|_, e| match &e.state {
             State::Done {
                 at,
@@ -183,15 +217,20 @@ impl Futures {
                 let keep = now.saturating_duration_since(*at) < ttl
                     && retrieved.is_none_or(|r| now.saturating_duration_since(r) < RETRIEVED_GRACE);
                 if !keep {
-                    freed += bytes;
+                    freed.push((e.owner.clone(), *bytes));
                 }
                 keep
             }
             State::Pending(_) => true,
         });
-        self.done_bytes -= freed;
+        for (owner, bytes) in freed {
+            self.done_bytes -= bytes;
+            self.release(&owner, bytes);
+        }
         let map = &self.map;
-        self.finished.retain(|id| map.contains_key(id));
+        for queue in self.finished.values_mut() {
+            queue.retain(|id| map.contains_key(id));
+        }
     }
 
     /// Bytes finished results hold now.
@@ -245,5 +284,32 @@ mod tests {
         assert!(f.poll("b", "alice").is_none());
         assert!(f.poll("c", "alice").is_some() && f.poll("e", "alice").is_some());
         assert!(f.done_bytes() <= 3 * approx_bytes(&json!([1, 2, 3])));
+    }
+
+    #[test]
+    fn a_key_flooding_the_result_budget_loses_its_own_results_not_another_keys() {
+        let one = approx_bytes(&json!([1, 2, 3]));
+        let mut f = Futures::with_budget(4 * one);
+        f.insert("victim-1".into(), "victim");
+        f.resolve("victim-1", Ok(json!([1, 2, 3])));
+        // The hog finishes many results after the victim's and retrieves none.
+        for i in 0..20 {
+            let id = format!("hog-{i}");
+            f.insert(id.clone(), "hog");
+            f.resolve(&id, Ok(json!([1, 2, 3])));
+        }
+        assert!(f.done_bytes() <= 4 * one);
+        assert!(
+            matches!(f.poll("victim-1", "victim"), Some(Poll::Ready(_))),
+            "the older result of the key holding less survives"
+        );
+        // The hog keeps its newest three.
+        assert!(f.poll("hog-16", "hog").is_none());
+        assert!((17..20).all(|i| f.poll(&format!("hog-{i}"), "hog").is_some()));
+        // Expiry keeps the per-key counts right: everything retrieved, then freed.
+        let later = Instant::now() + RETRIEVED_GRACE + Duration::from_secs(1);
+        f.expire(later, Duration::from_secs(3600));
+        assert_eq!(f.done_bytes(), 0);
+        assert!(f.held.is_empty() && f.finished.is_empty());
     }
 }

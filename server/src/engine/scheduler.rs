@@ -27,7 +27,9 @@
 //! - Cheap operations (optimizer steps, saves, loads) ride along with every batch, each
 //!   charged [`MIN_CHARGE`].
 //! - New sampling requests join the running decode while their streams fit
-//!   `max_sample_streams` beside the live ones.
+//!   `max_sample_streams` beside the live ones. Once the most deserving waiting request
+//!   does not fit, later ones wait behind it, so the live streams drain until it does (a
+//!   large request is never starved by a stream of small ones).
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
@@ -133,6 +135,7 @@ pub fn plan(candidates: &[Candidate], limits: Limits, levels: &[u64]) -> Vec<usi
     }
     let mut grad_kind: Option<bool> = None;
     let (mut used, mut picks, mut admitted) = (0usize, 0usize, 0usize);
+    let mut sample_blocked = false;
     while let Some(Reverse((_, _, owner))) = heap.pop() {
         let c = queues[owner].pop().expect("a queued candidate");
         let fits = picks == 0 || used.saturating_add(c.kind.tokens()) <= limits.max_batch_tokens;
@@ -141,10 +144,13 @@ pub fn plan(candidates: &[Candidate], limits: Limits, levels: &[u64]) -> Vec<usi
                 Kind::Forward { with_grad, .. } => *grad_kind.get_or_insert(with_grad) == with_grad,
                 Kind::Sample { streams: n, .. } => {
                     let decoding = limits.live_streams + admitted;
-                    let room =
-                        decoding == 0 || decoding.saturating_add(n) <= limits.max_sample_streams;
+                    let room = !sample_blocked
+                        && (decoding == 0
+                            || decoding.saturating_add(n) <= limits.max_sample_streams);
                     if room {
                         admitted += n;
+                    } else {
+                        sample_blocked = true;
                     }
                     room
                 }
@@ -329,6 +335,10 @@ mod tests {
         let c = [decode(0, 0, 6), sample(1, 1, 10, 2), sample(2, 2, 10, 1)];
         // 6 live + 2 fills the 8 streams: the second request waits for a sequence to end.
         assert_eq!(plan(&c, limits, &[0]), vec![0, 1]);
+        // The oldest request needs 3 streams, 2 are free: it waits, and the smaller one
+        // behind it waits too rather than taking the room it needs.
+        let c = [decode(0, 0, 6), sample(1, 1, 10, 3), sample(2, 2, 10, 1)];
+        assert_eq!(plan(&c, limits, &[0]), vec![0]);
         // Nothing live and a request larger than the limit: it runs alone.
         let c = [sample(1, 1, 10, 20), sample(2, 2, 10, 1)];
         assert_eq!(plan(&c, LIMITS, &[0]), vec![1]);

@@ -26,11 +26,11 @@ use super::EngineError;
 pub struct EngineConfig {
     /// Most training runs loaded at once (`--max-sessions`).
     pub max_sessions: usize,
-    /// Tokens of one pass (`--max-batch-tokens`): the fused forward passes the worker
-    /// runs between two scheduling decisions, and the prompt tokens of one decode batch.
-    /// A larger forward request runs as several passes of whole datums.
+    /// Tokens of one batch (`--max-batch-tokens`) between two scheduling decisions: the
+    /// fused forward passes, new prompts and a decode step (one token per sequence)
+    /// share it. A larger forward request runs as several passes of whole datums.
     pub max_batch_tokens: usize,
-    /// Most sequences decoded together.
+    /// Most sequences decoded together (`--max-sample-streams`).
     pub max_sample_streams: usize,
     /// A session without a heartbeat for this long is expired and its runs unloaded.
     pub session_timeout: Duration,

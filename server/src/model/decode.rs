@@ -7,7 +7,7 @@
 //! otherwise. When every matrix is exact ([`DecodeWeights::exact`]) decoding computes the
 //! trainer's own function; when not, the sampler rescores the chosen tokens with the f32
 //! weights, so the log-probabilities it reports are the trainer's either way (see
-//! `sample::decode`). Projections whose input width is not a multiple of 32 stay f32.
+//! `sample::running`). Projections whose input width is not a multiple of 32 stay f32.
 
 use candle_core::{DType, Tensor};
 

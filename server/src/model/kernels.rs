@@ -451,6 +451,8 @@ unsafe fn dot_block_avx512(xs: &[f32], m: usize, k: usize, wrows: &[f32], out: &
 #[target_feature(enable = "avx2,fma")]
 unsafe fn dot_block_avx2(xs: &[f32], m: usize, k: usize, wrows: &[f32], out: &mut [f32]) {
     use std::arch::x86_64::*;
+    // The loads below index `xs` unchecked up to row `m - 1`.
+    assert!(xs.len() >= m * k && out.len() >= wrows.len() / k.max(1) * m);
     let full = k / 16 * 16;
     for (o, wr) in wrows.chunks_exact(k).enumerate() {
         let mut mi = 0;
@@ -460,7 +462,8 @@ unsafe fn dot_block_avx2(xs: &[f32], m: usize, k: usize, wrows: &[f32], out: &mu
             let mut hi = [_mm256_setzero_ps(); 4];
             let mut c = 0;
             while c < full {
-                // SAFETY: c + 16 <= full <= k, the length of `wr` and of each x row.
+                // SAFETY: c + 16 <= full <= k, the length of `wr` and of each of the
+                // `m` x rows (`xs` holds `m * k`, asserted above).
                 let w0 = _mm256_loadu_ps(wr.as_ptr().add(c));
                 let w1 = _mm256_loadu_ps(wr.as_ptr().add(c + 8));
                 for j in 0..r {

@@ -143,18 +143,21 @@ impl Worker {
         self.running.clear()
     }
 
-    /// Runs `f` on the running decode; if it panics, every request being decoded fails
-    /// (their caches may be half written) with those of `joining`, and the decode starts
-    /// empty.
+    /// Runs `f` on the running decode; if it panics, every request that was being
+    /// decoded fails (their caches may be half written; one the step had already
+    /// finished lost its output with the panic) with those of `joining`, and the decode
+    /// starts empty.
     fn decoding(
         &mut self,
         joining: Vec<String>,
         f: impl FnOnce(&mut Self) -> Vec<Outcome>,
     ) -> Vec<Outcome> {
+        let before: Vec<String> = self.running.live().map(|(k, _)| k.clone()).collect();
         match contained(|| f(self)) {
             Ok(outcomes) => outcomes,
             Err(failure) => {
-                let mut ids = self.abandon_decoding();
+                self.abandon_decoding();
+                let mut ids = before;
                 let new: Vec<String> = joining.into_iter().filter(|id| !ids.contains(id)).collect();
                 ids.extend(new);
                 ids
