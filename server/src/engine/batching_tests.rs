@@ -98,15 +98,18 @@ fn datum(tokens: usize) -> crate::train::DatumJob {
 
 /// The worker's answer to a forward pass over `n` datums with loss `loss` each.
 fn pass_result(request_id: &str, n: usize, loss: f64) -> crate::worker::Outcome {
-    let outputs: Vec<serde_json::Value> = (0..n)
-        .map(|i| serde_json::json!({"logprobs": {"data": [i as f64], "dtype": "float32"}}))
-        .collect();
+    use lathe_sdk::types::{ForwardBackwardOutput, TensorData};
+    let output = ForwardBackwardOutput {
+        loss_fn_output_type: "TorchLossReturn".into(),
+        loss_fn_outputs: (0..n)
+            .map(|i| [("logprobs".to_string(), TensorData::float32(vec![i as f32]))].into())
+            .collect(),
+        metrics: [("loss:sum".to_string(), loss * n as f64)].into(),
+    };
     crate::worker::Outcome {
         request_id: request_id.into(),
         result: Ok(crate::worker::Done {
-            body: serde_json::json!({"loss_fn_output_type": "TorchLossReturn",
-                                     "loss_fn_outputs": outputs,
-                                     "metrics": {"loss:sum": loss * n as f64}}),
+            body: serde_json::to_value(output).expect("the wire type serialises"),
             saved: None,
         }),
     }

@@ -445,8 +445,7 @@ unsafe fn dot_block_avx512(xs: &[f32], m: usize, k: usize, wrows: &[f32], out: &
 /// AVX2 version: each 16-float piece of a weight row is loaded once (two registers) and
 /// multiplied into up to four activation rows, with two accumulators per row so eight
 /// independent FMA chains hide the FMA latency (one chain per row, as in a plain dot
-/// product, left three quarters of the FMA units idle and made eight rows cost 2.7 times
-/// one row).
+/// product, leaves most of the FMA units idle).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn dot_block_avx2(xs: &[f32], m: usize, k: usize, wrows: &[f32], out: &mut [f32]) {

@@ -224,22 +224,11 @@ impl<K> RunningDecode<K> {
                 cache: pre.cache.clone(),
                 logits: pre.first.clone(),
                 rng,
-                out: Generated {
-                    tokens: Vec::new(),
-                    logprobs: Vec::new(),
-                    stop: Stop::Length,
-                },
+                out: nothing_yet(),
             });
         }
         let ended = (samples..a.job.num_samples)
-            .map(|i| {
-                let empty = Generated {
-                    tokens: Vec::new(),
-                    logprobs: Vec::new(),
-                    stop: Stop::Length,
-                };
-                (i, empty)
-            })
+            .map(|i| (i, nothing_yet()))
             .collect();
         self.requests[index] = Some(Request {
             key: a.key,
@@ -491,6 +480,15 @@ impl<K> RunningDecode<K> {
             topk_prompt_logprobs: r.topk_prompt_logprobs,
         };
         (r.key, Ok(output))
+    }
+}
+
+/// A sequence before its first token.
+fn nothing_yet() -> Generated {
+    Generated {
+        tokens: Vec::new(),
+        logprobs: Vec::new(),
+        stop: Stop::Length,
     }
 }
 

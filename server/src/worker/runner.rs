@@ -133,13 +133,13 @@ impl Worker {
     }
 
     /// The sampling requests still decoding, with their live sequences.
-    pub fn decoding_now(&self) -> Vec<(String, usize)> {
+    fn decoding_now(&self) -> Vec<(String, usize)> {
         self.running.live().map(|(k, n)| (k.clone(), n)).collect()
     }
 
     /// Drops every request being decoded (a panic left their state in doubt); returns
     /// their ids.
-    pub fn abandon_decoding(&mut self) -> Vec<String> {
+    pub(super) fn abandon_decoding(&mut self) -> Vec<String> {
         self.running.clear()
     }
 
