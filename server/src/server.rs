@@ -144,7 +144,10 @@ fn stored_secret(path: &Path, make: impl FnOnce() -> String) -> Result<(String, 
 }
 
 /// Starts a server on `model` inside the current tokio runtime.
-pub async fn start(model: LoadedModel, config: ServerConfig) -> Result<RunningServer, ServeError> {
+pub async fn start(
+    mut model: LoadedModel,
+    config: ServerConfig,
+) -> Result<RunningServer, ServeError> {
     crate::memory::keep_freed_memory();
     let dir = &config.data_dir;
     // The data dir's lock comes before anything else touches it.
@@ -169,6 +172,11 @@ pub async fn start(model: LoadedModel, config: ServerConfig) -> Result<RunningSe
         Alphanumeric.sample_string(&mut rand::rng(), 64)
     })?;
     let info = ModelInfo::of(&model);
+    // The worker needs only token ids; the template moves to the HTTP layer.
+    let text = api::openai::TextModel {
+        tokenizer: model.tokenizer.clone(),
+        chat_template: model.chat_template.take(),
+    };
     let catalog = store.all_checkpoints()?;
     let (handle, rx) = engine::channel(store.clone());
     let decode_mode = config.decode_mode.on_this_cpu();
@@ -202,6 +210,7 @@ pub async fn start(model: LoadedModel, config: ServerConfig) -> Result<RunningSe
         decode_slots: Arc::new(tokio::sync::Semaphore::new(
             std::thread::available_parallelism().map_or(1, |n| n.get()),
         )),
+        text: Arc::new(text),
     };
     let app = api::router(state);
     let listener = tokio::net::TcpListener::bind((config.host.as_str(), config.port))

@@ -7,7 +7,9 @@ use candle_core::{Device, Tensor};
 use common::*;
 use lathe_server::model::tiny::tiny_model_q4_1;
 use lathe_server::model::{Arch, PackedBatch};
-use lathe_server::sample::{sample, sample_timed, DecodeMode, Picker, SampleJob, Stop};
+use lathe_server::sample::{
+    sample, sample_timed, DecodeMode, Picker, SampleJob, Stop, TokenProgress,
+};
 
 fn job(prompt: Vec<u32>, adapter: Option<usize>, n: usize, seed: u64) -> SampleJob {
     SampleJob {
@@ -476,12 +478,14 @@ fn a_request_admitted_between_steps_joins_the_running_decode_and_leaves_first() 
             ..job(tokens(2, 4, 256), None, 1, 9)
         };
         let mut running = RunningDecode::new(mode);
+        let (progress, watch) = TokenProgress::new(2);
         let admitted = running.admit(
             t,
             vec![Admission {
                 key: "long",
                 job: long.clone(),
                 adapter: Some(a.clone()),
+                progress: Some(progress),
             }],
         );
         assert!(admitted.is_empty());
@@ -489,12 +493,15 @@ fn a_request_admitted_between_steps_joins_the_running_decode_and_leaves_first() 
             assert!(running.step(t, tok).is_empty());
         }
         assert_eq!(running.streams(), 2);
+        let so_far: Vec<usize> = watch.borrow().iter().map(Vec::len).collect();
+        assert_eq!(so_far, vec![5, 5], "each step publishes its picks");
         let admitted = running.admit(
             t,
             vec![Admission {
                 key: "short",
                 job: short.clone(),
                 adapter: None,
+                progress: None,
             }],
         );
         assert!(admitted.is_empty());
@@ -514,6 +521,16 @@ fn a_request_admitted_between_steps_joins_the_running_decode_and_leaves_first() 
             steps += 1;
         }
         assert_eq!(order, vec!["short", "long"], "{mode:?}");
+        let published: Vec<Vec<u32>> = outputs["long"]
+            .sequences
+            .iter()
+            .map(|s| s.tokens.clone())
+            .collect();
+        assert_eq!(*watch.borrow(), published, "the stream saw every token");
+        assert!(
+            watch.has_changed().is_err(),
+            "a finished request ends its watch"
+        );
         // 20 tokens in all: 5 steps before the join, the 15 after it (the last step picks
         // the 20th token and runs no forward pass).
         assert_eq!(steps, 15);
@@ -554,11 +571,13 @@ fn a_cancelled_request_leaves_the_decode_and_the_others_are_unchanged() {
             key: "long",
             job: long,
             adapter: Some(a),
+            progress: None,
         },
         Admission {
             key: "short",
             job: short.clone(),
             adapter: None,
+            progress: None,
         },
     ];
     assert!(running.admit(t, admissions).is_empty());
@@ -600,11 +619,13 @@ fn a_bad_request_fails_alone_at_admission() {
                 key: 1,
                 job: too_long,
                 adapter: None,
+                progress: None,
             },
             Admission {
                 key: 2,
                 job: job(tokens(2, 4, 256), None, 3, 0),
                 adapter: None,
+                progress: None,
             },
         ],
     );

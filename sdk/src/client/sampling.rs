@@ -74,20 +74,10 @@ impl SamplingClient {
         }
         check(num_samples, params)?;
         let request = SampleRequest {
-            num_samples,
-            prompt: prompt.clone(),
-            sampling_params: params.clone(),
             sampling_session_id: Some(self.sampler_id.clone()),
-            base_model: None,
-            model_path: None,
-            seq_id: None,
             prompt_logprobs,
             topk_prompt_logprobs,
-            topk_sample_logprobs: 0,
-            prompt_alt_tokens_k: 0,
-            target_prompt_logprobs: None,
-            prompt_logprobs_last_n: None,
-            record_stability_info: None,
+            ..SampleRequest::new(prompt.clone(), params.clone(), num_samples)
         };
         let body =
             serde_json::to_value(&request).map_err(|e| Error::InvalidInput(e.to_string()))?;

@@ -344,6 +344,29 @@ fn one_sample() -> usize {
     1
 }
 
+impl SampleRequest {
+    /// A request for `num_samples` samples of `prompt`, with no sampler named yet and
+    /// none of the optional extras.
+    pub fn new(prompt: ModelInput, sampling_params: SamplingParams, num_samples: usize) -> Self {
+        Self {
+            num_samples,
+            prompt,
+            sampling_params,
+            sampling_session_id: None,
+            base_model: None,
+            model_path: None,
+            seq_id: None,
+            prompt_logprobs: false,
+            topk_prompt_logprobs: 0,
+            topk_sample_logprobs: 0,
+            prompt_alt_tokens_k: 0,
+            target_prompt_logprobs: None,
+            prompt_logprobs_last_n: None,
+            record_stability_info: None,
+        }
+    }
+}
+
 /// One `(token id, logprob)` alternative of a prompt position.
 pub type TopkEntry = (i64, f64);
 

@@ -6,6 +6,7 @@ pub mod auth;
 mod body;
 pub mod error;
 mod futures;
+pub mod openai;
 mod reply;
 mod rest;
 mod sampling;
@@ -44,6 +45,8 @@ pub struct AppState {
     /// Protobuf bodies decoding at once (one per core): each holds its decoded request,
     /// so many at once must not add up.
     pub decode_slots: Arc<tokio::sync::Semaphore>,
+    /// The tokenizer and chat template, for the OpenAI-compatible endpoints.
+    pub text: Arc<openai::TextModel>,
 }
 
 /// Default request body limit.
@@ -140,6 +143,9 @@ pub fn router(state: AppState) -> Router {
             "/api/v1/sessions/{id}/finish",
             post(session::finish_session),
         )
+        .route("/v1/completions", post(openai::completions))
+        .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/models", get(openai::models))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             auth::require_auth,

@@ -13,7 +13,7 @@ use tokio::sync::oneshot;
 use super::actor::EngineHandle;
 use super::futures::Poll;
 use super::{Engine, EngineError, NewRun, SamplerRef, SaveRequest, Ttl};
-use crate::sample::SampleJob;
+use crate::sample::{SampleJob, TokenProgress};
 use crate::worker::{BatchReport, RunOp};
 
 /// Declares the commands: for each, the [`Command`] variant (its arguments and a reply
@@ -163,6 +163,14 @@ commands! {
     pub fn sample => Sample(owner: String, sampler: SamplerRef, job: SampleJob)
         -> Result<UntypedApiFuture, EngineError>
         = |e| e.sample(&owner, sampler, job);
+    /// Queues a sampling request that publishes its tokens as they come.
+    pub fn sample_streamed => SampleStreamed(
+        owner: String,
+        sampler: SamplerRef,
+        job: SampleJob,
+        progress: Option<TokenProgress>,
+    ) -> Result<UntypedApiFuture, EngineError>
+        = |e| e.sample_streamed(&owner, sampler, job, progress);
     /// The directory of the current version of a checkpoint `owner` may read.
     pub fn checkpoint_dir => CheckpointDir(owner: String, uri: CheckpointUri)
         -> Result<PathBuf, EngineError>

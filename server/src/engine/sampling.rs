@@ -3,7 +3,7 @@
 
 use lathe_sdk::types::{CheckpointUri, GetSamplerResponse, UntypedApiFuture};
 
-use crate::sample::SampleJob;
+use crate::sample::{SampleJob, TokenProgress};
 use crate::worker::{SampleWork, SamplerSource};
 
 use super::state::{After, Inflight, Pin, QueuedSample, Sampler};
@@ -125,6 +125,18 @@ impl Engine {
         sampler: SamplerRef,
         job: SampleJob,
     ) -> Result<UntypedApiFuture, EngineError> {
+        self.sample_streamed(owner, sampler, job, None)
+    }
+
+    /// Queues a sampling request whose tokens are also published to `progress` as they
+    /// are picked (the OpenAI-compatible streaming endpoints).
+    pub fn sample_streamed(
+        &mut self,
+        owner: &str,
+        sampler: SamplerRef,
+        job: SampleJob,
+        progress: Option<TokenProgress>,
+    ) -> Result<UntypedApiFuture, EngineError> {
         self.check_open()?;
         // Which client is sampling, for the batching decision in `pump`.
         let submitter = match &sampler {
@@ -172,6 +184,7 @@ impl Engine {
                 request_id: request_id.clone(),
                 source,
                 job,
+                progress,
             },
         });
         self.futures.insert(request_id.clone(), owner);

@@ -167,6 +167,7 @@ fn sample_on_pool(
             key: i,
             job: job.clone(),
             adapter,
+            progress: None,
         });
     }
     let mut running = RunningDecode::new(mode);

@@ -3,6 +3,7 @@
 
 pub mod decode;
 pub mod logits;
+pub mod progress;
 pub mod running;
 
 pub use decode::{
@@ -10,4 +11,5 @@ pub use decode::{
     DEFAULT_MAX_TOKENS,
 };
 pub use logits::Picker;
+pub use progress::TokenProgress;
 pub use running::{Admission, Finished, RunningDecode};

@@ -22,6 +22,7 @@ use rayon::prelude::*;
 
 use super::decode::{DecodeMode, Generated, SampleJob, SampleOutput, SampleTimings, Stop};
 use super::logits::token_logprob;
+use super::progress::TokenProgress;
 use crate::model::host_decode::{HostAdapter, HostDecoder, StepRow};
 use crate::model::transformer::TopK;
 use crate::model::{Adapter, KvCache, ModelError, PackedBatch, TextTokenizer, Transformer};
@@ -34,6 +35,8 @@ pub struct Admission<K> {
     pub job: SampleJob,
     /// The adapter to sample with; `None` is the base model.
     pub adapter: Option<Arc<Adapter>>,
+    /// Where to publish each picked token as it comes (streaming clients).
+    pub progress: Option<TokenProgress>,
 }
 
 /// A request that left the decode: its output, or why it failed.
@@ -61,6 +64,7 @@ struct Request<K> {
     topk_prompt_logprobs: Option<Vec<Option<TopK>>>,
     /// The prompt's f32 KV cache, kept when the sampled tokens are rescored at the end.
     prompt_cache: Option<KvCache>,
+    progress: Option<TokenProgress>,
 }
 
 /// One sequence being decoded.
@@ -262,6 +266,7 @@ impl<K> RunningDecode<K> {
             prompt_logprobs: pre.prompt_logprobs,
             topk_prompt_logprobs: pre.topk_prompt_logprobs,
             prompt_cache: rescores.then_some(pre.cache),
+            progress: a.progress,
         });
         (samples == 0).then(|| self.finish(model, index))
     }
@@ -316,6 +321,15 @@ impl<K> RunningDecode<K> {
         let mut failed: Vec<(usize, ModelError)> = Vec::new();
         let mut kept = Vec::with_capacity(self.streams.len());
         for (stream, result) in std::mem::take(&mut self.streams).into_iter().zip(picked) {
+            if result.is_ok() {
+                let r = self.requests[stream.request].as_ref();
+                if let (Some(p), Some(&tok)) = (
+                    r.and_then(|r| r.progress.as_ref()),
+                    stream.out.tokens.last(),
+                ) {
+                    p.push(stream.sample, tok);
+                }
+            }
             match result {
                 Ok(false) => kept.push(stream),
                 Ok(true) => {

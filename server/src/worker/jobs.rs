@@ -7,7 +7,7 @@ use lathe_sdk::types::{AdamParams, CheckpointUri};
 
 use super::Reply;
 use crate::model::LoraSpec;
-use crate::sample::SampleJob;
+use crate::sample::{SampleJob, TokenProgress};
 use crate::store::checkpoints::CheckpointMeta;
 use crate::store::db::CheckpointRow;
 use crate::train::DatumJob;
@@ -122,6 +122,8 @@ pub struct SampleWork {
     pub source: SamplerSource,
     /// Prompt and sampling settings (`adapter` is set by the worker).
     pub job: SampleJob,
+    /// Where the decode publishes tokens as they come, for a streaming client.
+    pub progress: Option<TokenProgress>,
 }
 
 /// What the worker runs in one go: the runs' operations (all forward passes of the

@@ -190,6 +190,7 @@ impl Worker {
                     key: work.request_id,
                     job: work.job,
                     adapter,
+                    progress: work.progress,
                 }),
                 Err(failure) => outcomes.push(Outcome {
                     request_id: work.request_id,
