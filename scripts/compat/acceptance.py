@@ -194,6 +194,18 @@ def flows(tok, service):
     check("/sampler_weights/accept-sampler" in sampler_path, sampler_path)
     step(f"saved {state_path} and {sampler_path}")
 
+    if SDK == "mint":
+        # MinT's extension: the weighted sum of two checkpoints' LoRA deltas.
+        mixed = sdk.mint.interpolate_checkpoints(
+            service, source_paths=[sampler_path, state_path], coefficients=[0.5, 0.5],
+        )
+        check("/sampler_weights/mintx-" in mixed.path and mixed.coefficients == [0.5, 0.5],
+              f"interpolate: {mixed}")
+        mixed_sampler = ready(service.create_sampling_client(model_path=mixed.path))
+        out = mixed_sampler.sample(prompt=prompt, num_samples=1, sampling_params=params).result()
+        check(len(out.sequences[0].tokens) > 0, "the interpolated checkpoint samples")
+        step(f"mintx.interpolate_checkpoints -> {mixed.path}")
+
     # load_state into a fresh client: same weights, so the same forward logprobs.
     tc2 = ready(service.create_lora_training_client(base_model=base, rank=8))
     tc2.load_state(state_path).result()

@@ -7,6 +7,7 @@
 //! and server can never disagree about a field.
 
 mod data;
+pub mod mint;
 pub mod openai;
 mod protocol;
 mod session;

@@ -6,6 +6,7 @@ pub mod auth;
 mod body;
 pub mod error;
 mod futures;
+mod mint;
 pub mod openai;
 mod reply;
 mod rest;
@@ -142,6 +143,10 @@ pub fn router(state: AppState) -> Router {
         .route(
             "/api/v1/sessions/{id}/finish",
             post(session::finish_session),
+        )
+        .route(
+            "/api/v1/mint/checkpoints/interpolate",
+            post(mint::interpolate),
         )
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(openai::chat_completions))

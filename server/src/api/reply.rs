@@ -10,6 +10,7 @@ use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use lathe_sdk::proto;
+use lathe_sdk::types::mint::InterpolateCheckpointsResponse;
 use lathe_sdk::types::{
     CheckpointKind, CreateModelResponse, ForwardBackwardOutput, LoadWeightsResponse,
     OptimStepResponse, SampleResponse, SampledSequence, SaveWeightsForSamplerResponse,
@@ -104,6 +105,19 @@ fn json(reply: &Reply) -> Response {
         .into_response(),
         Reply::Forward(f) => Json(forward_output(f)).into_response(),
         Reply::Sample(s) => Json(sample_response(s)).into_response(),
+        Reply::Interpolated {
+            path,
+            source_paths,
+            coefficients,
+        } => Json(InterpolateCheckpointsResponse {
+            path: path.clone(),
+            checkpoint_type: "sampler".into(),
+            source_paths: source_paths.clone(),
+            coefficients: coefficients.clone(),
+            has_rank_shards: false,
+            kind: "mint_interpolate_checkpoints".into(),
+        })
+        .into_response(),
     }
 }
 

@@ -79,7 +79,7 @@ impl EngineHandle {
     }
 
     /// Runs blocking store work on the blocking pool.
-    async fn blocking<R: Send + 'static>(
+    pub(super) async fn blocking<R: Send + 'static>(
         &self,
         f: impl FnOnce(&Store) -> Result<R, EngineError> + Send + 'static,
     ) -> Result<R, EngineError> {
@@ -129,7 +129,7 @@ impl EngineHandle {
 
     /// Runs a begin/store/finish flow on its own task, so a client that disconnects
     /// midway cannot leave the engine's catalog and the index disagreeing.
-    async fn detached<R: Send + 'static>(
+    pub(super) async fn detached<R: Send + 'static>(
         &self,
         flow: impl std::future::Future<Output = Result<R, EngineError>> + Send + 'static,
     ) -> Result<R, EngineError> {

@@ -12,9 +12,10 @@ use tokio::sync::oneshot;
 
 use super::actor::EngineHandle;
 use super::futures::Poll;
-use super::{Engine, EngineError, NewRun, SamplerRef, SaveRequest, Ttl};
+use super::{Engine, EngineError, InterpolatePlan, NewRun, SamplerRef, SaveRequest, Ttl};
 use crate::sample::{SampleJob, TokenProgress};
-use crate::worker::{BatchReport, RunOp};
+use crate::store::db::CheckpointRow;
+use crate::worker::{BatchReport, Reply, RunOp};
 
 /// Declares the commands: for each, the [`Command`] variant (its arguments and a reply
 /// sender), the arm of [`Command::apply`] that calls the engine, and the handle method.
@@ -178,6 +179,21 @@ commands! {
     /// A future's state, for its owner.
     pub(super) fn poll_future => PollFuture(owner: String, request_id: String) -> Option<Poll>
         = |e| e.futures.poll(&request_id, &owner);
+    /// Checks an interpolation and resolves its sources.
+    pub(super) fn begin_interpolate => BeginInterpolate(
+        owner: String,
+        sources: Vec<CheckpointUri>,
+        coefficients: Vec<f64>,
+        name: String,
+    ) -> Result<InterpolatePlan, EngineError>
+        = |e| e.begin_interpolate(&owner, &sources, &coefficients, name);
+    /// Records a written interpolation; answers its (resolved) future.
+    pub(super) fn finish_interpolate => FinishInterpolate(
+        owner: String,
+        row: CheckpointRow,
+        result: Reply,
+    ) -> UntypedApiFuture
+        = |e| e.finish_interpolate(&owner, row, result);
     /// Hides a checkpoint before its delete; returns the version to delete.
     pub(super) fn begin_delete => BeginDelete(owner: String, uri: CheckpointUri)
         -> Result<String, EngineError>

@@ -7,6 +7,7 @@ pub mod checkpoints;
 pub mod data_dir;
 pub mod db;
 mod error;
+pub mod interpolate;
 pub mod peft;
 
 pub use data_dir::{OpenReport, Store};

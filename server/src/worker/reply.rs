@@ -44,6 +44,15 @@ pub enum Reply {
     Forward(ForwardResult),
     /// `asample`.
     Sample(SampleOutput),
+    /// MinT's `checkpoints/interpolate`: the new sampler checkpoint.
+    Interpolated {
+        /// Its `tinker://` URI.
+        path: String,
+        /// The sources, as asked.
+        source_paths: Vec<String>,
+        /// Their coefficients.
+        coefficients: Vec<f64>,
+    },
 }
 
 /// The outputs of a forward pass over a request's datums, in order.
@@ -89,6 +98,15 @@ impl Reply {
             }
             | Reply::Unloaded { model_id: s } => BASE + s.len(),
             Reply::Optimized(_) => BASE,
+            Reply::Interpolated {
+                path, source_paths, ..
+            } => {
+                BASE + path.len()
+                    + source_paths
+                        .iter()
+                        .map(|p| BASE + p.len() + 8)
+                        .sum::<usize>()
+            }
             Reply::Forward(f) => {
                 BASE + f
                     .datums
