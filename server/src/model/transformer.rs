@@ -180,6 +180,29 @@ pub struct Tape {
     n_adapters: usize,
 }
 
+impl Tape {
+    /// The full next-token logits of rows `start..start + len` of the forward pass,
+    /// `(len, vocab)`, for losses over the whole vocabulary
+    /// ([`Transformer::backward_from_logits`]).
+    pub fn logits_rows(&self, start: usize, len: usize) -> Result<Tensor, ModelError> {
+        let mut parts = Vec::new();
+        for c in &self.head {
+            let (lo, hi) = (start.max(c.start), (start + len).min(c.start + c.len));
+            if lo < hi {
+                parts.push(c.logits.narrow(0, lo - c.start, hi - lo)?);
+            }
+        }
+        let rows: usize = parts.iter().map(|p| p.dims()[0]).sum();
+        if rows != len {
+            return Err(ModelError::Input(format!(
+                "rows {start}..{} are outside the forward pass",
+                start + len
+            )));
+        }
+        Ok(Tensor::cat(&parts, 0)?)
+    }
+}
+
 impl Transformer {
     /// Wraps checked weights, precomputing the RoPE tables.
     pub fn new(config: ModelConfig, mut weights: BaseWeights) -> Result<Self, ModelError> {
@@ -644,8 +667,44 @@ impl Transformer {
                 "backward needs the adapters of the forward pass".into(),
             ));
         }
+        let dlogits = |c: &HeadChunk| -> Result<Tensor, ModelError> {
+            let d = dlp.narrow(0, c.start, c.len)?.contiguous()?;
+            let t = tape.targets.narrow(0, c.start, c.len)?.contiguous()?;
+            Ok(ops::logprobs_at_backward(&c.logits, &c.lse, &t, &d)?)
+        };
         let mut grads = vec![AdapterGrads::default(); adapters.len()];
-        let dxf = self.head_backward(&tape, adapters, dlp, &mut grads)?;
+        let dxf = self.head_backward(&tape, adapters, dlogits, &mut grads)?;
+        self.backward_below_head(tape, adapters, dxf, grads)
+    }
+
+    /// Backward pass from the gradient of the loss with respect to the logits, for
+    /// losses over the whole vocabulary: `dlogits(start, len)` gives rows
+    /// `start..start + len`, `(len, vocab)`, in the model's dtype. Returns the LoRA
+    /// gradients of each adapter of the forward pass (in its order).
+    pub fn backward_from_logits(
+        &self,
+        tape: Tape,
+        adapters: &[&Adapter],
+        mut dlogits: impl FnMut(usize, usize) -> Result<Tensor, ModelError>,
+    ) -> Result<Vec<AdapterGrads>, ModelError> {
+        if adapters.len() != tape.n_adapters {
+            return Err(ModelError::Input(
+                "backward needs the adapters of the forward pass".into(),
+            ));
+        }
+        let mut grads = vec![AdapterGrads::default(); adapters.len()];
+        let dxf = self.head_backward(&tape, adapters, |c| dlogits(c.start, c.len), &mut grads)?;
+        self.backward_below_head(tape, adapters, dxf, grads)
+    }
+
+    /// The backward pass from the final norm's output gradient down.
+    fn backward_below_head(
+        &self,
+        tape: Tape,
+        adapters: &[&Adapter],
+        dxf: Tensor,
+        mut grads: Vec<AdapterGrads>,
+    ) -> Result<Vec<AdapterGrads>, ModelError> {
         let Tape {
             layers,
             norm,
@@ -664,19 +723,19 @@ impl Transformer {
         Ok(grads)
     }
 
+    /// The head's backward, one row chunk at a time (`dlogits` gives each chunk's
+    /// logits gradient, so only one chunk's is alive at once).
     fn head_backward(
         &self,
         tape: &Tape,
         adapters: &[&Adapter],
-        dlp: &Tensor,
+        mut dlogits_of: impl FnMut(&HeadChunk) -> Result<Tensor, ModelError>,
         grads: &mut [AdapterGrads],
     ) -> Result<Tensor, ModelError> {
         let w = self.weights.lm_head();
         let mut dxs = Vec::with_capacity(tape.head.len());
         for c in &tape.head {
-            let d = dlp.narrow(0, c.start, c.len)?.contiguous()?;
-            let t = tape.targets.narrow(0, c.start, c.len)?.contiguous()?;
-            let dlogits = ops::logprobs_at_backward(&c.logits, &c.lse, &t, &d)?;
+            let dlogits = dlogits_of(c)?;
             let x = tape.xf.narrow(0, c.start, c.len)?;
             let mut dx = matmul_input_grad(&dlogits, w)?;
             let local = [Segment {

@@ -3,6 +3,7 @@
 
 pub mod adamw;
 pub mod loss;
+pub mod reverse_kl;
 
 use candle_core::Tensor;
 
