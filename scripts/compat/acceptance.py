@@ -206,6 +206,24 @@ def flows(tok, service):
         check(len(out.sequences[0].tokens) > 0, "the interpolated checkpoint samples")
         step(f"mintx.interpolate_checkpoints -> {mixed.path}")
 
+        # MinT's reverse-KL distillation towards a reference checkpoint: no seq_id, so
+        # the training client's own numbering goes on undisturbed.
+        ids = prompt.to_ints()
+        kl_datum = sdk.mint.ReverseKLDatum(
+            student_input=types.ModelInput.from_ints(ids[:-2]),
+            reference_input=types.ModelInput.from_ints(ids[1:-2]),
+            target_tokens={"data": ids[-2:], "dtype": "int64"},
+            weights={"data": [1.0, 1.0], "dtype": "float32"},
+        )
+        student = ready(service.create_lora_training_client(base_model=base, rank=8, seed=4))
+        kl = sdk.mint.forward_backward_reverse_kl(
+            student, reference_model_path=mixed.path, data=[kl_datum], temperature=1.0,
+        )
+        check(len(kl.outputs) == 1 and kl.metrics["num_tokens:sum"] == 2.0, f"reverse kl: {kl}")
+        check(kl.outputs[0].loss.data[0] > 0, f"reverse kl loss: {kl.outputs[0].loss}")
+        student.optim_step(types.AdamParams(learning_rate=1e-4)).result()
+        step(f"mintx.forward_backward_reverse_kl loss {kl.metrics['loss:mean']:.4f}, then optim_step")
+
     # load_state into a fresh client: same weights, so the same forward logprobs.
     tc2 = ready(service.create_lora_training_client(base_model=base, rank=8))
     tc2.load_state(state_path).result()

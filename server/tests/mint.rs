@@ -124,3 +124,90 @@ fn interpolate_saves_the_weighted_sum_under_the_first_run() {
     .is_ok());
     server.stop();
 }
+
+fn kl_body(model_id: &str, reference: &str, weights: Value) -> Value {
+    let input = |t: &[i64]| json!({"chunks": [{"type": "encoded_text", "tokens": t}]});
+    json!({
+        "model_id": model_id,
+        "reference_model_path": reference,
+        "data": [{
+            "student_input": input(&[1, 2, 3]),
+            "reference_input": input(&[9, 1, 2, 3]),
+            "target_tokens": {"data": [4, 5, 6], "dtype": "int64"},
+            "weights": weights,
+        }],
+        "temperature": 1.0,
+        "seq_id": null,
+        "type": "mint_forward_backward_reverse_kl",
+    })
+}
+
+#[test]
+fn reverse_kl_steps_move_the_student_to_the_reference_without_taking_a_seq_id() {
+    let dir = temp_dir("mint-kl");
+    let server = TestServer::start(&dir, |_| {});
+    let alice = server.client(KEY_A);
+    let session = alice.session();
+    let mut teacher = Trainer::new(&alice, &session, 0, 1);
+    for _ in 0..4 {
+        teacher.step(
+            vec![ce_datum(&[9, 1, 2, 3, 4, 5], &[1, 2, 3, 4, 5, 6])],
+            5e-2,
+        );
+    }
+    let reference = teacher.save_sampler("teacher");
+    let mut student = Trainer::new(&alice, &session, 1, 2);
+    let weights = json!({"data": [1.0, 1.0, 1.0], "dtype": "float32"});
+    let mut losses = Vec::new();
+    for _ in 0..6 {
+        let r = alice
+            .call(
+                "/api/v1/mint/forward_backward_reverse_kl",
+                &kl_body(&student.model_id, &reference, weights.clone()),
+            )
+            .unwrap();
+        assert_eq!(r["type"], "mint_forward_backward_reverse_kl");
+        assert_eq!(r["metrics"]["num_samples:sum"], 1.0);
+        assert_eq!(r["metrics"]["num_tokens:sum"], 3.0);
+        let loss = r["outputs"][0]["loss"]["data"][0].as_f64().unwrap();
+        assert!((loss - r["metrics"]["loss:mean"].as_f64().unwrap()).abs() < 1e-5);
+        losses.push(loss);
+        // The numbered sequence is the student's own: the step took no seq_id.
+        student.seq += 1;
+        alice
+            .call(
+                "/api/v1/optim_step",
+                &optim_body(&student.model_id, student.seq, 2e-2),
+            )
+            .unwrap();
+    }
+    assert!(losses[0] > 0.0);
+    assert!(
+        losses[5] < 0.5 * losses[0],
+        "the student approaches the reference: {losses:?}"
+    );
+
+    // The base model as the reference; refused: wrong weights, another key's reference.
+    let base = alice.base_model();
+    alice
+        .call(
+            "/api/v1/mint/forward_backward_reverse_kl",
+            &kl_body(&student.model_id, &base, weights.clone()),
+        )
+        .unwrap();
+    let short = json!({"data": [1.0, 1.0], "dtype": "float32"});
+    let (status, v) = alice.post(
+        "/api/v1/mint/forward_backward_reverse_kl",
+        &kl_body(&student.model_id, &reference, short),
+    );
+    assert_eq!(status, 400, "{v}");
+    let bob = server.client(KEY_B);
+    let bob_session = bob.session();
+    let theirs = Trainer::new(&bob, &bob_session, 0, 5);
+    let (status, v) = bob.post(
+        "/api/v1/mint/forward_backward_reverse_kl",
+        &kl_body(&theirs.model_id, &reference, weights),
+    );
+    assert_eq!(status, 404, "{v}");
+    server.stop();
+}

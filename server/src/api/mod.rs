@@ -148,6 +148,10 @@ pub fn router(state: AppState) -> Router {
             "/api/v1/mint/checkpoints/interpolate",
             post(mint::interpolate),
         )
+        .route(
+            "/api/v1/mint/forward_backward_reverse_kl",
+            post(mint::forward_backward_reverse_kl),
+        )
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/models", get(openai::models))

@@ -10,7 +10,9 @@ use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use lathe_sdk::proto;
-use lathe_sdk::types::mint::InterpolateCheckpointsResponse;
+use lathe_sdk::types::mint::{
+    ForwardBackwardReverseKlResponse, InterpolateCheckpointsResponse, ReverseKlItemOutput,
+};
 use lathe_sdk::types::{
     CheckpointKind, CreateModelResponse, ForwardBackwardOutput, LoadWeightsResponse,
     OptimStepResponse, SampleResponse, SampledSequence, SaveWeightsForSamplerResponse,
@@ -20,6 +22,7 @@ use lathe_sdk::types::{
 use super::ApiError;
 use crate::sample::{SampleOutput, Stop};
 use crate::train::adamw::StepReport;
+use crate::train::reverse_kl::KlResult;
 use crate::worker::{DatumOutput, ForwardResult, Reply};
 
 /// How a result body is written.
@@ -105,6 +108,7 @@ fn json(reply: &Reply) -> Response {
         .into_response(),
         Reply::Forward(f) => Json(forward_output(f)).into_response(),
         Reply::Sample(s) => Json(sample_response(s)).into_response(),
+        Reply::ReverseKl(results) => Json(reverse_kl_response(results)).into_response(),
         Reply::Interpolated {
             path,
             source_paths,
@@ -192,5 +196,38 @@ fn sample_response(s: &SampleOutput) -> SampleResponse {
                 })
                 .collect()
         }),
+    }
+}
+
+/// MinT's reverse-KL result: each datum's loss, and the batch's metrics (`loss:mean` over
+/// datums, `reverse_kl:mean` per unit of weight, without the temperature factor).
+fn reverse_kl_response(results: &[KlResult]) -> ForwardBackwardReverseKlResponse {
+    let n = results.len().max(1) as f64;
+    let weight: f64 = results.iter().map(|r| r.weight).sum();
+    let kl: f64 = results.iter().map(|r| r.weighted_kl).sum();
+    let metrics = [
+        ("loss:mean", results.iter().map(|r| r.loss).sum::<f64>() / n),
+        (
+            "reverse_kl:mean",
+            if weight != 0.0 { kl / weight } else { 0.0 },
+        ),
+        ("num_samples:sum", results.len() as f64),
+        (
+            "num_tokens:sum",
+            results.iter().map(|r| r.tokens as f64).sum(),
+        ),
+    ];
+    ForwardBackwardReverseKlResponse {
+        outputs: results
+            .iter()
+            .map(|r| ReverseKlItemOutput {
+                loss: TensorData::float32(vec![r.loss as f32]),
+            })
+            .collect(),
+        metrics: metrics
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect(),
+        kind: "mint_forward_backward_reverse_kl".into(),
     }
 }

@@ -29,7 +29,7 @@ fn future(request_id: String, model_id: &str) -> Json<UntypedApiFuture> {
 /// the engine that its `seq_id` will never come, so the run's later operations do not
 /// wait for it. A 429 is not for good: the SDK sends the same `seq_id` again once the
 /// key's queue has drained, so that number stays open.
-async fn ordered<T>(
+pub(super) async fn ordered<T>(
     (s, owner, model_id, seq): (AppState, Owner, String, Option<u64>),
     result: Result<T, ApiError>,
 ) -> Result<T, ApiError> {

@@ -101,7 +101,7 @@ pub fn tokens(model: &ModelInfo, input: &ModelInput, what: &str) -> Result<Vec<u
     to_token_ids(model, ids.into_iter().map(|t| t as f64), what)
 }
 
-fn to_token_ids(
+pub(super) fn to_token_ids(
     model: &ModelInfo,
     values: impl Iterator<Item = f64>,
     what: &str,
@@ -205,7 +205,12 @@ pub fn loss(name: &str, config: Option<&BTreeMap<String, f64>>) -> Result<Loss, 
 /// The dense values of a loss input that must hold exactly `n` values. The declared
 /// shape is checked before anything is expanded, so a sparse tensor that claims a huge
 /// shape costs nothing.
-fn dense_values(t: &TensorData, name: &str, n: usize, i: usize) -> Result<Vec<f64>, ApiError> {
+pub(super) fn dense_values(
+    t: &TensorData,
+    name: &str,
+    n: usize,
+    i: usize,
+) -> Result<Vec<f64>, ApiError> {
     match t.num_elements() {
         Some(size) if size == n => {}
         Some(size) => {
@@ -225,7 +230,7 @@ fn dense_values(t: &TensorData, name: &str, n: usize, i: usize) -> Result<Vec<f6
         .map_err(|e| bad(format!("datum {i}: {name}: {e}")))
 }
 
-fn floats(t: &TensorData, name: &str, n: usize, i: usize) -> Result<Vec<f32>, ApiError> {
+pub(super) fn floats(t: &TensorData, name: &str, n: usize, i: usize) -> Result<Vec<f32>, ApiError> {
     let dense = dense_values(t, name, n, i)?;
     if let Some(v) = dense.iter().find(|v| !v.is_finite()) {
         return Err(bad(format!(

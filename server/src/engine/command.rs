@@ -15,6 +15,7 @@ use super::futures::Poll;
 use super::{Engine, EngineError, InterpolatePlan, NewRun, SamplerRef, SaveRequest, Ttl};
 use crate::sample::{SampleJob, TokenProgress};
 use crate::store::db::CheckpointRow;
+use crate::train::reverse_kl::KlDatum;
 use crate::worker::{BatchReport, Reply, RunOp};
 
 /// Declares the commands: for each, the [`Command`] variant (its arguments and a reply
@@ -179,6 +180,16 @@ commands! {
     /// A future's state, for its owner.
     pub(super) fn poll_future => PollFuture(owner: String, request_id: String) -> Option<Poll>
         = |e| e.futures.poll(&request_id, &owner);
+    /// Queues MinT's reverse-KL step on a run.
+    pub fn reverse_kl => ReverseKl(
+        owner: String,
+        run_id: String,
+        seq_id: Option<u64>,
+        reference: Option<CheckpointUri>,
+        data: Vec<KlDatum>,
+        temperature: f64,
+    ) -> Result<String, EngineError>
+        = |e| e.reverse_kl(&owner, &run_id, seq_id, reference, data, temperature);
     /// Checks an interpolation and resolves its sources.
     pub(super) fn begin_interpolate => BeginInterpolate(
         owner: String,

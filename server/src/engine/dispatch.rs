@@ -204,7 +204,16 @@ impl Engine {
                 }
                 // Access to a checkpoint is checked when it is used, not when the load
                 // was queued: the owner may have unpublished, deleted or replaced it.
-                if let RunOp::Load { uri, dir, .. } = &mut q.op {
+                let used = match &mut q.op {
+                    RunOp::Load { uri, dir, .. } => Some((&*uri, dir)),
+                    RunOp::ReverseKl {
+                        reference: Some(uri),
+                        dir,
+                        ..
+                    } => Some((&*uri, dir)),
+                    _ => None,
+                };
+                if let Some((uri, dir)) = used {
                     match self.catalog.readable(&run.owner, uri) {
                         Ok(row) => *dir = self.catalog.dir_of(row).unwrap_or_default(),
                         Err(e) => {

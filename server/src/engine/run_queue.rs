@@ -35,9 +35,15 @@ pub(super) enum Admit {
     At(u64),
 }
 
+/// The position [`RunQueue::ready`] reports for an unordered operation (one submitted
+/// without a `seq_id` that must not take one, such as MinT's reverse-KL step).
+pub(super) const UNORDERED: u64 = u64::MAX;
+
 /// A run's reorder buffer.
 #[derive(Default)]
 pub(super) struct RunQueue {
+    /// Operations that take no `seq_id`, run before the next numbered one, oldest first.
+    unordered: std::collections::VecDeque<Queued>,
     /// The next `seq_id` to execute.
     next_seq: u64,
     /// Submitted operations by `seq_id`, waiting for their turn.
@@ -56,7 +62,7 @@ impl RunQueue {
 
     /// Operations waiting.
     pub fn len(&self) -> usize {
-        self.pending.len()
+        self.pending.len() + self.unordered.len()
     }
 
     /// The request id of an earlier submission at `seq`.
@@ -104,6 +110,12 @@ impl RunQueue {
         self.pending.insert(seq, q);
     }
 
+    /// Queues an operation that takes no `seq_id`: it runs at the run's next turn,
+    /// before numbered operations that have not started.
+    pub fn push_unordered(&mut self, q: Queued) {
+        self.unordered.push_back(q);
+    }
+
     /// Records that the submission at `seq` was refused for good, so later operations do
     /// not wait for it. Numbers outside the window are not remembered.
     pub fn skip(&mut self, seq: u64) {
@@ -120,6 +132,9 @@ impl RunQueue {
             self.next_seq += 1;
         }
         self.skipped.retain(|&s| s >= self.next_seq);
+        if let Some(q) = self.unordered.front() {
+            return Some((UNORDERED, q));
+        }
         let (&seq, q) = self.pending.first_key_value()?;
         if seq != self.next_seq && now.saturating_duration_since(q.since) < timeout {
             return None;
@@ -129,17 +144,25 @@ impl RunQueue {
 
     /// The queued operation at `seq`.
     pub fn get_mut(&mut self, seq: u64) -> Option<&mut Queued> {
+        if seq == UNORDERED {
+            return self.unordered.front_mut();
+        }
         self.pending.get_mut(&seq)
     }
 
     /// Commits the run to the head at `seq`: numbers before it that never came are past,
     /// and refused if they come late.
     pub fn commit_to(&mut self, seq: u64) {
-        self.next_seq = self.next_seq.max(seq);
+        if seq != UNORDERED {
+            self.next_seq = self.next_seq.max(seq);
+        }
     }
 
     /// Removes the operation at `seq`; the run moves on to the number after it.
     pub fn take(&mut self, seq: u64) -> Option<Queued> {
+        if seq == UNORDERED {
+            return self.unordered.pop_front();
+        }
         let q = self.pending.remove(&seq)?;
         self.next_seq = self.next_seq.max(seq.saturating_add(1));
         Some(q)
@@ -147,6 +170,9 @@ impl RunQueue {
 
     /// The `seq_id` of the head when it is `request_id`'s operation.
     pub fn head_of(&self, request_id: &str) -> Option<u64> {
+        if let Some(q) = self.unordered.front() {
+            return (q.request_id == request_id).then_some(UNORDERED);
+        }
         self.pending
             .first_key_value()
             .filter(|(_, q)| q.request_id == request_id)
@@ -155,7 +181,9 @@ impl RunQueue {
 
     /// Removes every waiting operation.
     pub fn drain(&mut self) -> Vec<Queued> {
-        std::mem::take(&mut self.pending).into_values().collect()
+        let mut all: Vec<Queued> = self.unordered.drain(..).collect();
+        all.extend(std::mem::take(&mut self.pending).into_values());
+        all
     }
 }
 
@@ -185,6 +213,22 @@ mod tests {
             q.push(s, op(id, now));
         }
         Ok(admit)
+    }
+
+    #[test]
+    fn unordered_operations_run_next_and_take_no_number() {
+        let (mut q, now) = (RunQueue::default(), Instant::now());
+        submit(&mut q, Some(0), "a", now).unwrap();
+        q.take(0);
+        q.push_unordered(op("kl", now));
+        submit(&mut q, Some(1), "b", now).unwrap();
+        let (seq, head) = q.ready(now, WAIT).unwrap();
+        assert_eq!((seq, head.request_id.as_str()), (UNORDERED, "kl"));
+        assert_eq!(q.head_of("kl"), Some(UNORDERED));
+        q.commit_to(seq);
+        assert_eq!(q.take(seq).unwrap().request_id, "kl");
+        assert_eq!(q.next_seq(), 1, "the numbered sequence is untouched");
+        assert_eq!(q.ready(now, WAIT).unwrap().1.request_id, "b");
     }
 
     #[test]

@@ -12,6 +12,7 @@ use lathe_sdk::types::{
 use crate::model::LoraSpec;
 use crate::store::checkpoints::CheckpointMeta;
 use crate::store::db::{CheckpointRow, RunRow};
+use crate::train::reverse_kl::KlDatum;
 use crate::worker::{RunOp, SamplerSource};
 
 use super::run_queue::Queued;
@@ -250,6 +251,32 @@ impl Engine {
             overwrite: req.overwrite,
         };
         self.enqueue(owner, run_id, seq_id, op, After::Nothing)
+    }
+
+    /// MinT's reverse-KL step on a run: the reference must be readable now (and is
+    /// checked again when the step runs). Without a `seq_id` the step takes no number.
+    pub fn reverse_kl(
+        &mut self,
+        owner: &str,
+        run_id: &str,
+        seq_id: Option<u64>,
+        reference: Option<CheckpointUri>,
+        data: Vec<KlDatum>,
+        temperature: f64,
+    ) -> Result<String, EngineError> {
+        if let Some(uri) = &reference {
+            self.resolve_checkpoint(owner, uri)?;
+        }
+        let op = RunOp::ReverseKl {
+            data,
+            reference,
+            dir: PathBuf::new(),
+            temperature,
+        };
+        match seq_id {
+            Some(_) => self.enqueue(owner, run_id, seq_id, op, After::Nothing),
+            None => self.enqueue_unordered(owner, run_id, op),
+        }
     }
 
     /// `save_weights_and_get_sampling_client`: snapshots the adapter in memory and opens

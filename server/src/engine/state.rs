@@ -340,6 +340,29 @@ impl Engine {
         op: RunOp,
         after: After,
     ) -> Result<String, EngineError> {
+        self.enqueue_at(owner, run_id, Some(seq_id), op, after)
+    }
+
+    /// Queues a run operation that takes no `seq_id` (see [`RunQueue::push_unordered`]).
+    pub(super) fn enqueue_unordered(
+        &mut self,
+        owner: &str,
+        run_id: &str,
+        op: RunOp,
+    ) -> Result<String, EngineError> {
+        self.enqueue_at(owner, run_id, None, op, After::Nothing)
+    }
+
+    /// [`Self::enqueue`] at `Some(seq_id)`, or unordered at `None`.
+    fn enqueue_at(
+        &mut self,
+        owner: &str,
+        run_id: &str,
+        place: Option<Option<u64>>,
+        op: RunOp,
+        after: After,
+    ) -> Result<String, EngineError> {
+        let seq_id = place.flatten();
         self.check_open()?;
         self.loaded_run(owner, run_id)?;
         if let Some(first) = self.repeated(owner, run_id, seq_id) {
@@ -355,22 +378,24 @@ impl Engine {
         self.check_request_tokens(op.tokens())?;
         let arrival = self.next_arrival();
         let run = self.loaded_run(owner, run_id)?;
-        let seq = match run.queue.admit(seq_id, run_id)? {
-            Admit::Repeat(existing) => return Ok(existing),
-            Admit::At(seq) => seq,
-        };
-        let session_id = run.session_id.clone();
         let request_id = uuid::Uuid::new_v4().to_string();
+        let queued = Queued {
+            request_id: request_id.clone(),
+            arrival,
+            since: Instant::now(),
+            op,
+        };
+        if place.is_some() {
+            let seq = match run.queue.admit(seq_id, run_id)? {
+                Admit::Repeat(existing) => return Ok(existing),
+                Admit::At(seq) => seq,
+            };
+            run.queue.push(seq, queued);
+        } else {
+            run.queue.push_unordered(queued);
+        }
+        let session_id = run.session_id.clone();
         run.last_submit = Instant::now();
-        run.queue.push(
-            seq,
-            Queued {
-                request_id: request_id.clone(),
-                arrival,
-                since: Instant::now(),
-                op,
-            },
-        );
         self.futures.insert(request_id.clone(), owner);
         self.inflight.insert(
             request_id.clone(),

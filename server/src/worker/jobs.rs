@@ -10,6 +10,7 @@ use crate::model::LoraSpec;
 use crate::sample::{SampleJob, TokenProgress};
 use crate::store::checkpoints::CheckpointMeta;
 use crate::store::db::CheckpointRow;
+use crate::train::reverse_kl::KlDatum;
 use crate::train::DatumJob;
 
 /// One operation on one training run.
@@ -62,6 +63,18 @@ pub enum RunOp {
     },
     /// Free the run's adapter, optimizer state and gradient.
     Unload,
+    /// MinT's reverse-KL distillation step: the run's gradient gains that of
+    /// `T^2 sum w KL(student || reference)` (see [`crate::train::reverse_kl`]).
+    ReverseKl {
+        /// The datums.
+        data: Vec<KlDatum>,
+        /// The reference checkpoint; `None` is the base model.
+        reference: Option<CheckpointUri>,
+        /// The directory of its current version, resolved when the step is dispatched.
+        dir: PathBuf,
+        /// Softmax temperature.
+        temperature: f64,
+    },
 }
 
 /// Which part of its request a forward pass is.
@@ -86,6 +99,7 @@ impl RunOp {
     pub fn tokens(&self) -> usize {
         match self {
             RunOp::Forward { data, .. } => data.iter().map(|d| d.tokens.len()).sum(),
+            RunOp::ReverseKl { data, .. } => data.iter().map(KlDatum::tokens).sum(),
             _ => 0,
         }
     }

@@ -7,6 +7,7 @@ use lathe_sdk::types::CheckpointKind;
 use super::Failure;
 use crate::sample::SampleOutput;
 use crate::train::adamw::StepReport;
+use crate::train::reverse_kl::KlResult;
 
 /// A successful operation's result.
 #[derive(Debug, Clone, PartialEq)]
@@ -44,6 +45,8 @@ pub enum Reply {
     Forward(ForwardResult),
     /// `asample`.
     Sample(SampleOutput),
+    /// MinT's reverse-KL step.
+    ReverseKl(Vec<KlResult>),
     /// MinT's `checkpoints/interpolate`: the new sampler checkpoint.
     Interpolated {
         /// Its `tinker://` URI.
@@ -98,6 +101,7 @@ impl Reply {
             }
             | Reply::Unloaded { model_id: s } => BASE + s.len(),
             Reply::Optimized(_) => BASE,
+            Reply::ReverseKl(r) => BASE + 32 * r.len(),
             Reply::Interpolated {
                 path, source_paths, ..
             } => {

@@ -17,7 +17,7 @@ use crate::sample::{Admission, DecodeMode, Finished, RunningDecode};
 use crate::store::checkpoints::CheckpointMeta;
 use crate::store::{peft, Store, StoreError};
 use crate::train::adamw::{self, AdamState};
-use crate::train::{self, DatumResult, TrainError};
+use crate::train::{self, reverse_kl, DatumResult, TrainError};
 
 /// Checkpoint adapters kept in memory for sampling.
 const SAMPLER_CACHE: usize = 16;
@@ -271,6 +271,33 @@ impl Worker {
                 done(Reply::Unloaded {
                     model_id: run_id.to_string(),
                 })
+            }
+            RunOp::ReverseKl {
+                data,
+                reference,
+                dir,
+                temperature,
+            } => {
+                let source = match reference {
+                    Some(_) => SamplerSource::Checkpoint(dir.clone()),
+                    None => SamplerSource::Base,
+                };
+                let reference = self.sampler_adapter(&source)?;
+                let run = self.runs.get_mut(run_id).ok_or_else(|| unknown(run_id))?;
+                let (results, grads) = reverse_kl::forward_backward(
+                    &self.model.transformer,
+                    &run.adapter,
+                    reference.as_deref(),
+                    data,
+                    *temperature,
+                    true,
+                )
+                .map_err(train_failure)?;
+                run.grads
+                    .merge(grads)
+                    .map_err(|e| Failure::server(e.to_string()))?;
+                run.has_grad = true;
+                done(Reply::ReverseKl(results))
             }
             RunOp::Forward { .. } => unreachable!("forward ops run fused"),
         }
