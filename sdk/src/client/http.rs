@@ -6,6 +6,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use base64::Engine as _;
 use reqwest::{Method, StatusCode};
 use serde::de::DeserializeOwned;
+use serde::Serialize;
 use serde_json::Value;
 
 use super::config::ClientConfig;
@@ -177,6 +178,19 @@ impl Transport {
     /// Sends a request with retries: connection failures, timeouts, 408, 429 and 5xx are
     /// retried with exponential backoff until the policy's time budget is spent; other
     /// 4xx are returned at once. A 401 on a JWT triggers one refresh.
+    /// Sends a typed request as JSON (with the `type` tag the Python SDK writes, when
+    /// given) and decodes a JSON answer.
+    pub(crate) async fn send<T: DeserializeOwned>(
+        &self,
+        method: Method,
+        path: &str,
+        request: &impl Serialize,
+        kind: Option<&'static str>,
+    ) -> Result<T> {
+        let body = tagged(request, kind)?;
+        self.execute(method, path, Some(&body)).await
+    }
+
     pub(crate) async fn execute<T: DeserializeOwned>(
         &self,
         method: Method,
@@ -340,6 +354,16 @@ impl Transport {
     }
 }
 
+/// A typed request as its JSON body, with `"type": kind` added when given (the Python
+/// SDK tags every request so; Lathe ignores the tag, other servers may not).
+pub(crate) fn tagged(request: &impl Serialize, kind: Option<&'static str>) -> Result<Value> {
+    let mut body = serde_json::to_value(request).map_err(|e| Error::InvalidInput(e.to_string()))?;
+    if let (Some(kind), Value::Object(map)) = (kind, &mut body) {
+        map.insert("type".into(), Value::String(kind.into()));
+    }
+    Ok(body)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -351,5 +375,42 @@ mod tests {
             .encode(br#"{"sub":"x","exp":1234567890}"#);
         assert_eq!(jwt_expiry(&format!("h.{payload}.s")), Some(1_234_567_890));
         assert_eq!(jwt_expiry("garbage"), None);
+    }
+
+    /// The bodies this SDK writes are those the official Python SDK writes for the same
+    /// operation (captured by `scripts/compat/capture-wire.py`).
+    #[test]
+    fn tagged_requests_equal_the_official_sdks_bodies() {
+        use crate::types::{AdamParams, OptimStepRequest, SaveWeightsRequest};
+        let capture = |text: &str| -> Value { serde_json::from_str(text).unwrap() };
+        let optim = OptimStepRequest {
+            adam_params: AdamParams {
+                learning_rate: 0.001,
+                beta1: 0.8,
+                beta2: 0.95,
+                eps: 1e-12,
+                weight_decay: 0.0,
+                grad_clip_norm: 0.0,
+            },
+            model_id: "s:train:0".into(),
+            seq_id: Some(4),
+        };
+        assert_eq!(
+            tagged(&optim, Some("optim_step")).unwrap(),
+            capture(include_str!("../../tests/captures/0.22.0-optim_step.json"))
+        );
+        let save = SaveWeightsRequest {
+            model_id: "s:train:0".into(),
+            path: Some("step-4".into()),
+            seq_id: Some(5),
+            overwrite: false,
+            ttl_seconds: None,
+        };
+        assert_eq!(
+            tagged(&save, Some("save_weights")).unwrap(),
+            capture(include_str!(
+                "../../tests/captures/0.38.0-save_weights.json"
+            ))
+        );
     }
 }

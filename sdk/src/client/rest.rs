@@ -3,14 +3,14 @@
 use std::path::Path;
 
 use reqwest::Method;
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use super::error::{Error, Result};
 use super::future::decode;
 use super::service::ServiceClient;
 use crate::types::{
-    CheckpointUri, CheckpointsListResponse, GetSamplerResponse, TrainingRun, TrainingRunsResponse,
-    WeightsInfoResponse,
+    CheckpointUri, CheckpointsListResponse, GetSamplerResponse, SetTtlRequest, TrainingRun,
+    TrainingRunsResponse, WeightsInfoResponse,
 };
 
 /// Lists and manages the caller's runs and checkpoints.
@@ -99,7 +99,7 @@ impl RestClient {
         let path = format!("{}/publish", checkpoint_path(uri));
         self.service
             .transport()
-            .execute::<Value>(Method::POST, &path, Some(&json!({})))
+            .execute::<Value>(Method::POST, &path, None)
             .await
             .map(|_| ())
     }
@@ -123,11 +123,7 @@ impl RestClient {
         let path = format!("{}/ttl", checkpoint_path(uri));
         self.service
             .transport()
-            .execute::<Value>(
-                Method::PUT,
-                &path,
-                Some(&json!({"ttl_seconds": ttl_seconds})),
-            )
+            .send::<Value>(Method::PUT, &path, &SetTtlRequest { ttl_seconds }, None)
             .await
             .map(|_| ())
     }

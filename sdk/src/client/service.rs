@@ -5,19 +5,21 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use reqwest::Method;
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use super::config::{ClientBuilder, ClientConfig};
 use super::error::{Error, Result};
 use super::future::{decode, poll};
-use super::http::Transport;
+use super::http::{tagged, Transport};
 use super::rest::RestClient;
 use super::sampling::SamplingClient;
 use super::tokenizer::Tokenizer;
 use super::training::TrainingClient;
 use crate::types::{
-    CheckpointUri, ClientConfigResponse, CreateSessionResponse, LoraConfig, ServerCapabilities,
-    TokenizerResponse, UntypedApiFuture, WeightsInfoResponse,
+    CheckpointUri, ClientConfigRequest, ClientConfigResponse, CreateModelRequest,
+    CreateSamplingSessionRequest, CreateSamplingSessionResponse, CreateSessionRequest,
+    CreateSessionResponse, LoraConfig, ServerCapabilities, SessionHeartbeatRequest,
+    TokenizerResponse, UntypedApiFuture, WeightsInfoRequest, WeightsInfoResponse,
 };
 
 /// What a sampling client samples.
@@ -101,21 +103,36 @@ impl ServiceClient {
         }
         let transport = Arc::new(Transport::new(config)?);
         let sdk_version = concat!("lathe-rs-", env!("CARGO_PKG_VERSION"));
+        let request = ClientConfigRequest {
+            sdk_version: sdk_version.into(),
+        };
         let cfg: ClientConfigResponse = transport
-            .execute(
-                Method::POST,
-                "/api/v1/client/config",
-                Some(&json!({"sdk_version": sdk_version})),
-            )
+            .send(Method::POST, "/api/v1/client/config", &request, None)
             .await
             .and_then(decode)?;
         if cfg.pjwt_auth_enabled {
             transport.enable_jwt().await?;
         }
-        let body = json!({"tags": [], "user_metadata": transport.config.user_metadata,
-                          "sdk_version": sdk_version, "type": "create_session"});
+        let request = CreateSessionRequest {
+            tags: Vec::new(),
+            user_metadata: Some(
+                transport
+                    .config
+                    .user_metadata
+                    .iter()
+                    .map(|(k, v)| (k.clone(), Value::String(v.clone())))
+                    .collect(),
+            ),
+            sdk_version: Some(sdk_version.into()),
+            project_id: None,
+        };
         let created: CreateSessionResponse = transport
-            .execute(Method::POST, "/api/v1/create_session", Some(&body))
+            .send(
+                Method::POST,
+                "/api/v1/create_session",
+                &request,
+                Some("create_session"),
+            )
             .await
             .and_then(decode)?;
         for (level, msg) in [
@@ -175,11 +192,21 @@ impl ServiceClient {
             ));
         }
         let seq = self.session.model_seq.fetch_add(1, Ordering::Relaxed);
-        let body = json!({"session_id": self.session_id(), "model_seq_id": seq,
-                          "base_model": base_model, "lora_config": lora, "type": "create_model"});
+        let request = CreateModelRequest {
+            session_id: self.session_id().to_string(),
+            model_seq_id: seq,
+            base_model: base_model.to_string(),
+            lora_config: lora,
+            user_metadata: None,
+        };
         let fut: UntypedApiFuture = self
             .transport()
-            .execute(Method::POST, "/api/v1/create_model", Some(&body))
+            .send(
+                Method::POST,
+                "/api/v1/create_model",
+                &request,
+                Some("create_model"),
+            )
             .await
             .and_then(decode)?;
         let result = poll(self.transport(), &fut.request_id).await?;
@@ -192,12 +219,11 @@ impl ServiceClient {
 
     /// What a checkpoint was trained as (base model, rank, targets).
     pub async fn get_weights_info(&self, uri: &CheckpointUri) -> Result<WeightsInfoResponse> {
+        let request = WeightsInfoRequest {
+            tinker_path: uri.to_string(),
+        };
         self.transport()
-            .execute(
-                Method::POST,
-                "/api/v1/weights_info",
-                Some(&json!({"tinker_path": uri.to_string()})),
-            )
+            .send(Method::POST, "/api/v1/weights_info", &request, None)
             .await
             .and_then(decode)
     }
@@ -244,28 +270,29 @@ impl ServiceClient {
     /// A sampling client on saved weights or on the base model.
     pub async fn create_sampling_client(&self, source: SamplingSource) -> Result<SamplingClient> {
         let seq = self.next_sampling_seq();
-        let mut body = json!({"session_id": self.session_id(), "sampling_session_seq_id": seq,
-                              "type": "create_sampling_session"});
-        let base_model = match &source {
-            SamplingSource::Path(uri) => {
-                body["model_path"] = Value::String(uri.to_string());
-                None
-            }
-            SamplingSource::BaseModel(name) => {
-                body["base_model"] = Value::String(name.clone());
-                Some(name.clone())
-            }
+        let (model_path, base_model) = match &source {
+            SamplingSource::Path(uri) => (Some(uri.to_string()), None),
+            SamplingSource::BaseModel(name) => (None, Some(name.clone())),
         };
-        let v: Value = self
+        let request = CreateSamplingSessionRequest {
+            session_id: self.session_id().to_string(),
+            sampling_session_seq_id: seq,
+            base_model: base_model.clone(),
+            model_path,
+        };
+        let created: CreateSamplingSessionResponse = self
             .transport()
-            .execute(Method::POST, "/api/v1/create_sampling_session", Some(&body))
-            .await?;
-        let id = v["sampling_session_id"]
-            .as_str()
-            .ok_or_else(|| Error::decode("no sampling_session_id", &v.to_string()))?;
+            .send(
+                Method::POST,
+                "/api/v1/create_sampling_session",
+                &request,
+                Some("create_sampling_session"),
+            )
+            .await
+            .and_then(decode)?;
         Ok(SamplingClient::new(
             self.clone(),
-            id.to_string(),
+            created.sampling_session_id,
             base_model,
         ))
     }
@@ -305,7 +332,16 @@ pub(crate) fn urlencode(s: &str) -> String {
 
 /// Keeps the session alive until aborted (when the last handle is dropped).
 async fn heartbeat(transport: Arc<Transport>, session_id: String) {
-    let body = json!({"session_id": session_id, "type": "session_heartbeat"});
+    let request = SessionHeartbeatRequest {
+        session_id: session_id.clone(),
+    };
+    let body = match tagged(&request, Some("session_heartbeat")) {
+        Ok(body) => body,
+        Err(e) => {
+            tracing::error!("heartbeat request: {e}");
+            return;
+        }
+    };
     let mut failing_since: Option<std::time::Instant> = None;
     loop {
         tokio::time::sleep(transport.config.heartbeat_interval).await;

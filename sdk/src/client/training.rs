@@ -5,7 +5,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use reqwest::Method;
-use serde_json::{json, Value};
+use serde::Serialize;
+use serde_json::Value;
 
 use super::error::{Error, Result};
 use super::future::{decode, poll, single, ApiFuture};
@@ -15,8 +16,9 @@ use super::service::ServiceClient;
 use super::tokenizer::Tokenizer;
 use crate::types::{
     validate_checkpoint_name, AdamParams, CheckpointUri, Datum, ForwardBackwardInput,
-    ForwardBackwardOutput, ForwardBackwardRequest, ForwardRequest, GetInfoResponse, LossFn,
-    OptimStepResponse, UntypedApiFuture,
+    ForwardBackwardOutput, ForwardBackwardRequest, ForwardRequest, GetInfoResponse,
+    LoadWeightsRequest, LossFn, ModelIdRequest, OptimStepRequest, OptimStepResponse,
+    SaveWeightsForSamplerRequest, SaveWeightsRequest, UntypedApiFuture,
 };
 
 /// Loss settings: `clip_low_threshold`, `clip_high_threshold` (ppo, cispo), `beta` (dro).
@@ -160,13 +162,19 @@ impl TrainingClient {
         self.seq.fetch_add(1, Ordering::SeqCst) + 1
     }
 
-    async fn submit(&self, path: &str, mut body: Value) -> Result<String> {
-        body["model_id"] = Value::String(self.model_id.clone());
-        body["seq_id"] = json!(self.next_seq());
+    /// Submits the typed request `build` makes from this run's id and its next
+    /// `seq_id`; answers the request id.
+    async fn submit<R: Serialize>(
+        &self,
+        path: &str,
+        kind: &'static str,
+        build: impl FnOnce(String, Option<u64>) -> R,
+    ) -> Result<String> {
+        let request = build(self.model_id.clone(), Some(self.next_seq()));
         let fut: UntypedApiFuture = self
             .service
             .transport()
-            .execute(Method::POST, path, Some(&body))
+            .send(Method::POST, path, &request, Some(kind))
             .await
             .and_then(decode)?;
         Ok(fut.request_id)
@@ -305,10 +313,13 @@ impl TrainingClient {
             )));
         }
         let id = self
-            .submit(
-                "/api/v1/optim_step",
-                json!({"adam_params": params, "type": "optim_step"}),
-            )
+            .submit("/api/v1/optim_step", "optim_step", |model_id, seq_id| {
+                OptimStepRequest {
+                    adam_params: params,
+                    model_id,
+                    seq_id,
+                }
+            })
             .await?;
         Ok(ApiFuture::new(
             self.service.transport().clone(),
@@ -334,7 +345,14 @@ impl TrainingClient {
         let id = self
             .submit(
                 "/api/v1/save_weights",
-                json!({"path": name, "type": "save_weights"}),
+                "save_weights",
+                |model_id, seq_id| SaveWeightsRequest {
+                    model_id,
+                    path: Some(name.to_string()),
+                    seq_id,
+                    overwrite: false,
+                    ttl_seconds: None,
+                },
             )
             .await?;
         Ok(self.uri_future(id))
@@ -346,7 +364,14 @@ impl TrainingClient {
         let id = self
             .submit(
                 "/api/v1/save_weights_for_sampler",
-                json!({"path": name, "type": "save_weights_for_sampler"}),
+                "save_weights_for_sampler",
+                |model_id, seq_id| SaveWeightsForSamplerRequest {
+                    model_id,
+                    path: Some(name.to_string()),
+                    seq_id,
+                    sampling_session_seq_id: None,
+                    ttl_seconds: None,
+                },
             )
             .await?;
         Ok(self.uri_future(id))
@@ -356,7 +381,15 @@ impl TrainingClient {
         let id = self
             .submit(
                 "/api/v1/load_weights",
-                json!({"path": uri.to_string(), "optimizer": optimizer, "type": "load_weights"}),
+                "load_weights",
+                |model_id, seq_id| LoadWeightsRequest {
+                    model_id: Some(model_id),
+                    path: uri.to_string(),
+                    optimizer,
+                    seq_id,
+                    session_id: None,
+                    model_seq_id: None,
+                },
             )
             .await?;
         Ok(ApiFuture::new(
@@ -383,7 +416,14 @@ impl TrainingClient {
         let id = self
             .submit(
                 "/api/v1/save_weights_for_sampler",
-                json!({"sampling_session_seq_id": seq, "type": "save_weights_for_sampler"}),
+                "save_weights_for_sampler",
+                |model_id, seq_id| SaveWeightsForSamplerRequest {
+                    model_id,
+                    path: None,
+                    seq_id,
+                    sampling_session_seq_id: Some(seq),
+                    ttl_seconds: None,
+                },
             )
             .await?;
         let v = poll(self.service.transport(), &id).await?;
@@ -401,10 +441,13 @@ impl TrainingClient {
     pub async fn get_info(&self) -> Result<GetInfoResponse> {
         self.service
             .transport()
-            .execute(
+            .send(
                 Method::POST,
                 "/api/v1/get_info",
-                Some(&json!({"model_id": self.model_id, "type": "get_info"})),
+                &ModelIdRequest {
+                    model_id: self.model_id.clone(),
+                },
+                Some("get_info"),
             )
             .await
             .and_then(decode)

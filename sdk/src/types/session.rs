@@ -121,6 +121,13 @@ pub struct AuthTokenResponse {
     pub jwt: String,
 }
 
+/// `POST /api/v1/client/config`: the first call of every client.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClientConfigRequest {
+    /// The client's SDK and version.
+    pub sdk_version: String,
+}
+
 /// `POST /api/v1/create_session`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct CreateSessionRequest {
