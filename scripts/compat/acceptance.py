@@ -172,6 +172,21 @@ def flows(tok, service):
     ).result()
     check(len(stop.sequences[0].tokens) <= 3, "max_tokens respected")
     step(f"sampled {[tok.decode(s.tokens) for s in res.sequences]}")
+    if TINKER_VERSION >= (0, 38):
+        # The server advertises retrieve_futures: samples were awaited through one
+        # session poller, not a retrieve_future long-poll each.
+        check(getattr(sampler, "_futures_poller", None) is not None,
+              "0.38 sampled through the retrieve_futures poller")
+        step("samples awaited through retrieve_futures")
+        # A copied client (as sent to a worker process) joins the session for its own
+        # request numbers, and samples alongside the original.
+        import pickle
+
+        copy = pickle.loads(pickle.dumps(sampler))
+        out = copy.sample(prompt=prompt, num_samples=1, sampling_params=params).result()
+        check(len(out.sequences) == 1, "the copied sampling client samples")
+        check(copy._cloned_sampler_id not in (None, 0), f"joined: {copy._cloned_sampler_id}")
+        step(f"a pickled sampling client joined as copy {copy._cloned_sampler_id}")
 
     plp = sampler.compute_logprobs(prompt).result()
     check(len(plp) == len(prompt.to_ints()) and plp[0] is None, "prompt logprobs shape")

@@ -521,3 +521,84 @@ fn a_finished_session_answers_gone_and_finishing_again_is_harmless() {
     assert_eq!(status, 410);
     srv.stop();
 }
+
+#[test]
+fn retrieve_futures_reports_each_sampling_clients_completions_once() {
+    let dir = temp_dir("retrieve-futures");
+    let server = TestServer::start(&dir, |_| {});
+    let c = server.client(KEY_A);
+    let session = c.session();
+    let sampler = c.ok(
+        "/api/v1/create_sampling_session",
+        &json!({"session_id": session, "sampling_session_seq_id": 0,
+                "base_model": c.base_model()}),
+    )["sampling_session_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let sample = |seq: u64| {
+        c.ok(
+            "/api/v1/asample",
+            &json!({"sampling_session_id": sampler, "seq_id": seq, "num_samples": 1,
+                    "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]},
+                    "sampling_params": {"max_tokens": 3}}),
+        )["request_id"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let (mine, copys) = (sample(1), sample(1_000_000_001));
+    let poll = |clone: u64, cursor: u64| {
+        c.ok(
+            "/api/v1/retrieve_futures",
+            &json!({"target": {"type": "sampling_session", "sampling_session_id": sampler,
+                               "cloned_sampler_id": clone},
+                    "prev_cursor": cursor, "timeout": 5.0}),
+        )
+    };
+    let first = poll(0, 0);
+    assert_eq!(
+        first["completions"][0]["request_id"],
+        mine.as_str(),
+        "{first}"
+    );
+    assert_eq!(first["completions"][0]["state"], "finished");
+    assert_eq!(first["completions"].as_array().unwrap().len(), 1, "{first}");
+    let cursor = first["cursor"].as_u64().unwrap();
+    let t0 = std::time::Instant::now();
+    let again = c.ok(
+        "/api/v1/retrieve_futures",
+        &json!({"target": {"sampling_session_id": sampler}, "prev_cursor": cursor,
+                "timeout": 0.3}),
+    );
+    assert!(
+        again["completions"].as_array().unwrap().is_empty(),
+        "{again}"
+    );
+    assert_eq!(again["cursor"].as_u64().unwrap(), cursor);
+    assert!(
+        t0.elapsed() >= Duration::from_millis(250),
+        "it waited for news"
+    );
+    let copy = poll(1, 0);
+    assert_eq!(
+        copy["completions"][0]["request_id"],
+        copys.as_str(),
+        "{copy}"
+    );
+    // Copies get their own ids; another key sees nothing of the session.
+    for want in [1, 2] {
+        let j = c.ok(
+            "/api/v1/join_sampling_session",
+            &json!({"sampling_session_id": sampler, "type": "join_sampling_session"}),
+        );
+        assert_eq!(j["client_counter"], want);
+    }
+    let other = server.client(KEY_B);
+    let (status, _) = other.post(
+        "/api/v1/retrieve_futures",
+        &json!({"target": {"sampling_session_id": sampler}, "prev_cursor": 0, "timeout": 0}),
+    );
+    assert_eq!(status, 404);
+    server.stop();
+}

@@ -6,6 +6,7 @@
 //! because newer SDKs add fields. The server deserialises exactly these types, so client
 //! and server can never disagree about a field.
 
+mod completions;
 mod data;
 pub mod mint;
 pub mod openai;
@@ -13,6 +14,7 @@ mod protocol;
 mod session;
 mod uri;
 
+pub use completions::*;
 pub use data::*;
 pub use protocol::*;
 pub use session::*;

@@ -73,9 +73,9 @@ impl ClientConfigResponse {
             sample_dispatch_bytes_semaphore_size: 10 * 1024 * 1024,
             inflight_response_bytes_semaphore_size: 50 * 1024 * 1024,
             create_model_via_load_weights: false,
-            sample_use_retrieve_futures: false,
+            sample_use_retrieve_futures: true,
             custom_loss_server_side: false,
-            sample_join_sampling_session: false,
+            sample_join_sampling_session: true,
         }
     }
 }

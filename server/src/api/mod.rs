@@ -114,6 +114,11 @@ pub fn router(state: AppState) -> Router {
         .route("/api/v1/asample", post(sampling::asample))
         .route("/api/v1/samplers/{id}", get(sampling::get_sampler))
         .route("/api/v1/retrieve_future", post(futures::retrieve_future))
+        .route("/api/v1/retrieve_futures", post(sampling::retrieve_futures))
+        .route(
+            "/api/v1/join_sampling_session",
+            post(sampling::join_sampling_session),
+        )
         .route("/api/v1/cancel_future", post(futures::cancel_future))
         .route("/api/v1/training_runs", get(rest::list_runs))
         .route("/api/v1/training_runs/{run}", get(rest::get_run))

@@ -12,7 +12,9 @@ use tokio::sync::oneshot;
 
 use super::actor::EngineHandle;
 use super::futures::Poll;
-use super::{Engine, EngineError, InterpolatePlan, NewRun, SamplerRef, SaveRequest, Ttl};
+use super::{
+    CompletionPoll, Engine, EngineError, InterpolatePlan, NewRun, SamplerRef, SaveRequest, Ttl,
+};
 use crate::sample::{SampleJob, TokenProgress};
 use crate::store::db::CheckpointRow;
 use crate::train::reverse_kl::KlDatum;
@@ -171,8 +173,22 @@ commands! {
         sampler: SamplerRef,
         job: SampleJob,
         progress: Option<TokenProgress>,
+        clone: Option<u64>,
     ) -> Result<UntypedApiFuture, EngineError>
-        = |e| e.sample_streamed(&owner, sampler, job, progress);
+        = |e| e.sample_streamed(&owner, sampler, job, progress, clone);
+    /// `retrieve_futures`: a sampling session's completions after a cursor.
+    pub fn poll_completions => PollCompletions(
+        owner: String,
+        sampler_id: String,
+        clone: u64,
+        prev_cursor: u64,
+        wait: bool,
+    ) -> Result<CompletionPoll, EngineError>
+        = |e| e.poll_completions(&owner, &sampler_id, clone, prev_cursor, wait);
+    /// `join_sampling_session`: a new client id within a sampling session.
+    pub fn join_sampling_session => JoinSamplingSession(owner: String, sampler_id: String)
+        -> Result<u64, EngineError>
+        = |e| e.join_sampling_session(&owner, &sampler_id);
     /// The directory of the current version of a checkpoint `owner` may read.
     pub fn checkpoint_dir => CheckpointDir(owner: String, uri: CheckpointUri)
         -> Result<PathBuf, EngineError>

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
+use super::completions::Completions;
 use crate::worker::{Failure, Reply};
 
 /// A finished request: its result or the failure.
@@ -52,6 +53,8 @@ pub struct Futures {
     held: HashMap<String, usize>,
     done_bytes: usize,
     budget: usize,
+    /// Sampling sessions' completion queues (`retrieve_futures`).
+    pub completions: Completions,
 }
 
 impl Default for Futures {
@@ -69,6 +72,7 @@ impl Futures {
             held: HashMap::new(),
             done_bytes: 0,
             budget,
+            completions: Completions::default(),
         }
     }
 
@@ -96,6 +100,7 @@ impl Futures {
             Ok(r) => r.approx_bytes(),
             Err(f) => 64 + f.message.len(),
         };
+        self.completions.record(request_id, result.is_err());
         let result = Arc::new(result);
         let mut delivered = false;
         for w in waiters.drain(..) {
@@ -220,6 +225,7 @@ impl Futures {
         for queue in self.finished.values_mut() {
             queue.retain(|id| map.contains_key(id));
         }
+        self.completions.expire(now, ttl, |id| map.contains_key(id));
     }
 
     /// Bytes finished results hold now.

@@ -9,6 +9,7 @@ mod actor;
 mod batching_tests;
 mod catalog;
 mod command;
+mod completions;
 mod dispatch;
 mod ended;
 mod error;
@@ -28,6 +29,7 @@ mod ttl;
 
 pub use actor::{channel, run, EngineHandle};
 pub use command::Command;
+pub use completions::{Completion, CompletionPoll};
 pub use error::EngineError;
 pub use futures::FutureResult;
 pub use info::ModelInfo;

@@ -42,6 +42,7 @@ impl Engine {
                 model_path: pin.as_ref().map(|p| p.uri.to_string()),
                 source,
                 pin,
+                clients: 0,
             },
         );
     }
@@ -125,18 +126,25 @@ impl Engine {
         sampler: SamplerRef,
         job: SampleJob,
     ) -> Result<UntypedApiFuture, EngineError> {
-        self.sample_streamed(owner, sampler, job, None)
+        self.sample_streamed(owner, sampler, job, None, None)
     }
 
     /// Queues a sampling request whose tokens are also published to `progress` as they
-    /// are picked (the OpenAI-compatible streaming endpoints).
+    /// are picked (the OpenAI-compatible streaming endpoints). A request on a sampling
+    /// session reports its completion to the session's `retrieve_futures` queue of
+    /// client clone `clone` when that is given.
     pub fn sample_streamed(
         &mut self,
         owner: &str,
         sampler: SamplerRef,
         job: SampleJob,
         progress: Option<TokenProgress>,
+        clone: Option<u64>,
     ) -> Result<UntypedApiFuture, EngineError> {
+        let target = match (&sampler, clone) {
+            (SamplerRef::Session(id), Some(clone)) => Some((id.clone(), clone)),
+            _ => None,
+        };
         self.check_open()?;
         // Which client is sampling, for the batching decision in `pump`.
         let submitter = match &sampler {
@@ -188,6 +196,9 @@ impl Engine {
             },
         });
         self.futures.insert(request_id.clone(), owner);
+        if let Some(target) = target {
+            self.futures.completions.watch(&request_id, target);
+        }
         self.inflight.insert(
             request_id.clone(),
             Inflight {
@@ -204,5 +215,76 @@ impl Engine {
             model_id: None,
             sample_sequence_ids: Some(sample_sequence_ids),
         })
+    }
+}
+
+impl Engine {
+    /// `retrieve_futures`: the completions of one of `owner`'s sampling sessions (and
+    /// client clone) after `prev_cursor`, or a signal for the next one when `wait`.
+    pub fn poll_completions(
+        &mut self,
+        owner: &str,
+        sampler_id: &str,
+        clone: u64,
+        prev_cursor: u64,
+        wait: bool,
+    ) -> Result<crate::engine::CompletionPoll, EngineError> {
+        self.samplers
+            .get(sampler_id)
+            .filter(|s| s.owner == owner)
+            .ok_or_else(|| EngineError::NotFound(format!("unknown sampler {sampler_id}")))?;
+        Ok(self
+            .futures
+            .completions
+            .poll((sampler_id.to_string(), clone), prev_cursor, wait))
+    }
+
+    /// `join_sampling_session`: a new client id for a copy of a sampling client
+    /// (unique within the session; the original client is 0).
+    pub fn join_sampling_session(
+        &mut self,
+        owner: &str,
+        sampler_id: &str,
+    ) -> Result<u64, EngineError> {
+        let s = self
+            .samplers
+            .get_mut(sampler_id)
+            .filter(|s| s.owner == owner)
+            .ok_or_else(|| EngineError::NotFound(format!("unknown sampler {sampler_id}")))?;
+        s.clients += 1;
+        Ok(s.clients)
+    }
+}
+
+impl super::EngineHandle {
+    /// `retrieve_futures`: waits up to `timeout` for a completion after `prev_cursor`
+    /// of one of `owner`'s sampling sessions; answers the completions (maybe none) and
+    /// the cursor to send next.
+    pub async fn retrieve_futures(
+        &self,
+        owner: String,
+        sampler_id: String,
+        clone: u64,
+        prev_cursor: u64,
+        timeout: std::time::Duration,
+    ) -> Result<(Vec<crate::engine::Completion>, u64), EngineError> {
+        use crate::engine::CompletionPoll;
+        let first = self
+            .poll_completions(owner.clone(), sampler_id.clone(), clone, prev_cursor, true)
+            .await??;
+        let CompletionPoll::Wait(signal) = first else {
+            let CompletionPoll::Ready(events, cursor) = first else {
+                unreachable!()
+            };
+            return Ok((events, cursor));
+        };
+        let _ = tokio::time::timeout(timeout, signal).await;
+        match self
+            .poll_completions(owner, sampler_id, clone, prev_cursor, false)
+            .await??
+        {
+            CompletionPoll::Ready(events, cursor) => Ok((events, cursor)),
+            CompletionPoll::Wait(_) => Ok((Vec::new(), prev_cursor)),
+        }
     }
 }

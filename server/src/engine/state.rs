@@ -116,6 +116,8 @@ pub(super) struct Sampler {
     /// The checkpoint version a session opened on a checkpoint samples from: access and
     /// version are checked again at every request and at dispatch.
     pub pin: Option<Pin>,
+    /// Copies of its client that joined (`join_sampling_session`); the original is 0.
+    pub clients: u64,
 }
 
 /// A checkpoint version a sampler uses.

@@ -228,7 +228,13 @@ impl Submitted {
             // On an error here, dropping `sent` cancels the prompts already queued.
             let fut = s
                 .engine
-                .sample_streamed(owner.0.clone(), plan.sampler.clone(), job.clone(), progress)
+                .sample_streamed(
+                    owner.0.clone(),
+                    plan.sampler.clone(),
+                    job.clone(),
+                    progress,
+                    None,
+                )
                 .await??;
             sent.pending.push(fut.request_id.clone());
             sent.ids.push(fut.request_id);
