@@ -201,6 +201,13 @@ fn reverse_kl_steps_move_the_student_to_the_reference_without_taking_a_seq_id() 
         &kl_body(&student.model_id, &reference, short),
     );
     assert_eq!(status, 400, "{v}");
+    // One step is one worker operation, so its size is bounded.
+    let mut long = kl_body(&student.model_id, &reference, json!(null));
+    long["data"][0]["target_tokens"] = json!({"data": vec![4; 1025], "dtype": "int64"});
+    long["data"][0]["weights"] = json!({"data": vec![1.0; 1025], "dtype": "float32"});
+    let (status, v) = alice.post("/api/v1/mint/forward_backward_reverse_kl", &long);
+    assert_eq!(status, 400, "{v}");
+    assert!(v.to_string().contains("1024"), "{v}");
     let bob = server.client(KEY_B);
     let bob_session = bob.session();
     let theirs = Trainer::new(&bob, &bob_session, 0, 5);

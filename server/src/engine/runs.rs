@@ -12,7 +12,7 @@ use lathe_sdk::types::{
 use crate::model::LoraSpec;
 use crate::store::checkpoints::CheckpointMeta;
 use crate::store::db::{CheckpointRow, RunRow};
-use crate::train::reverse_kl::KlDatum;
+use crate::train::reverse_kl::{KlDatum, MAX_COMPLETION_TOKENS};
 use crate::worker::{RunOp, SamplerSource};
 
 use super::run_queue::Queued;
@@ -264,6 +264,24 @@ impl Engine {
         data: Vec<KlDatum>,
         temperature: f64,
     ) -> Result<String, EngineError> {
+        // The step runs as one worker operation: it must be no larger than a pass (or a
+        // single datum), so no key holds the worker longer than a pass.
+        let completion: usize = data.iter().map(|d| d.completion.len()).sum();
+        if completion > MAX_COMPLETION_TOKENS {
+            return Err(EngineError::BadRequest(format!(
+                "this reverse-KL request has {completion} completion tokens; the limit is \
+                 {MAX_COMPLETION_TOKENS} per request: split it"
+            )));
+        }
+        let tokens: usize = data.iter().map(KlDatum::tokens).sum();
+        if data.len() > 1 && tokens > self.config.max_batch_tokens {
+            return Err(EngineError::BadRequest(format!(
+                "this reverse-KL request reads {tokens} tokens (both prompts and the \
+                 completion, per datum); requests of several datums are limited to \
+                 --max-batch-tokens ({}): split it",
+                self.config.max_batch_tokens
+            )));
+        }
         if let Some(uri) = &reference {
             self.resolve_checkpoint(owner, uri)?;
         }

@@ -20,7 +20,7 @@ use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use lathe_sdk::types::openai::{
     ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, OpenAiErrorBody,
-    OpenAiErrorDetail,
+    OpenAiErrorDetail, OpenAiSampling,
 };
 use serde::de::DeserializeOwned;
 use tokio::sync::watch;
@@ -99,25 +99,19 @@ pub async fn completions(
 ) -> Result<Response, OpenAiError> {
     let req: CompletionRequest = parse(&body)?;
     let plan = request::completion(&s, &req).await?;
-    let sent = Submitted::submit(&s, &owner, &plan, req.sampling.stream).await?;
-    if req.sampling.stream {
-        let usage = req
-            .sampling
-            .stream_options
-            .as_ref()
-            .is_some_and(|o| o.include_usage);
-        return Ok(stream::start(
-            s,
-            plan,
-            sent,
-            stream::Kind::Completion,
-            req.model,
-            usage,
-        ));
-    }
-    let id = sent.id().to_string();
-    let outputs = sent.outputs().await?;
-    Ok(Json(answer::completion(&s.text, &id, &plan, &req, outputs)?).into_response())
+    let kind = stream::Kind::Completion;
+    serve(
+        s,
+        owner,
+        plan,
+        kind,
+        &req.model,
+        &req.sampling,
+        |text, id, plan, outputs| {
+            Ok(Json(answer::completion(text, id, plan, &req, outputs)?).into_response())
+        },
+    )
+    .await
 }
 
 /// `POST /v1/chat/completions`.
@@ -128,25 +122,48 @@ pub async fn chat_completions(
 ) -> Result<Response, OpenAiError> {
     let req: ChatCompletionRequest = parse(&body)?;
     let plan = request::chat(&s, &req).await?;
-    let sent = Submitted::submit(&s, &owner, &plan, req.sampling.stream).await?;
-    if req.sampling.stream {
-        let usage = req
-            .sampling
+    let kind = stream::Kind::Chat;
+    serve(
+        s,
+        owner,
+        plan,
+        kind,
+        &req.model,
+        &req.sampling,
+        |text, id, plan, outputs| {
+            Ok(Json(answer::chat(text, id, plan, &req, outputs)?).into_response())
+        },
+    )
+    .await
+}
+
+/// Submits a planned request and answers it: streamed when asked, else whole, written
+/// by `whole` from every prompt's result.
+async fn serve(
+    s: AppState,
+    owner: Owner,
+    plan: request::Plan,
+    kind: stream::Kind,
+    model: &str,
+    sampling: &OpenAiSampling,
+    whole: impl FnOnce(
+        &TextModel,
+        &str,
+        &request::Plan,
+        Vec<SampleOutput>,
+    ) -> Result<Response, ApiError>,
+) -> Result<Response, OpenAiError> {
+    let sent = Submitted::submit(&s, &owner, &plan, sampling.stream).await?;
+    if sampling.stream {
+        let usage = sampling
             .stream_options
             .as_ref()
             .is_some_and(|o| o.include_usage);
-        return Ok(stream::start(
-            s,
-            plan,
-            sent,
-            stream::Kind::Chat,
-            req.model,
-            usage,
-        ));
+        return Ok(stream::start(s, plan, sent, kind, model.to_string(), usage));
     }
     let id = sent.id().to_string();
     let outputs = sent.outputs().await?;
-    Ok(Json(answer::chat(&s.text, &id, &plan, &req, outputs)?).into_response())
+    Ok(whole(&s.text, &id, &plan, outputs)?)
 }
 
 /// `GET /v1/models`: the base model, then the key's sampler checkpoints (newest first,
