@@ -330,6 +330,12 @@ fn what_cannot_be_honoured_is_refused_by_name() {
             400,
             "best_of",
         ),
+        (
+            "/v1/completions",
+            json!({"model": base, "prompt": "x", "logprobs": 2}),
+            400,
+            "alternatives",
+        ),
         ("/v1/completions", json!({"model": base}), 400, "prompt"),
         (
             "/v1/chat/completions",

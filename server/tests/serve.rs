@@ -547,6 +547,12 @@ fn retrieve_futures_reports_each_sampling_clients_completions_once() {
             .unwrap()
             .to_string()
     };
+    // A copy of the client first joins the session for its id (the SDK's order).
+    let joined = c.ok(
+        "/api/v1/join_sampling_session",
+        &json!({"sampling_session_id": sampler, "type": "join_sampling_session"}),
+    );
+    assert_eq!(joined["client_counter"], 1);
     let (mine, copys) = (sample(1), sample(1_000_000_001));
     let poll = |clone: u64, cursor: u64| {
         c.ok(
@@ -587,13 +593,20 @@ fn retrieve_futures_reports_each_sampling_clients_completions_once() {
         "{copy}"
     );
     // Copies get their own ids; another key sees nothing of the session.
-    for want in [1, 2] {
+    for want in [2, 3] {
         let j = c.ok(
             "/api/v1/join_sampling_session",
             &json!({"sampling_session_id": sampler, "type": "join_sampling_session"}),
         );
         assert_eq!(j["client_counter"], want);
     }
+    // A copy the session never handed out has no queue.
+    let (status, v) = c.post(
+        "/api/v1/retrieve_futures",
+        &json!({"target": {"sampling_session_id": sampler, "cloned_sampler_id": 99},
+                "prev_cursor": 0, "timeout": 0}),
+    );
+    assert_eq!(status, 400, "{v}");
     let other = server.client(KEY_B);
     let (status, _) = other.post(
         "/api/v1/retrieve_futures",

@@ -13,6 +13,11 @@ use super::{ApiError, ApiJson, AppState, Owner};
 use crate::engine::{KeyLimits, ModelInfo, MAX_SOURCES};
 use crate::train::reverse_kl::KlDatum;
 
+/// Reverse-KL temperatures accepted: beyond these, `logits / T` or `T^2` leave the
+/// range where the loss and its gradient stay finite.
+const MIN_TEMPERATURE: f64 = 1e-3;
+const MAX_TEMPERATURE: f64 = 1e3;
+
 /// `checkpoints/interpolate`: a sampler checkpoint holding the weighted sum of the
 /// sources' LoRA deltas, saved under the first source's run.
 pub async fn interpolate(
@@ -44,9 +49,17 @@ pub async fn interpolate(
         }
         None => format!("mintx-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]),
     };
+    // Each interpolation reads and writes whole adapters off the async threads: at most
+    // one per core at once, like body decoding.
+    let slot = s
+        .decode_slots
+        .clone()
+        .acquire_owned()
+        .await
+        .map_err(|_| ApiError::internal("the server is shutting down"))?;
     let fut = s
         .engine
-        .interpolate(owner.0, sources, req.coefficients, name)
+        .interpolate(owner.0, sources, req.coefficients, name, slot)
         .await?;
     Ok(Json(fut))
 }
@@ -74,9 +87,9 @@ async fn reverse_kl_inner(
     } else {
         Some(parse_uri(&req.reference_model_path)?)
     };
-    if !(req.temperature.is_finite() && req.temperature > 0.0) {
+    if !(MIN_TEMPERATURE..=MAX_TEMPERATURE).contains(&req.temperature) {
         return Err(ApiError::bad_request(format!(
-            "temperature must be finite and > 0, got {}",
+            "temperature must be between {MIN_TEMPERATURE} and {MAX_TEMPERATURE}, got {}",
             req.temperature
         )));
     }

@@ -10,6 +10,7 @@ use crate::worker::{
     Batch, BatchReport, Failure, ForwardResult, Outcome, Pass, Reply, RunOp, RunWork,
 };
 
+use super::run_queue::UNORDERED;
 use super::runs::MAX_SNAPSHOTS_PER_RUN;
 use super::scheduler::{self, Candidate, Kind, Limits};
 use super::state::{After, Inflight, ACTIVE_WINDOW, WORKER_GONE};
@@ -47,7 +48,7 @@ impl Engine {
             let Some((seq, q)) = run.queue.ready(now, self.config.reorder_timeout) else {
                 continue;
             };
-            if seq != next {
+            if seq != next && seq != UNORDERED {
                 tracing::warn!(run = %run_id, missing = next, next = seq, "skipping a seq_id that never arrived");
             }
             oldest = Some(oldest.map_or(q.since, |o| o.min(q.since)));
@@ -57,6 +58,9 @@ impl Engine {
                 } => Kind::Forward {
                     tokens: next_pass(data, pass_budget).1,
                     with_grad: *with_grad,
+                },
+                op @ RunOp::ReverseKl { .. } => Kind::Solo {
+                    tokens: op.tokens(),
                 },
                 _ => Kind::Other,
             };

@@ -128,16 +128,19 @@ impl Engine {
 
 impl EngineHandle {
     /// Writes the interpolation of `sources` as sampler checkpoint `name`; answers a
-    /// future of its path. Runs to completion even if the caller goes away.
+    /// future of its path. Runs to completion even if the caller goes away, holding
+    /// `slot` (which bounds how many run at once) until it is done.
     pub async fn interpolate(
         &self,
         owner: String,
         sources: Vec<CheckpointUri>,
         coefficients: Vec<f64>,
         name: String,
+        slot: tokio::sync::OwnedSemaphorePermit,
     ) -> Result<UntypedApiFuture, EngineError> {
         let this = self.clone();
         self.detached(async move {
+            let _slot = slot;
             let plan = this
                 .begin_interpolate(owner.clone(), sources.clone(), coefficients.clone(), name)
                 .await??;

@@ -132,14 +132,16 @@ impl RunQueue {
             self.next_seq += 1;
         }
         self.skipped.retain(|&s| s >= self.next_seq);
-        if let Some(q) = self.unordered.front() {
-            return Some((UNORDERED, q));
+        let numbered = self.pending.first_key_value().filter(|(&seq, q)| {
+            seq == self.next_seq || now.saturating_duration_since(q.since) >= timeout
+        });
+        // An unordered operation keeps its place in arrival order: it runs before the
+        // numbered ones submitted after it, not before those submitted earlier.
+        match (self.unordered.front(), numbered) {
+            (Some(u), Some((_, n))) if n.arrival < u.arrival => numbered.map(|(&s, q)| (s, q)),
+            (Some(u), _) => Some((UNORDERED, u)),
+            (None, n) => n.map(|(&s, q)| (s, q)),
         }
-        let (&seq, q) = self.pending.first_key_value()?;
-        if seq != self.next_seq && now.saturating_duration_since(q.since) < timeout {
-            return None;
-        }
-        Some((seq, q))
     }
 
     /// The queued operation at `seq`.
@@ -170,8 +172,12 @@ impl RunQueue {
 
     /// The `seq_id` of the head when it is `request_id`'s operation.
     pub fn head_of(&self, request_id: &str) -> Option<u64> {
-        if let Some(q) = self.unordered.front() {
-            return (q.request_id == request_id).then_some(UNORDERED);
+        if self
+            .unordered
+            .front()
+            .is_some_and(|q| q.request_id == request_id)
+        {
+            return Some(UNORDERED);
         }
         self.pending
             .first_key_value()
@@ -216,19 +222,30 @@ mod tests {
     }
 
     #[test]
-    fn unordered_operations_run_next_and_take_no_number() {
+    fn unordered_operations_keep_their_arrival_place_and_take_no_number() {
         let (mut q, now) = (RunQueue::default(), Instant::now());
-        submit(&mut q, Some(0), "a", now).unwrap();
+        let at = |id: &str, arrival: u64| Queued {
+            arrival,
+            ..op(id, now)
+        };
+        q.push(0, at("a", 1));
         q.take(0);
-        q.push_unordered(op("kl", now));
-        submit(&mut q, Some(1), "b", now).unwrap();
+        q.push_unordered(at("kl", 5));
+        q.push(1, at("b", 6));
         let (seq, head) = q.ready(now, WAIT).unwrap();
         assert_eq!((seq, head.request_id.as_str()), (UNORDERED, "kl"));
         assert_eq!(q.head_of("kl"), Some(UNORDERED));
         q.commit_to(seq);
         assert_eq!(q.take(seq).unwrap().request_id, "kl");
         assert_eq!(q.next_seq(), 1, "the numbered sequence is untouched");
+        // Behind a numbered operation that arrived first, and found as its run's head
+        // whichever queue holds it.
+        q.push_unordered(at("late-kl", 9));
         assert_eq!(q.ready(now, WAIT).unwrap().1.request_id, "b");
+        assert_eq!(q.head_of("b"), Some(1));
+        assert_eq!(q.head_of("late-kl"), Some(UNORDERED));
+        q.take(1);
+        assert_eq!(q.ready(now, WAIT).unwrap().0, UNORDERED);
     }
 
     #[test]

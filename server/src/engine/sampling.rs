@@ -9,6 +9,10 @@ use crate::worker::{SampleWork, SamplerSource};
 use super::state::{After, Inflight, Pin, QueuedSample, Sampler};
 use super::{Engine, EngineError};
 
+/// Most copies of one sampling client (`join_sampling_session`); each may have a
+/// completion queue.
+pub const MAX_CLIENT_COPIES: u64 = 1024;
+
 /// Which sampler a request uses.
 #[derive(Debug, Clone)]
 pub enum SamplerRef {
@@ -141,8 +145,13 @@ impl Engine {
         progress: Option<TokenProgress>,
         clone: Option<u64>,
     ) -> Result<UntypedApiFuture, EngineError> {
+        // Only the session's own client and the copies it handed out have a queue.
         let target = match (&sampler, clone) {
-            (SamplerRef::Session(id), Some(clone)) => Some((id.clone(), clone)),
+            (SamplerRef::Session(id), Some(clone))
+                if self.samplers.get(id).is_some_and(|s| clone <= s.clients) =>
+            {
+                Some((id.clone(), clone))
+            }
             _ => None,
         };
         self.check_open()?;
@@ -229,10 +238,17 @@ impl Engine {
         prev_cursor: u64,
         wait: bool,
     ) -> Result<crate::engine::CompletionPoll, EngineError> {
-        self.samplers
+        let sampler = self
+            .samplers
             .get(sampler_id)
             .filter(|s| s.owner == owner)
             .ok_or_else(|| EngineError::NotFound(format!("unknown sampler {sampler_id}")))?;
+        if clone > sampler.clients {
+            return Err(EngineError::BadRequest(format!(
+                "sampler {sampler_id} has no client copy {clone} (copies get their id from \
+                 join_sampling_session)"
+            )));
+        }
         Ok(self
             .futures
             .completions
@@ -251,6 +267,11 @@ impl Engine {
             .get_mut(sampler_id)
             .filter(|s| s.owner == owner)
             .ok_or_else(|| EngineError::NotFound(format!("unknown sampler {sampler_id}")))?;
+        if s.clients >= MAX_CLIENT_COPIES {
+            return Err(EngineError::BadRequest(format!(
+                "sampler {sampler_id} already has {MAX_CLIENT_COPIES} client copies"
+            )));
+        }
         s.clients += 1;
         Ok(s.clients)
     }

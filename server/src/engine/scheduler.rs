@@ -44,6 +44,12 @@ pub enum Kind {
         /// Whether it accumulates gradients.
         with_grad: bool,
     },
+    /// A run operation that runs by itself in the worker over `tokens` tokens (MinT's
+    /// reverse KL): it takes its tokens of the batch budget and is charged them.
+    Solo {
+        /// Tokens it reads.
+        tokens: usize,
+    },
     /// Any other run operation.
     Other,
     /// A new sampling request: its prompt is prefilled and its sequences join the decode.
@@ -69,7 +75,7 @@ impl Kind {
     /// The service a pick of this kind is charged, in tokens.
     pub fn charge(&self) -> u64 {
         match *self {
-            Kind::Forward { tokens, .. } | Kind::Sample { tokens, .. } => {
+            Kind::Forward { tokens, .. } | Kind::Sample { tokens, .. } | Kind::Solo { tokens } => {
                 (tokens as u64).max(MIN_CHARGE)
             }
             Kind::Other => MIN_CHARGE,
@@ -80,7 +86,9 @@ impl Kind {
     /// Tokens it takes of a batch's budget.
     fn tokens(&self) -> usize {
         match *self {
-            Kind::Forward { tokens, .. } | Kind::Sample { tokens, .. } => tokens,
+            Kind::Forward { tokens, .. } | Kind::Sample { tokens, .. } | Kind::Solo { tokens } => {
+                tokens
+            }
             Kind::Decode { streams } => streams,
             Kind::Other => 0,
         }
@@ -154,7 +162,7 @@ pub fn plan(candidates: &[Candidate], limits: Limits, levels: &[u64]) -> Vec<usi
                     }
                     room
                 }
-                Kind::Decode { .. } => true,
+                Kind::Decode { .. } | Kind::Solo { .. } => true,
                 Kind::Other => unreachable!("taken above"),
             };
         if take {

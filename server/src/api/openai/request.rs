@@ -146,6 +146,13 @@ pub async fn completion(s: &AppState, req: &CompletionRequest) -> Result<Plan, A
     if drop_generated && !req.echo {
         return Err(bad("max_tokens 0 asks for nothing (unless echo is set)"));
     }
+    if !req.echo && req.logprobs.is_some_and(|k| k > 0) {
+        return Err(bad(
+            "logprobs above 0 asks for alternatives of sampled tokens, which Lathe does not \
+             compute: use logprobs 0 (each sampled token's own log-probability), or echo to \
+             score the prompt with alternatives",
+        ));
+    }
     let scored = req.echo && req.logprobs.is_some();
     let topk = if req.echo {
         req.logprobs.unwrap_or(0)

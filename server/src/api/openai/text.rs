@@ -5,6 +5,10 @@
 
 use crate::model::{ModelError, TextTokenizer};
 
+/// Tokens a character may span (a UTF-8 character has at most 4 bytes, and byte-level
+/// vocabularies hold at least one per token).
+const MAX_PENDING: usize = 4;
+
 /// Decodes a growing token list piece by piece: each pushed token yields the text that
 /// became final with it. A token that ends inside a multi-byte character yields nothing
 /// until a later token completes it (the prefix/read offsets of TGI's and vLLM's
@@ -26,12 +30,18 @@ impl Detokenizer {
         }
     }
 
-    /// Adds a token; returns the text that became final.
+    /// Adds a token; returns the text that became final. Bytes that never form a
+    /// character (invalid UTF-8) are given up as replacement characters once
+    /// [`MAX_PENDING`] tokens wait, so the window stays short.
     fn push(&mut self, tok: &TextTokenizer, id: u32) -> Result<String, ModelError> {
         self.ids.push(id);
         let before = tok.decode(&self.ids[self.prefix..self.read])?;
         let now = tok.decode(&self.ids[self.prefix..])?;
-        if now.len() > before.len() && !now.ends_with('\u{FFFD}') && now.starts_with(&before) {
+        let stuck = self.ids.len() - self.read > MAX_PENDING;
+        if now.len() > before.len()
+            && (stuck || !now.ends_with('\u{FFFD}'))
+            && now.starts_with(&before)
+        {
             self.prefix = self.read;
             self.read = self.ids.len();
             Ok(now[before.len()..].to_string())
@@ -67,6 +77,10 @@ pub struct ChoiceText {
     cut: Option<usize>,
     /// Per token: where its text starts in `text` (bytes).
     starts: Vec<usize>,
+    /// Per token: where its text starts in `text` (characters).
+    char_starts: Vec<usize>,
+    /// Characters in `text`.
+    chars: usize,
 }
 
 impl ChoiceText {
@@ -79,22 +93,30 @@ impl ChoiceText {
             released: 0,
             cut: None,
             starts: Vec::new(),
+            char_starts: Vec::new(),
+            chars: 0,
         }
     }
 
     /// Adds the next sampled token; returns the text now safe to show.
     pub fn push(&mut self, tok: &TextTokenizer, id: u32) -> Result<String, ModelError> {
         self.starts.push(self.text.len());
+        self.char_starts.push(self.chars);
         let piece = self.detok.push(tok, id)?;
-        self.text.push_str(&piece);
+        self.append(&piece);
         Ok(self.release(false))
     }
 
     /// No more tokens: returns whatever was held back.
     pub fn finish(&mut self, tok: &TextTokenizer) -> Result<String, ModelError> {
         let piece = self.detok.flush(tok)?;
-        self.text.push_str(&piece);
+        self.append(&piece);
         Ok(self.release(true))
+    }
+
+    fn append(&mut self, piece: &str) {
+        self.text.push_str(piece);
+        self.chars += piece.chars().count();
     }
 
     /// The visible text so far (all of it, after [`Self::finish`]).
@@ -117,8 +139,7 @@ impl ChoiceText {
     /// Where token `i`'s text starts in the visible text, in characters (OpenAI's
     /// `text_offset`).
     pub fn char_offset(&self, i: usize) -> usize {
-        let at = self.starts.get(i).copied().unwrap_or(self.text.len());
-        self.text[..at.min(self.text.len())].chars().count()
+        self.char_starts.get(i).copied().unwrap_or(self.chars)
     }
 
     fn release(&mut self, last: bool) -> String {
@@ -219,6 +240,22 @@ mod tests {
         shown.push_str(&c.finish(&tok).unwrap());
         assert_eq!(shown, "x STAY");
         assert!(!c.stopped());
+    }
+
+    #[test]
+    fn invalid_bytes_are_given_up_without_holding_the_window() {
+        let tok = tiny_tokenizer().unwrap();
+        // Lone continuation bytes (0x80) never form a character.
+        let ids: Vec<u32> = vec![0x80; 50];
+        let mut c = ChoiceText::new(Vec::new());
+        let mut shown = String::new();
+        for &id in &ids {
+            shown.push_str(&c.push(&tok, id).unwrap());
+            assert!(c.detok.ids.len() - c.detok.read <= MAX_PENDING + 1);
+        }
+        shown.push_str(&c.finish(&tok).unwrap());
+        assert_eq!(shown, c.visible());
+        assert!(shown.chars().all(|ch| ch == '\u{FFFD}') && !shown.is_empty());
     }
 
     #[test]
