@@ -21,8 +21,7 @@ use crate::model::pool::on_pool;
 use crate::model::{Adapter, AdapterGrads, PackedBatch, Transformer};
 
 /// Most completion tokens one reverse-KL request may hold: each is a full-vocabulary
-/// row of both models' logits in f64 while its gradient is computed (about 0.8 GB at
-/// 1024 rows of a 49k vocabulary).
+/// row of both models' logits in f64 while its gradient is computed.
 pub const MAX_COMPLETION_TOKENS: usize = 1024;
 
 /// One datum.
