@@ -152,6 +152,15 @@ struct LayerTape {
     ldown: PartCaches,
 }
 
+/// A forward pass up to the output head.
+struct Hidden {
+    xf: Tensor,
+    norm: RmsSaved,
+    tapes: Vec<LayerTape>,
+    cos: Tensor,
+    sin: Tensor,
+}
+
 /// Everything the backward pass needs from a forward pass.
 pub struct Tape {
     layers: Vec<LayerTape>,
@@ -250,20 +259,13 @@ impl Transformer {
         targets: &Tensor,
         keep_tape: bool,
     ) -> Result<(Tensor, Option<Tape>), ModelError> {
-        self.check_batch(batch, adapters)?;
-        let (cos, sin) = self.rope.gather(&batch.positions)?;
-        let mut h = self.weights.embed_tokens.index_select(&batch.tokens, 0)?;
-        let mut tapes = Vec::new();
-        for (i, layer) in self.weights.layers.iter().enumerate() {
-            let (next, tape) =
-                self.layer_forward(i, layer, &h, batch, adapters, &cos, &sin, None, None)?;
-            h = next;
-            if keep_tape {
-                tapes.push(tape);
-            }
-        }
-        let (xf, norm) = ops::rms_norm(&h, &self.weights.norm, self.config.rms_norm_eps)?;
-        drop(h);
+        let Hidden {
+            xf,
+            norm,
+            tapes,
+            cos,
+            sin,
+        } = self.hidden(batch, adapters, keep_tape)?;
         let (lp, head) =
             self.head_logprobs(&xf, batch, adapters, targets, keep_tape, 0, &mut Vec::new())?;
         let tape = keep_tape.then(|| Tape {
@@ -279,6 +281,35 @@ impl Transformer {
             n_adapters: adapters.len(),
         });
         Ok((lp, tape))
+    }
+
+    /// The final norm's output over `batch` (and each layer's tape when `keep_tape`).
+    fn hidden(
+        &self,
+        batch: &PackedBatch,
+        adapters: &[&Adapter],
+        keep_tape: bool,
+    ) -> Result<Hidden, ModelError> {
+        self.check_batch(batch, adapters)?;
+        let (cos, sin) = self.rope.gather(&batch.positions)?;
+        let mut h = self.weights.embed_tokens.index_select(&batch.tokens, 0)?;
+        let mut tapes = Vec::new();
+        for (i, layer) in self.weights.layers.iter().enumerate() {
+            let (next, tape) =
+                self.layer_forward(i, layer, &h, batch, adapters, &cos, &sin, None, None)?;
+            h = next;
+            if keep_tape {
+                tapes.push(tape);
+            }
+        }
+        let (xf, norm) = ops::rms_norm(&h, &self.weights.norm, self.config.rms_norm_eps)?;
+        Ok(Hidden {
+            xf,
+            norm,
+            tapes,
+            cos,
+            sin,
+        })
     }
 
     /// Runs `batch` through the model appending to each sequence's KV cache, and returns

@@ -172,6 +172,21 @@ fn completion_logits(
     Ok((rows, tape))
 }
 
+/// The completion rows' logits of the frozen reference, as host rows (no tape kept).
+fn reference_logits(
+    model: &Transformer,
+    adapter: Option<&Adapter>,
+    seq: &[u32],
+    c: usize,
+) -> Result<Vec<Vec<f64>>, TrainError> {
+    let adapters: Vec<&Adapter> = adapter.into_iter().collect();
+    let batch = PackedBatch::new(&[(seq, adapter.map(|_| 0), 0)], model.device())?;
+    Ok(model
+        .forward_logits_rows(&batch, &adapters, seq.len() - c, c)?
+        .to_dtype(DType::F64)?
+        .to_vec2()?)
+}
+
 fn one(
     model: &Transformer,
     student: &Adapter,
@@ -181,8 +196,7 @@ fn one(
     with_grad: bool,
 ) -> Result<(KlResult, Option<AdapterGrads>), TrainError> {
     let c = d.completion.len();
-    let (ref_rows, ref_tape) = completion_logits(model, reference, &d.sequence(&d.reference), c)?;
-    drop(ref_tape);
+    let ref_rows = reference_logits(model, reference, &d.sequence(&d.reference), c)?;
     let seq = d.sequence(&d.student);
     let (rows, tape) = completion_logits(model, Some(student), &seq, c)?;
     // Rows are consumed as their terms are computed, so the logits copies and the

@@ -49,6 +49,43 @@ impl Tape {
 }
 
 impl Transformer {
+    /// The full next-token logits of rows `start..start + len` of `batch`,
+    /// `(len, vocab)`, keeping nothing for a backward pass (a frozen reference's
+    /// distribution, say).
+    pub fn forward_logits_rows(
+        &self,
+        batch: &PackedBatch,
+        adapters: &[&Adapter],
+        start: usize,
+        len: usize,
+    ) -> Result<Tensor, ModelError> {
+        let xf = self.hidden(batch, adapters, false)?.xf;
+        let w = self.weights.lm_head();
+        let mut parts = Vec::new();
+        for seg in &batch.segments {
+            let (lo, hi) = (start.max(seg.start), (start + len).min(seg.start + seg.len));
+            if lo < hi {
+                let x = xf.narrow(0, lo, hi - lo)?;
+                let local = [Segment {
+                    start: 0,
+                    len: hi - lo,
+                    adapter: seg.adapter,
+                }];
+                let (logits, _) =
+                    lora_forward(&x, matmul_t(&x, w)?, Target::LmHead, &local, adapters)?;
+                parts.push(logits);
+            }
+        }
+        let rows: usize = parts.iter().map(|p| p.dims()[0]).sum();
+        if rows != len {
+            return Err(ModelError::Input(format!(
+                "rows {start}..{} are outside the batch",
+                start + len
+            )));
+        }
+        Ok(Tensor::cat(&parts, 0)?)
+    }
+
     /// Target log-probabilities, computed in row chunks that never cross an adapter
     /// boundary so the `(rows, vocab)` logits stay bounded.
     /// With `k > 0`, also appends each row's `k` most likely tokens to `topk`.
