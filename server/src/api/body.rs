@@ -56,12 +56,7 @@ impl FromRequest<AppState> for ForwardBackwardBody {
                 _ => ApiError::bad_request(format!("reading the body: {}", r.body_text())),
             })?;
         let limit = state.max_request_bytes;
-        let slot = state
-            .decode_slots
-            .clone()
-            .acquire_owned()
-            .await
-            .map_err(|_| ApiError::internal("the server is shutting down"))?;
+        let slot = state.cpu_slot().await?;
         // Decompressing and decoding tens of megabytes is CPU work: off the async threads,
         // a bounded number at once.
         let decoded = tokio::task::spawn_blocking(move || {

@@ -50,6 +50,18 @@ pub struct AppState {
     pub text: Arc<openai::TextModel>,
 }
 
+impl AppState {
+    /// One of the per-core slots that bound CPU-heavy request work (body decoding,
+    /// tokenizing, interpolation); held until dropped.
+    pub async fn cpu_slot(&self) -> Result<tokio::sync::OwnedSemaphorePermit, ApiError> {
+        self.decode_slots
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| ApiError::internal("the server is shutting down"))
+    }
+}
+
 /// Default request body limit.
 pub const DEFAULT_MAX_REQUEST_BYTES: usize = 32 * 1024 * 1024;
 

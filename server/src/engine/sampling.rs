@@ -290,14 +290,12 @@ impl super::EngineHandle {
         timeout: std::time::Duration,
     ) -> Result<(Vec<crate::engine::Completion>, u64), EngineError> {
         use crate::engine::CompletionPoll;
-        let first = self
+        let signal = match self
             .poll_completions(owner.clone(), sampler_id.clone(), clone, prev_cursor, true)
-            .await??;
-        let CompletionPoll::Wait(signal) = first else {
-            let CompletionPoll::Ready(events, cursor) = first else {
-                unreachable!()
-            };
-            return Ok((events, cursor));
+            .await??
+        {
+            CompletionPoll::Ready(events, cursor) => return Ok((events, cursor)),
+            CompletionPoll::Wait(signal) => signal,
         };
         let _ = tokio::time::timeout(timeout, signal).await;
         match self

@@ -15,7 +15,8 @@ use crate::api::ApiError;
 use crate::model::TextTokenizer;
 use crate::sample::{Generated, SampleOutput, Stop};
 
-fn tokenizer_error(e: crate::model::ModelError) -> ApiError {
+/// A failure to decode sampled tokens (a server fault: they came from the model).
+pub fn tokenizer_error(e: crate::model::ModelError) -> ApiError {
     ApiError::internal(format!("decoding the sampled tokens failed: {e}"))
 }
 
@@ -24,8 +25,13 @@ pub fn token_text(tok: &TextTokenizer, id: u32) -> String {
     tok.decode(&[id]).unwrap_or_default()
 }
 
-/// A sequence's answer tokens with their log-probabilities: EOS is not part of the text.
-pub fn answer_tokens<'a>(
+/// Whether a sampled token is part of the answer's text (EOS is not).
+pub fn in_answer(tok: &TextTokenizer, id: u32) -> bool {
+    !tok.eos_ids().contains(&id)
+}
+
+/// A sequence's answer tokens with their log-probabilities.
+fn answer_tokens<'a>(
     tok: &'a TextTokenizer,
     seq: &'a Generated,
 ) -> impl Iterator<Item = (u32, f32)> + 'a {
@@ -33,7 +39,7 @@ pub fn answer_tokens<'a>(
         .iter()
         .copied()
         .zip(seq.logprobs.iter().copied())
-        .filter(|(id, _)| !tok.eos_ids().contains(id))
+        .filter(|&(id, _)| in_answer(tok, id))
 }
 
 /// A sequence's text, ended at the first stop string.

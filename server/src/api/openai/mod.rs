@@ -15,13 +15,13 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use lathe_sdk::types::openai::{
     ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, OpenAiErrorBody,
     OpenAiErrorDetail, OpenAiSampling,
 };
+use lathe_sdk::types::{CheckpointKind, CheckpointUri};
 use serde::de::DeserializeOwned;
 use tokio::sync::watch;
 
@@ -182,20 +182,14 @@ pub async fn models(
     }];
     let page = s.engine.list_user_checkpoints(owner.0, 0, PAGE).await?;
     for c in page.checkpoints {
-        if c.checkpoint_type == "sampler" {
-            let run = c
-                .tinker_path
-                .trim_start_matches("tinker://")
-                .split('/')
-                .next()
-                .unwrap_or_default()
-                .to_string();
-            data.push(ModelCard {
+        match c.tinker_path.parse::<CheckpointUri>() {
+            Ok(uri) if uri.kind == CheckpointKind::Sampler => data.push(ModelCard {
                 id: c.tinker_path,
                 object: "model".into(),
                 created,
-                owned_by: run,
-            });
+                owned_by: uri.run_id,
+            }),
+            _ => {}
         }
     }
     Ok(Json(ModelList {
@@ -285,11 +279,7 @@ impl Submitted {
             )),
             Err(f) => Err(match f.blame {
                 crate::worker::Blame::User => ApiError::bad_request(f.message.clone()),
-                crate::worker::Blame::Server => ApiError::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "internal",
-                    f.message.clone(),
-                ),
+                crate::worker::Blame::Server => ApiError::internal(f.message.clone()),
             }),
         }
     }

@@ -260,12 +260,7 @@ async fn on_blocking<R: Send + 'static>(
     s: &AppState,
     work: impl FnOnce(&TextModel) -> Result<R, ApiError> + Send + 'static,
 ) -> Result<R, ApiError> {
-    let _slot = s
-        .decode_slots
-        .clone()
-        .acquire_owned()
-        .await
-        .map_err(|_| ApiError::internal("the server is shutting down"))?;
+    let _slot = s.cpu_slot().await?;
     let text = s.text.clone();
     tokio::task::spawn_blocking(move || work(&text))
         .await

@@ -19,7 +19,7 @@ use lathe_sdk::types::openai::{
 use serde::Serialize;
 use tokio::sync::mpsc;
 
-use super::answer::{finish_reason, usage};
+use super::answer::{finish_reason, in_answer, tokenizer_error, usage};
 use super::request::Plan;
 use super::text::ChoiceText;
 use super::{now, Submitted};
@@ -197,14 +197,9 @@ impl Live {
         let mut out = String::new();
         for &id in tokens.iter().skip(self.fed) {
             self.fed += 1;
-            if tok.eos_ids().contains(&id) {
-                continue;
+            if in_answer(tok, id) {
+                out.push_str(&self.text.push(tok, id).map_err(tokenizer_error)?);
             }
-            let piece = self
-                .text
-                .push(tok, id)
-                .map_err(|e| ApiError::internal(format!("decoding a sampled token: {e}")))?;
-            out.push_str(&piece);
         }
         Ok(out)
     }
@@ -299,11 +294,7 @@ async fn follow_prompt(
     let out = sent.output(p).await?;
     for (i, (l, seq)) in live.iter_mut().zip(&out.sequences).enumerate() {
         let mut text = l.feed(tok, &seq.tokens)?;
-        let rest = l
-            .text
-            .finish(tok)
-            .map_err(|e| ApiError::internal(format!("decoding a sampled token: {e}")))?;
-        text.push_str(&rest);
+        text.push_str(&l.text.finish(tok).map_err(tokenizer_error)?);
         if !text.is_empty() && chunks.choice(index(i), text, false, None).await.is_err() {
             return Ok(None);
         }
