@@ -66,7 +66,7 @@ fn forward_backward() -> ForwardBackwardRequest {
         forward_backward_input: ForwardBackwardInput {
             data: vec![datum()],
             loss_fn: "ppo".into(),
-            loss_fn_config: Some(BTreeMap::from([("clip_low_threshold".into(), 0.75)])),
+            loss_fn_config: Some(BTreeMap::from([("clip_low_threshold".into(), 0.75.into())])),
         },
         model_id: "s:train:0".into(),
         seq_id: Some(3),

@@ -17,8 +17,8 @@ use super::tokenizer::Tokenizer;
 use crate::types::{
     validate_checkpoint_name, AdamParams, CheckpointUri, Datum, ForwardBackwardInput,
     ForwardBackwardOutput, ForwardBackwardRequest, ForwardRequest, GetInfoResponse,
-    LoadWeightsRequest, LossFn, ModelIdRequest, OptimStepRequest, OptimStepResponse,
-    SaveWeightsForSamplerRequest, SaveWeightsRequest, UntypedApiFuture,
+    LoadWeightsRequest, LossConfigValue, LossFn, ModelIdRequest, OptimStepRequest,
+    OptimStepResponse, SaveWeightsForSamplerRequest, SaveWeightsRequest, UntypedApiFuture,
 };
 
 /// Loss settings: `clip_low_threshold`, `clip_high_threshold` (ppo, cispo), `beta` (dro).
@@ -193,7 +193,11 @@ impl TrainingClient {
             let input = ForwardBackwardInput {
                 data: chunk.to_vec(),
                 loss_fn: loss_fn.as_str().to_string(),
-                loss_fn_config: config.clone(),
+                loss_fn_config: config.as_ref().map(|c| {
+                    c.iter()
+                        .map(|(k, &v)| (k.clone(), LossConfigValue::Number(v)))
+                        .collect()
+                }),
             };
             ids.push(self.submit_forward(input, with_grad).await?);
         }

@@ -10,8 +10,8 @@ use super::arrays::{
 };
 use super::{pb, unsupported, ProtoError};
 use crate::types::{
-    Datum, ForwardBackwardInput, ForwardBackwardRequest, ModelInput, ModelInputChunk, TensorData,
-    TensorDtype,
+    Datum, ForwardBackwardInput, ForwardBackwardRequest, LossConfigValue, ModelInput,
+    ModelInputChunk, TensorData, TensorDtype,
 };
 
 /// A decoded protobuf `forward_backward` request.
@@ -26,9 +26,9 @@ pub struct ForwardBackwardProto {
 /// Decodes a protobuf `ForwardBackwardRequest` into the typed request.
 ///
 /// `seq_id` must be at least 1 (the SDK numbers a run's operations from 1; 0 is what an
-/// unset id encodes to). Numeric loss settings come from `loss_fn_config_v2` when the
-/// client sent it (0.38 writes both maps), else from `loss_fn_config`; a text setting is
-/// refused, since no loss takes one. Provenance spans are accepted and not used.
+/// unset id encodes to). Loss settings come from `loss_fn_config_v2` when the client sent
+/// it (0.38 writes both maps, and only the v2 map holds text such as a custom loss's
+/// `loss_id`), else from `loss_fn_config`. Provenance spans are accepted and not used.
 pub fn decode_forward_backward(body: &[u8]) -> Result<ForwardBackwardProto, ProtoError> {
     check_structure(body)?;
     let msg = pb::ForwardBackwardRequest::decode(body)?;
@@ -170,22 +170,19 @@ fn fields<'a>(
 
 fn loss_config(
     msg: &pb::ForwardBackwardRequest,
-) -> Result<Option<BTreeMap<String, f64>>, ProtoError> {
+) -> Result<Option<BTreeMap<String, LossConfigValue>>, ProtoError> {
     use pb::loss_config_value::Value;
-    let config: BTreeMap<String, f64> = if msg.loss_fn_config_v2.is_empty() {
+    let config: BTreeMap<String, LossConfigValue> = if msg.loss_fn_config_v2.is_empty() {
         msg.loss_fn_config
             .iter()
-            .map(|(k, v)| (k.clone(), *v))
+            .map(|(k, v)| (k.clone(), LossConfigValue::Number(*v)))
             .collect()
     } else {
         msg.loss_fn_config_v2
             .iter()
-            .map(|(k, v)| match v.value {
-                Some(Value::Number(n)) => Ok((k.clone(), n)),
-                Some(Value::Text(_)) => Err(unsupported(
-                    format!("loss_fn_config.{k}"),
-                    "text settings are not supported by any loss",
-                )),
+            .map(|(k, v)| match &v.value {
+                Some(Value::Number(n)) => Ok((k.clone(), LossConfigValue::Number(*n))),
+                Some(Value::Text(t)) => Ok((k.clone(), LossConfigValue::Text(t.clone()))),
                 None => Err(unsupported(format!("loss_fn_config.{k}"), "no value")),
             })
             .collect::<Result<_, _>>()?
@@ -349,15 +346,21 @@ pub fn encode_forward_backward(
         loss_fn_config_v2: config
             .iter()
             .map(|(k, v)| {
-                (
-                    k.clone(),
-                    pb::LossConfigValue {
-                        value: Some(pb::loss_config_value::Value::Number(*v)),
-                    },
-                )
+                let value = match v {
+                    LossConfigValue::Number(n) => pb::loss_config_value::Value::Number(*n),
+                    LossConfigValue::Text(t) => pb::loss_config_value::Value::Text(t.clone()),
+                };
+                (k.clone(), pb::LossConfigValue { value: Some(value) })
             })
             .collect(),
-        loss_fn_config: config.into_iter().collect(),
+        // The numeric map is what 0.25 servers read; 0.38 writes both, as here.
+        loss_fn_config: config
+            .iter()
+            .filter_map(|(k, v)| match v {
+                LossConfigValue::Number(n) => Some((k.clone(), *n)),
+                LossConfigValue::Text(_) => None,
+            })
+            .collect(),
         forward_only,
     };
     Ok(msg.encode_to_vec())

@@ -24,7 +24,7 @@ fn request() -> ForwardBackwardRequest {
         forward_backward_input: ForwardBackwardInput {
             data: vec![datum],
             loss_fn: "ppo".into(),
-            loss_fn_config: Some(BTreeMap::from([("clip_low_threshold".into(), 0.75)])),
+            loss_fn_config: Some(BTreeMap::from([("clip_low_threshold".into(), 0.75.into())])),
         },
         model_id: "s:train:0".into(),
         seq_id: Some(7),
@@ -41,7 +41,7 @@ fn forward_backward_requests_round_trip() {
 }
 
 #[test]
-fn loss_settings_prefer_the_v2_map_and_refuse_text() {
+fn loss_settings_prefer_the_v2_map_and_keep_text() {
     let mut msg = pb::ForwardBackwardRequest::decode(
         &encode_forward_backward(&request(), false).unwrap()[..],
     )
@@ -49,15 +49,33 @@ fn loss_settings_prefer_the_v2_map_and_refuse_text() {
     msg.loss_fn_config.insert("clip_low_threshold".into(), 0.1);
     let got = decode_forward_backward(&msg.encode_to_vec()).unwrap();
     let config = got.request.forward_backward_input.loss_fn_config.unwrap();
-    assert_eq!(config["clip_low_threshold"], 0.75, "v2 wins");
+    assert_eq!(
+        config["clip_low_threshold"],
+        LossConfigValue::Number(0.75),
+        "v2 wins"
+    );
     msg.loss_fn_config_v2.insert(
         "loss_id".into(),
         pb::LossConfigValue {
             value: Some(pb::loss_config_value::Value::Text("x".into())),
         },
     );
-    let err = decode_forward_backward(&msg.encode_to_vec()).unwrap_err();
-    assert!(err.to_string().contains("loss_fn_config.loss_id"), "{err}");
+    let got = decode_forward_backward(&msg.encode_to_vec()).unwrap();
+    let config = got.request.forward_backward_input.loss_fn_config.unwrap();
+    assert_eq!(config["loss_id"], LossConfigValue::Text("x".into()));
+    // Text round-trips through the encoder too, in the v2 map only.
+    let mut text = request();
+    text.forward_backward_input.loss_fn_config = Some(BTreeMap::from([(
+        "loss_id".into(),
+        LossConfigValue::Text("l".into()),
+    )]));
+    let msg =
+        pb::ForwardBackwardRequest::decode(&encode_forward_backward(&text, false).unwrap()[..])
+            .unwrap();
+    assert!(msg.loss_fn_config.is_empty());
+    let back = decode_forward_backward(&msg.encode_to_vec()).unwrap();
+    assert_eq!(back.request, text);
+    msg.loss_fn_config_v2.get("loss_id").unwrap();
 }
 
 #[test]

@@ -7,6 +7,7 @@
 //! and server can never disagree about a field.
 
 mod completions;
+mod custom_loss;
 mod data;
 pub mod mint;
 pub mod openai;
@@ -15,6 +16,7 @@ mod session;
 mod uri;
 
 pub use completions::*;
+pub use custom_loss::*;
 pub use data::*;
 pub use protocol::*;
 pub use session::*;

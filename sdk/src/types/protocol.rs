@@ -95,9 +95,26 @@ pub struct ForwardBackwardInput {
     /// Loss name (`cross_entropy`, `importance_sampling`, `ppo`, `cispo`, `dro`); kept as a
     /// string so an unknown name gets a clear error rather than a decode failure.
     pub loss_fn: String,
-    /// Loss settings (`clip_low_threshold`, `clip_high_threshold`, `beta`).
+    /// Loss settings: numbers (`clip_low_threshold`, `clip_high_threshold`, `beta`) and,
+    /// for `loss_fn: "custom"`, the text `loss_id`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub loss_fn_config: Option<BTreeMap<String, f64>>,
+    pub loss_fn_config: Option<BTreeMap<String, LossConfigValue>>,
+}
+
+/// One loss setting: a number, or text (tinker 0.38's `loss_id` of a custom loss).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum LossConfigValue {
+    /// A numeric setting.
+    Number(f64),
+    /// A text setting.
+    Text(String),
+}
+
+impl From<f64> for LossConfigValue {
+    fn from(v: f64) -> Self {
+        LossConfigValue::Number(v)
+    }
 }
 
 /// `POST /api/v1/forward_backward`.

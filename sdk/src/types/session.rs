@@ -74,7 +74,7 @@ impl ClientConfigResponse {
             inflight_response_bytes_semaphore_size: 50 * 1024 * 1024,
             create_model_via_load_weights: false,
             sample_use_retrieve_futures: true,
-            custom_loss_server_side: false,
+            custom_loss_server_side: true,
             sample_join_sampling_session: true,
         }
     }

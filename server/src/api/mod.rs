@@ -4,6 +4,7 @@
 
 pub mod auth;
 mod body;
+mod custom_loss;
 pub mod error;
 mod futures;
 mod mint;
@@ -110,6 +111,10 @@ pub fn router(state: AppState) -> Router {
         .route("/api/v1/get_info", post(training::get_info))
         .route("/api/v1/forward", post(training::forward))
         .route("/api/v1/forward_backward", post(training::forward_backward))
+        .route(
+            "/api/v1/create_custom_loss",
+            post(custom_loss::create_custom_loss),
+        )
         .route("/api/v1/optim_step", post(training::optim_step))
         .route("/api/v1/save_weights", post(training::save_weights))
         .route("/api/v1/load_weights", post(training::load_weights))

@@ -14,11 +14,13 @@ use lathe_sdk::types::mint::{
     ForwardBackwardReverseKlResponse, InterpolateCheckpointsResponse, ReverseKlItemOutput,
 };
 use lathe_sdk::types::{
-    CheckpointKind, CreateModelResponse, ForwardBackwardOutput, LoadWeightsResponse,
-    OptimStepResponse, SampleResponse, SampledSequence, SaveWeightsForSamplerResponse,
-    SaveWeightsResponse, StopReason, TensorData, UnloadModelResponse,
+    CheckpointKind, CreateCustomLossResponse, CreateModelResponse, ForwardBackwardOutput,
+    LoadWeightsResponse, OptimStepResponse, SampleResponse, SampledSequence,
+    SaveWeightsForSamplerResponse, SaveWeightsResponse, StopReason, TensorData,
+    UnloadModelResponse,
 };
 
+use super::session::with_type;
 use super::ApiError;
 use crate::sample::{SampleOutput, Stop};
 use crate::train::adamw::StepReport;
@@ -107,6 +109,13 @@ fn json(reply: &Reply) -> Response {
         })
         .into_response(),
         Reply::Forward(f) => Json(forward_output(f)).into_response(),
+        Reply::CustomLossCreated { loss_id } => Json(with_type(
+            CreateCustomLossResponse {
+                loss_id: loss_id.clone(),
+            },
+            "create_custom_loss",
+        ))
+        .into_response(),
         Reply::Sample(s) => Json(sample_response(s)).into_response(),
         Reply::ReverseKl(results) => Json(reverse_kl_response(results)).into_response(),
         Reply::Interpolated {
@@ -160,10 +169,25 @@ fn forward_output(f: &ForwardResult) -> ForwardBackwardOutput {
             ),
         ])
     };
+    let mut metrics = BTreeMap::from([("loss:sum".to_string(), f.loss)]);
+    if let Some(custom) = &f.custom {
+        // As tinker's client-side custom losses report them: `:mean` metrics are means
+        // over the datums, and the linearised loss is `surrogate_loss:sum`.
+        let datums = f.datums.len().max(1) as f64;
+        for (key, sum) in custom.keys.iter().zip(&custom.sums) {
+            let value = if key.ends_with(":mean") {
+                sum / datums
+            } else {
+                *sum
+            };
+            metrics.insert(key.clone(), value);
+        }
+        metrics.insert("surrogate_loss:sum".into(), custom.surrogate);
+    }
     ForwardBackwardOutput {
         loss_fn_output_type: "TorchLossReturn".into(),
         loss_fn_outputs: f.datums.iter().map(datum).collect(),
-        metrics: BTreeMap::from([("loss:sum".to_string(), f.loss)]),
+        metrics,
     }
 }
 

@@ -11,6 +11,7 @@ use lathe_sdk::types::{
 use serde_json::Value;
 
 use super::body::ForwardBackwardBody;
+use super::custom_loss;
 use super::session::with_type;
 use super::{validate, ApiError, ApiJson, AppState, Owner};
 use crate::engine::{NewRun, SaveRequest, Ttl};
@@ -114,7 +115,10 @@ async fn forward_backward_inner(
     req: ForwardBackwardRequest,
     with_grad: bool,
 ) -> Result<Json<UntypedApiFuture>, ApiError> {
-    let data = validate::forward_input(&s.model, &req.forward_backward_input, &s.limits)?;
+    let input = &req.forward_backward_input;
+    let choice = validate::loss(&input.loss_fn, input.loss_fn_config.as_ref())?;
+    let loss = custom_loss::resolve(&s, &owner, &req.model_id, choice).await?;
+    let data = validate::forward_input(&s.model, input, &s.limits, loss)?;
     submit_forward(s, owner, req.model_id, req.seq_id, data, with_grad).await
 }
 
@@ -132,7 +136,10 @@ async fn forward_inner(
     owner: Owner,
     req: ForwardRequest,
 ) -> Result<Json<UntypedApiFuture>, ApiError> {
-    let data = validate::forward_input(&s.model, &req.forward_input, &s.limits)?;
+    let input = &req.forward_input;
+    let choice = validate::loss(&input.loss_fn, input.loss_fn_config.as_ref())?;
+    let loss = custom_loss::resolve(&s, &owner, &req.model_id, choice).await?;
+    let data = validate::forward_input(&s.model, input, &s.limits, loss)?;
     submit_forward(s, owner, req.model_id, req.seq_id, data, false).await
 }
 

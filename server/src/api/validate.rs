@@ -4,9 +4,11 @@
 use std::collections::BTreeMap;
 
 use lathe_sdk::types::{
-    Datum, ForwardBackwardInput, LoraConfig, ModelInput, SampleRequest, StopCondition, TensorData,
+    Datum, ForwardBackwardInput, LoraConfig, LossConfigValue, ModelInput, SampleRequest,
+    StopCondition, TensorData,
 };
 
+use super::custom_loss;
 use super::error::ApiError;
 use crate::engine::{KeyLimits, ModelInfo};
 use crate::model::lora::MAX_RANK;
@@ -120,10 +122,32 @@ pub(super) fn to_token_ids(
         .collect()
 }
 
+/// The loss a forward/backward request names: a built-in one, or the id of a custom loss
+/// (which the engine resolves, since a custom loss belongs to a session).
+#[derive(Debug, Clone, PartialEq)]
+pub enum LossChoice {
+    /// A built-in loss with its settings.
+    Builtin(Loss),
+    /// `loss_fn: "custom"` with this `loss_id`.
+    Custom(String),
+}
+
 /// The loss of a forward/backward request.
-pub fn loss(name: &str, config: Option<&BTreeMap<String, f64>>) -> Result<Loss, ApiError> {
+pub fn loss(
+    name: &str,
+    config: Option<&BTreeMap<String, LossConfigValue>>,
+) -> Result<LossChoice, ApiError> {
     let empty = BTreeMap::new();
     let config = config.unwrap_or(&empty);
+    if name == "custom" {
+        return match (config.len(), config.get("loss_id")) {
+            (1, Some(LossConfigValue::Text(id))) => Ok(LossChoice::Custom(id.clone())),
+            _ => Err(bad(
+                "loss_fn \"custom\" takes exactly one setting, the text loss_id that \
+                 create_custom_loss answered",
+            )),
+        };
+    }
     let allowed: &[&str] = match name {
         "cross_entropy" | "importance_sampling" => &[],
         "ppo" | "cispo" | "gspo" => &["clip_low_threshold", "clip_high_threshold"],
@@ -135,31 +159,29 @@ pub fn loss(name: &str, config: Option<&BTreeMap<String, f64>>) -> Result<Loss, 
                  published; use importance_sampling, ppo, cispo or gspo",
             ))
         }
-        "custom" => {
-            return Err(bad(
-                "server-side custom losses are not supported by this server; with \
-                 custom_loss_server_side off (as Lathe's client config says) the SDK runs \
-                 them client-side",
-            ))
-        }
         other => {
             return Err(bad(format!(
                 "unknown loss_fn {other:?}; expected cross_entropy, importance_sampling, ppo, \
-                 cispo, gspo or dro"
+                 cispo, gspo, dro or custom"
             )))
         }
     };
+    let mut numbers = BTreeMap::new();
     for (k, v) in config {
         if !allowed.contains(&k.as_str()) {
             return Err(bad(format!(
                 "loss_fn_config key {k:?} does not apply to {name}"
             )));
         }
+        let LossConfigValue::Number(v) = v else {
+            return Err(bad(format!("loss_fn_config.{k} must be a number")));
+        };
         if !v.is_finite() {
             return Err(bad(format!("loss_fn_config.{k} must be finite, got {v}")));
         }
+        numbers.insert(k.as_str(), *v);
     }
-    let get = |k: &str, d: f64| config.get(k).copied().unwrap_or(d);
+    let get = |k: &str, d: f64| numbers.get(k).copied().unwrap_or(d);
     let clip = |(low, high): (f64, f64)| -> Result<(f64, f64), ApiError> {
         let (lo, hi) = (
             get("clip_low_threshold", low),
@@ -172,7 +194,7 @@ pub fn loss(name: &str, config: Option<&BTreeMap<String, f64>>) -> Result<Loss, 
         }
         Ok((lo, hi))
     };
-    Ok(match name {
+    Ok(LossChoice::Builtin(match name {
         "cross_entropy" => Loss::CrossEntropy,
         "importance_sampling" => Loss::ImportanceSampling,
         "ppo" => {
@@ -199,7 +221,7 @@ pub fn loss(name: &str, config: Option<&BTreeMap<String, f64>>) -> Result<Loss, 
         _ => Loss::Dro {
             beta: get("beta", DEFAULT_DRO_BETA),
         },
-    })
+    }))
 }
 
 /// The dense values of a loss input that must hold exactly `n` values. The declared
@@ -241,7 +263,13 @@ pub(super) fn floats(t: &TensorData, name: &str, n: usize, i: usize) -> Result<V
 }
 
 /// One datum as a training job (adapter index filled in by the worker).
-fn datum(model: &ModelInfo, d: &Datum, i: usize, loss: Loss) -> Result<DatumJob, ApiError> {
+fn datum(
+    model: &ModelInfo,
+    d: &Datum,
+    i: usize,
+    loss: Loss,
+    custom_budget: &mut usize,
+) -> Result<DatumJob, ApiError> {
     let toks = tokens(model, &d.model_input, &format!("datum {i}: model_input"))?;
     let n = toks.len();
     let targets = d.loss_fn_inputs.get("target_tokens").ok_or_else(|| {
@@ -288,8 +316,10 @@ fn datum(model: &ModelInfo, d: &Datum, i: usize, loss: Loss) -> Result<DatumJob,
             Loss::Ppo { .. } | Loss::Cispo { .. } | Loss::Gspo { .. }
         ),
     );
+    // A custom loss reads only the inputs it declares.
+    let builtin = !matches!(loss, Loss::Custom(_));
     let inputs = TokenInputs {
-        weights: get("weights", !rl)?,
+        weights: get("weights", builtin && !rl)?,
         advantages: get("advantages", rl)?,
         sampler_logprobs: get("logprobs", rl)?,
         clip_low: Some(get("clip_low_threshold", clipped)?).filter(|v| !v.is_empty()),
@@ -299,6 +329,12 @@ fn datum(model: &ModelInfo, d: &Datum, i: usize, loss: Loss) -> Result<DatumJob,
             matches!(loss, Loss::Gspo { .. }),
         )?)
         .filter(|v| !v.is_empty()),
+        custom: match &loss {
+            Loss::Custom(custom) => {
+                Some(custom_loss::inputs(&custom.0, d, &dims, i, custom_budget)?)
+            }
+            _ => None,
+        },
     };
     if loss.is_rl() && k != 1 {
         return Err(bad(format!(
@@ -345,6 +381,7 @@ pub fn forward_input(
     model: &ModelInfo,
     input: &ForwardBackwardInput,
     limits: &KeyLimits,
+    loss: Loss,
 ) -> Result<Vec<DatumJob>, ApiError> {
     if input.data.is_empty() {
         return Err(bad("data is empty: send at least one datum"));
@@ -361,12 +398,12 @@ pub fn forward_input(
             limits.tokens_per_request
         )));
     }
-    let loss = loss(&input.loss_fn, input.loss_fn_config.as_ref())?;
+    let mut custom_budget = custom_loss::values_per_request(limits);
     input
         .data
         .iter()
         .enumerate()
-        .map(|(i, d)| datum(model, d, i, loss))
+        .map(|(i, d)| datum(model, d, i, loss.clone(), &mut custom_budget))
         .collect()
 }
 
@@ -525,6 +562,14 @@ mod tests {
         }
     }
 
+    /// A request's datums, as the handler parses them (built-in losses).
+    fn parse(m: &ModelInfo, input: &ForwardBackwardInput) -> Result<Vec<DatumJob>, ApiError> {
+        let LossChoice::Builtin(l) = loss(&input.loss_fn, input.loss_fn_config.as_ref())? else {
+            panic!("a built-in loss")
+        };
+        forward_input(m, input, &KeyLimits::default(), l)
+    }
+
     fn input(data: Vec<Datum>, loss_fn: &str) -> ForwardBackwardInput {
         ForwardBackwardInput {
             data,
@@ -541,12 +586,7 @@ mod tests {
             vec![2, 3],
             vec![1.0, 1.0],
         );
-        let jobs = forward_input(
-            &m,
-            &input(vec![ok.clone()], "cross_entropy"),
-            &KeyLimits::default(),
-        )
-        .unwrap();
+        let jobs = parse(&m, &input(vec![ok.clone()], "cross_entropy")).unwrap();
         assert_eq!(jobs[0].targets, vec![2, 3]);
         let cases: Vec<(Datum, &str, &str)> = vec![
             (
@@ -595,11 +635,10 @@ mod tests {
             (ok.clone(), "bogus", "unknown loss_fn"),
         ];
         for (d, loss_fn, needle) in cases {
-            let err =
-                forward_input(&m, &input(vec![d], loss_fn), &KeyLimits::default()).unwrap_err();
+            let err = parse(&m, &input(vec![d], loss_fn)).unwrap_err();
             assert!(err.message.contains(needle), "{needle}: {}", err.message);
         }
-        assert!(forward_input(&m, &input(vec![], "cross_entropy"), &KeyLimits::default()).is_err());
+        assert!(parse(&m, &input(vec![], "cross_entropy")).is_err());
     }
 
     #[test]

@@ -108,6 +108,7 @@ fn pass_result(request_id: &str, n: usize, loss: f64) -> crate::worker::Outcome 
             })
             .collect(),
         loss: loss * n as f64,
+        custom: None,
     };
     crate::worker::Outcome {
         request_id: request_id.into(),

@@ -4,6 +4,7 @@
 //! applies commands one at a time; nothing outside this list can run on the engine.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use lathe_sdk::types::{
     CheckpointUri, GetInfoResponse, GetSamplerResponse, UntypedApiFuture, WeightsInfoResponse,
@@ -17,6 +18,7 @@ use super::{
 };
 use crate::sample::{SampleJob, TokenProgress};
 use crate::store::db::CheckpointRow;
+use crate::train::custom::CustomLoss;
 use crate::train::reverse_kl::KlDatum;
 use crate::worker::{BatchReport, Reply, RunOp};
 
@@ -118,6 +120,18 @@ commands! {
         optimizer: bool,
     ) -> Result<UntypedApiFuture, EngineError>
         = |e| e.create_from_checkpoint(&owner, &session_id, model_seq_id, &uri, optimizer);
+    /// Registers a custom loss in a session; answers a resolved future of its id.
+    pub fn create_custom_loss => CreateCustomLoss(
+        owner: String,
+        session_id: String,
+        seq: u64,
+        loss: Arc<CustomLoss>,
+    ) -> Result<UntypedApiFuture, EngineError>
+        = |e| e.create_custom_loss(&owner, &session_id, seq, loss);
+    /// The custom loss a request on a run names.
+    pub fn custom_loss => CustomLossOf(owner: String, run_id: String, loss_id: String)
+        -> Result<Arc<CustomLoss>, EngineError>
+        = |e| e.custom_loss(&owner, &run_id, &loss_id);
     /// A run's description.
     pub fn get_info => GetInfo(owner: String, run_id: String)
         -> Result<GetInfoResponse, EngineError>

@@ -93,6 +93,8 @@ pub(super) struct Session {
     pub last_heartbeat: Instant,
     pub runs: Vec<String>,
     pub samplers: Vec<String>,
+    /// Custom losses created in the session, by `loss_id`.
+    pub custom_losses: Vec<(String, std::sync::Arc<crate::train::custom::CustomLoss>)>,
 }
 
 pub(super) struct Run {
@@ -295,6 +297,7 @@ impl Engine {
                 last_heartbeat: Instant::now(),
                 runs: Vec::new(),
                 samplers: Vec::new(),
+                custom_losses: Vec::new(),
             },
         );
         Ok(id)

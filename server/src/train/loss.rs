@@ -7,6 +7,9 @@
 //! and advantages themselves. The ratio `exp(lp - q)` is computed in f64, so it does not
 //! overflow for any log-ratio an f32 model can produce.
 
+use std::sync::Arc;
+
+use super::custom::{Array, CustomLoss, Kind};
 use super::TrainError;
 
 /// Default PPO clip bounds on the ratio (Tinker's documented epsilon 0.2).
@@ -27,7 +30,7 @@ pub const DEFAULT_GSPO_CLIP_HIGH: f64 = 1.0 + 4e-4;
 pub const DEFAULT_DRO_BETA: f64 = 0.01;
 
 /// Which loss, with its configuration.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Loss {
     /// `-sum w * lp`.
     CrossEntropy,
@@ -64,6 +67,25 @@ pub enum Loss {
         /// Penalty weight.
         beta: f64,
     },
+    /// A loss the client created with `create_custom_loss`: any function of the datum's
+    /// target log-probabilities and inputs that its graph spells out.
+    Custom(CustomLossRef),
+}
+
+/// A shared compiled custom loss; two are equal when they are the same loss.
+#[derive(Clone)]
+pub struct CustomLossRef(pub Arc<CustomLoss>);
+
+impl PartialEq for CustomLossRef {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl std::fmt::Debug for CustomLossRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CustomLoss({:?})", self.0.name())
+    }
 }
 
 impl Loss {
@@ -88,7 +110,7 @@ impl Loss {
 
     /// Whether the loss needs sampler log-probs and advantages.
     pub fn is_rl(&self) -> bool {
-        !matches!(self, Loss::CrossEntropy)
+        !matches!(self, Loss::CrossEntropy | Loss::Custom(_))
     }
 }
 
@@ -107,6 +129,17 @@ pub struct TokenInputs {
     pub clip_high: Option<Vec<f32>>,
     /// GSPO: which positions the sequence ratio averages over (non-zero: included).
     pub sequence_ratio_mask: Option<Vec<f32>>,
+    /// A custom loss's inputs.
+    pub custom: Option<CustomInputs>,
+}
+
+/// What a custom loss reads besides the log-probabilities.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CustomInputs {
+    /// The shape `logprobs` takes: the datum's `target_tokens` shape.
+    pub logprobs_shape: Vec<usize>,
+    /// The loss's other inputs, in its declaration order.
+    pub inputs: Vec<Array>,
 }
 
 impl TokenInputs {
@@ -132,7 +165,23 @@ impl TokenInputs {
             }
             Ok(())
         };
-        check("weights", &self.weights, !loss.is_rl())?;
+        check("weights", &self.weights, *loss == Loss::CrossEntropy)?;
+        if let Loss::Custom(custom) = loss {
+            let Some(inputs) = &self.custom else {
+                return Err(TrainError::Input(format!(
+                    "custom loss {:?} has no inputs",
+                    custom.0.name()
+                )));
+            };
+            if inputs.logprobs_shape.iter().product::<usize>() != n
+                || inputs.inputs.len() + 1 != custom.0.inputs().len()
+            {
+                return Err(TrainError::Input(format!(
+                    "the inputs do not match custom loss {:?}",
+                    custom.0.name()
+                )));
+            }
+        }
         check("advantages", &self.advantages, loss.is_rl())?;
         check("logprobs", &self.sampler_logprobs, loss.is_rl())?;
         check(
@@ -175,11 +224,38 @@ pub struct LossEval {
     pub elementwise: Vec<f32>,
     /// `dLoss/dlp` per token.
     pub grad: Vec<f32>,
+    /// A custom loss's metrics, in its order (empty for the built-in losses).
+    pub metrics: Vec<f64>,
 }
 
 /// Evaluates `loss` for target log-probs `lp` (inputs already validated for `lp.len()`).
 /// `lp` is f64 so that an f64 model (the finite-difference tests) keeps its precision.
-pub fn evaluate(loss: &Loss, lp: &[f64], inp: &TokenInputs) -> LossEval {
+/// Only a custom loss can fail here (its graph may not fit the datum's shapes); its
+/// per-token terms are its linearisation `dLoss/dlp * lp`.
+pub fn evaluate(loss: &Loss, lp: &[f64], inp: &TokenInputs) -> Result<LossEval, TrainError> {
+    let Loss::Custom(custom) = loss else {
+        return Ok(builtin(loss, lp, inp));
+    };
+    let inputs = inp.custom.clone().unwrap_or_default();
+    let logprobs = Array::new(inputs.logprobs_shape, lp.to_vec(), Kind::Float);
+    let out = custom
+        .0
+        .evaluate(logprobs, inputs.inputs)
+        .map_err(|e| TrainError::Input(e.to_string()))?;
+    Ok(LossEval {
+        total: out.loss,
+        elementwise: out
+            .grad
+            .iter()
+            .zip(lp)
+            .map(|(g, x)| (g * x) as f32)
+            .collect(),
+        grad: out.grad.iter().map(|&g| g as f32).collect(),
+        metrics: out.metrics,
+    })
+}
+
+fn builtin(loss: &Loss, lp: &[f64], inp: &TokenInputs) -> LossEval {
     let n = lp.len();
     let mut elementwise = Vec::with_capacity(n);
     let mut grad = Vec::with_capacity(n);
@@ -234,6 +310,7 @@ pub fn evaluate(loss: &Loss, lp: &[f64], inp: &TokenInputs) -> LossEval {
                 let diff = x - inp.sampler_logprobs[t] as f64;
                 (-(x * a - 0.5 * beta * diff * diff), -(a - beta * diff))
             }
+            Loss::Custom(_) => unreachable!("evaluate runs custom losses"),
         };
         total += l;
         elementwise.push(l as f32);
@@ -243,6 +320,7 @@ pub fn evaluate(loss: &Loss, lp: &[f64], inp: &TokenInputs) -> LossEval {
         total,
         elementwise,
         grad,
+        metrics: Vec::new(),
     }
 }
 
@@ -292,6 +370,10 @@ fn rl_terms(inp: &TokenInputs, t: usize, lp: f64) -> (f64, f64) {
 mod tests {
     use super::*;
 
+    fn evaluate(loss: &Loss, lp: &[f64], inp: &TokenInputs) -> LossEval {
+        super::evaluate(loss, lp, inp).unwrap()
+    }
+
     /// Direct implementations of each formula on f64, as written in the Tinker docs.
     fn reference(loss: &Loss, lp: &[f64], inp: &TokenInputs) -> f64 {
         let q = |t: usize| inp.sampler_logprobs[t] as f64;
@@ -311,6 +393,7 @@ mod tests {
                     unreachable!("stop-gradients need their own checks")
                 }
                 Loss::Dro { beta } => -(lp[t] * a(t) - 0.5 * beta * (lp[t] - q(t)).powi(2)),
+                Loss::Custom(_) => unreachable!("built-in losses only"),
             })
             .sum()
     }
@@ -371,7 +454,7 @@ mod tests {
             clip_low: DEFAULT_CLIP_LOW,
             clip_high: DEFAULT_CLIP_HIGH,
         };
-        check_against_reference(loss);
+        check_against_reference(loss.clone());
         let (lp, inp) = inputs();
         let ev = evaluate(&loss, &to64(&lp), &inp);
         // Token 0: ratio 1.65 > 1.2 with A > 0 -> clipped, no gradient.

@@ -2,6 +2,7 @@
 //! batch of datums.
 
 pub mod adamw;
+pub mod custom;
 pub mod loss;
 pub mod reverse_kl;
 
@@ -9,7 +10,7 @@ use candle_core::Tensor;
 
 use crate::model::pool::on_pool;
 use crate::model::{Adapter, AdapterGrads, ModelError, PackedBatch, Transformer};
-pub use loss::{Loss, LossEval, TokenInputs};
+pub use loss::{CustomInputs, CustomLossRef, Loss, LossEval, TokenInputs};
 
 /// Errors of training operations.
 #[derive(Debug, thiserror::Error)]
@@ -54,6 +55,8 @@ pub struct DatumResult {
     pub elementwise_loss: Vec<f32>,
     /// The datum's loss.
     pub loss: f64,
+    /// A custom loss's metrics on this datum, in the loss's order.
+    pub metrics: Vec<f64>,
 }
 
 /// Most input tokens in one pass over the model. A batch with more runs as several
@@ -220,12 +223,13 @@ fn run_group(
     for &i in group {
         let n = jobs[i].targets.len();
         let slice = &lp[offset..offset + n];
-        let ev = loss::evaluate(&jobs[i].loss, slice, &jobs[i].inputs);
+        let ev = loss::evaluate(&jobs[i].loss, slice, &jobs[i].inputs)?;
         dlp.extend_from_slice(&ev.grad);
         results[i] = Some(DatumResult {
             logprobs: slice.iter().map(|&x| x as f32).collect(),
             elementwise_loss: ev.elementwise,
             loss: ev.total,
+            metrics: ev.metrics,
         });
         offset += n;
     }

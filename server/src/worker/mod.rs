@@ -10,6 +10,6 @@ pub use jobs::{
     panic_message, Batch, BatchReport, Blame, Done, Failure, Outcome, Pass, RunOp, RunWork,
     SampleWork, SamplerSource,
 };
-pub use reply::{DatumOutput, ForwardResult, Reply};
+pub use reply::{CustomTotals, DatumOutput, ForwardResult, Reply};
 pub use runner::{Worker, CANCELLED};
 pub use thread::{spawn, WorkerHandle};

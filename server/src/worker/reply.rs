@@ -47,6 +47,11 @@ pub enum Reply {
     Sample(SampleOutput),
     /// MinT's reverse-KL step.
     ReverseKl(Vec<KlResult>),
+    /// `create_custom_loss`: the loss's id.
+    CustomLossCreated {
+        /// Names the loss in `forward_backward` requests.
+        loss_id: String,
+    },
     /// MinT's `checkpoints/interpolate`: the new sampler checkpoint.
     Interpolated {
         /// Its `tinker://` URI.
@@ -65,6 +70,20 @@ pub struct ForwardResult {
     pub datums: Vec<DatumOutput>,
     /// The batch's loss: the sum of the datums' losses.
     pub loss: f64,
+    /// What a custom loss adds: its metrics and its linearised loss.
+    pub custom: Option<CustomTotals>,
+}
+
+/// A custom loss's totals over a request's datums.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct CustomTotals {
+    /// The metric keys (`custom/<name>:sum` or `:mean`), in the loss's order.
+    pub keys: Vec<String>,
+    /// Each metric summed over the datums (a `:mean` is divided when answered).
+    pub sums: Vec<f64>,
+    /// The sum of the per-token terms `dLoss/dlp * lp` (the loss's linearisation, what
+    /// tinker's client-side path reports as `surrogate_loss:sum`).
+    pub surrogate: f64,
 }
 
 /// One datum's outputs. Both arrays hold `positions * k` values, row-major, where `k`
@@ -85,6 +104,16 @@ impl ForwardResult {
     pub fn append(&mut self, next: ForwardResult) {
         self.datums.extend(next.datums);
         self.loss += next.loss;
+        match (&mut self.custom, next.custom) {
+            (Some(mine), Some(theirs)) => {
+                mine.sums
+                    .iter_mut()
+                    .zip(theirs.sums)
+                    .for_each(|(a, b)| *a += b);
+                mine.surrogate += theirs.surrogate;
+            }
+            (mine, theirs) => *mine = mine.take().or(theirs),
+        }
     }
 }
 
@@ -99,7 +128,8 @@ impl Reply {
             | Reply::SamplerSnapshot {
                 sampling_session_id: s,
             }
-            | Reply::Unloaded { model_id: s } => BASE + s.len(),
+            | Reply::Unloaded { model_id: s }
+            | Reply::CustomLossCreated { loss_id: s } => BASE + s.len(),
             Reply::Optimized(_) => BASE,
             Reply::ReverseKl(r) => BASE + 32 * r.len(),
             Reply::Interpolated {
@@ -117,6 +147,9 @@ impl Reply {
                     .iter()
                     .map(|d| BASE + 4 * (d.logprobs.len() + d.elementwise_loss.len()))
                     .sum::<usize>()
+                    + f.custom.as_ref().map_or(0, |c| {
+                        c.keys.iter().map(|k| BASE + k.len() + 8).sum::<usize>()
+                    })
             }
             Reply::Sample(s) => {
                 let per_position = |n: usize| 8 * n;

@@ -10,7 +10,7 @@ use lathe_sdk::types::{CheckpointKind, CheckpointUri};
 use super::jobs::{
     Batch, BatchReport, Done, Failure, Outcome, RunOp, RunWork, SampleWork, SamplerSource,
 };
-use super::reply::{DatumOutput, ForwardResult, Reply};
+use super::reply::{CustomTotals, DatumOutput, ForwardResult, Reply};
 use crate::model::pool::on_pool;
 use crate::model::{Adapter, AdapterGrads, LoadedModel, ModelError};
 use crate::sample::{Admission, DecodeMode, Finished, RunningDecode};
@@ -526,7 +526,22 @@ fn unknown(run_id: &str) -> Failure {
 
 /// One request's forward outputs.
 fn forward_output(results: &[DatumResult], data: &[train::DatumJob]) -> ForwardResult {
+    let custom = data.first().and_then(|d| match &d.loss {
+        train::Loss::Custom(loss) => Some(CustomTotals {
+            keys: loss.0.metric_keys().map(str::to_string).collect(),
+            sums: (0..loss.0.metric_keys().count())
+                .map(|m| results.iter().map(|r| r.metrics[m]).sum())
+                .collect(),
+            surrogate: results
+                .iter()
+                .flat_map(|r| &r.elementwise_loss)
+                .map(|&x| f64::from(x))
+                .sum(),
+        }),
+        _ => None,
+    });
     ForwardResult {
+        custom,
         loss: results.iter().map(|r| r.loss).sum(),
         datums: results
             .iter()

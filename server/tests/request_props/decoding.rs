@@ -165,7 +165,13 @@ pub(crate) fn decode_and_validate(kind: Kind, body: &[u8]) -> Option<bool> {
 
 /// Runs `forward_input`; an accepted batch must be exactly what was sent.
 pub(crate) fn forward_ok(m: &ModelInfo, input: &lathe_sdk::types::ForwardBackwardInput) -> bool {
-    let Ok(jobs) = validate::forward_input(m, input, &limits()) else {
+    // A custom loss would be looked up in the engine, which has none here: refused.
+    let Ok(validate::LossChoice::Builtin(loss)) =
+        validate::loss(&input.loss_fn, input.loss_fn_config.as_ref())
+    else {
+        return false;
+    };
+    let Ok(jobs) = validate::forward_input(m, input, &limits(), loss) else {
         return false;
     };
     assert_eq!(jobs.len(), input.data.len());

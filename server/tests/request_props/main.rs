@@ -52,7 +52,13 @@ proptest! {
         let accepted = run_body(Kind::ForwardBackward, &bytes)?;
         prop_assert_eq!(accepted, Some(true), "{}", String::from_utf8_lossy(&bytes));
         let req: ForwardBackwardRequest = serde_json::from_slice(&bytes).unwrap();
-        let jobs = validate::forward_input(&model(), &req.forward_backward_input, &limits()).unwrap();
+        let input = &req.forward_backward_input;
+        let Ok(validate::LossChoice::Builtin(loss)) =
+            validate::loss(&input.loss_fn, input.loss_fn_config.as_ref())
+        else {
+            panic!("the generated losses are built-in");
+        };
+        let jobs = validate::forward_input(&model(), input, &limits(), loss).unwrap();
         for (job, p) in jobs.iter().zip(&plans) {
             prop_assert_eq!(job.k, p.k);
             let targets: Vec<i64> = job.targets.iter().map(|&t| t as i64).collect();

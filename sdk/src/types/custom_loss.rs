@@ -1,0 +1,139 @@
+//! Server-side custom losses (tinker 0.38's `create_custom_loss`, behind the
+//! client-config flag `custom_loss_server_side`): a loss traced by `torch.fx` on the
+//! client, sent as plain data, rebuilt by the server from its own list of allowed
+//! operations, and named by its `loss_id` in `forward_backward` requests with
+//! `loss_fn: "custom"`.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// One input of a custom loss, with the rank every datum's value has.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CustomLossInput {
+    /// `logprobs`, or the `loss_fn_inputs` key the loss reads.
+    pub name: String,
+    /// 0 for a scalar, 1 for `[T]`, 2 for `[T, K]`.
+    pub rank: u8,
+}
+
+/// What a graph node does, as `torch.fx` records it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CustomLossNodeOp {
+    /// An input of the loss.
+    Placeholder,
+    /// A tensor captured from outside the function (never allowed).
+    GetAttr,
+    /// A function call (`torch.exp`, `operator.mul`, `getattr` ...).
+    CallFunction,
+    /// A tensor method call (`sum`, `float` ...).
+    CallMethod,
+    /// A `torch.nn` module call (never allowed).
+    CallModule,
+    /// The value the loss returns.
+    Output,
+}
+
+/// An encoded argument of a graph node. JSON scalars and strings stand for themselves
+/// and lists for lists; anything else is a one-key object ([`TaggedArg`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum GraphArg {
+    /// Python's `None`.
+    None,
+    /// A bool.
+    Bool(bool),
+    /// An integer.
+    Int(i64),
+    /// A finite float.
+    Float(f64),
+    /// A string.
+    Str(String),
+    /// A Python list.
+    List(Vec<GraphArg>),
+    /// Everything else.
+    Tagged(TaggedArg),
+}
+
+/// The one-key object forms of [`GraphArg`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum TaggedArg {
+    /// The value of the node of this name.
+    Ref(String),
+    /// A Python tuple.
+    Tuple(Vec<GraphArg>),
+    /// A dict with string keys.
+    Dict(BTreeMap<String, GraphArg>),
+    /// A slice's `[start, stop, step]`.
+    Slice(Vec<GraphArg>),
+    /// `...`.
+    Ellipsis(bool),
+    /// A non-finite float: `"inf"`, `"-inf"` or `"nan"`.
+    Float(String),
+    /// A torch dtype, e.g. `"float32"`.
+    Dtype(String),
+    /// A torch device, e.g. `"cpu"`.
+    Device(String),
+    /// A torch layout.
+    Layout(String),
+    /// A torch memory format.
+    MemoryFormat(String),
+}
+
+/// One node of a traced custom loss.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CustomLossNode {
+    /// What the node does.
+    pub op: CustomLossNodeOp,
+    /// Unique within the graph; later nodes refer to this node by it.
+    pub name: String,
+    /// The parameter name (placeholder), the function's qualified name (`torch.exp`,
+    /// `operator.mul`), the method name, or `output`.
+    pub target: String,
+    /// Positional arguments.
+    #[serde(default)]
+    pub args: Vec<GraphArg>,
+    /// Keyword arguments.
+    #[serde(default)]
+    pub kwargs: BTreeMap<String, GraphArg>,
+}
+
+/// A traced custom loss: its nodes in execution order.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CustomLossGraph {
+    /// The encoding's version (1).
+    #[serde(default = "graph_format")]
+    pub format: u32,
+    /// The nodes.
+    pub nodes: Vec<CustomLossNode>,
+}
+
+fn graph_format() -> u32 {
+    1
+}
+
+/// `POST /api/v1/create_custom_loss`; answered with a future of
+/// [`CreateCustomLossResponse`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CreateCustomLossRequest {
+    /// The session whose training clients may use the loss.
+    pub session_id: String,
+    /// The loss's number within its session.
+    pub custom_loss_seq_id: u64,
+    /// The loss's name (the traced function's).
+    pub name: String,
+    /// The graph's inputs in order, `logprobs` first.
+    pub inputs: Vec<CustomLossInput>,
+    /// The traced loss.
+    pub graph: CustomLossGraph,
+}
+
+/// The result of `create_custom_loss`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CreateCustomLossResponse {
+    /// Names the loss in `forward_backward` requests of the same session
+    /// (`loss_fn: "custom"`, `loss_fn_config: {"loss_id": ...}`).
+    pub loss_id: String,
+}
