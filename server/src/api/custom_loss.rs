@@ -92,7 +92,12 @@ pub fn inputs(
                 loss.name()
             ))
         })?;
-        let dims = t.dims();
+        // Protobuf cannot tell an empty shape from none, so a one-value tensor without
+        // a shape is the scalar a rank-0 input declares.
+        let dims = match (&t.shape, input.rank) {
+            (None, 0) if t.data.len() == 1 => Vec::new(),
+            _ => t.dims(),
+        };
         if dims.len() != usize::from(input.rank) {
             return Err(bad(format!(
                 "loss_fn_inputs[{name:?}] has rank {}, but custom loss {:?} declared rank {}",
