@@ -303,3 +303,152 @@ async fn two_clients_at_once_stay_independent() {
     srv.shutdown(Duration::from_secs(10)).await;
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// `-(logprobs * weights).sum()` as the torch.fx graph tinker 0.38 uploads.
+fn neg_ll_graph() -> lathe::types::CustomLossGraph {
+    use lathe::types::{
+        CustomLossGraph, CustomLossNode, CustomLossNodeOp as Op, GraphArg, TaggedArg,
+    };
+    let r = |name: &str| GraphArg::Tagged(TaggedArg::Ref(name.into()));
+    let node = |op, name: &str, target: &str, args: Vec<GraphArg>| CustomLossNode {
+        op,
+        name: name.into(),
+        target: target.into(),
+        args,
+        kwargs: Default::default(),
+    };
+    let metrics = GraphArg::Tagged(TaggedArg::Dict(
+        [("custom/nll:sum".to_string(), r("neg"))].into(),
+    ));
+    CustomLossGraph {
+        format: 1,
+        nodes: vec![
+            node(Op::Placeholder, "logprobs", "logprobs", vec![]),
+            node(Op::Placeholder, "weights", "weights", vec![]),
+            node(
+                Op::CallFunction,
+                "mul",
+                "operator.mul",
+                vec![r("logprobs"), r("weights")],
+            ),
+            node(Op::CallMethod, "sum_1", "sum", vec![r("mul")]),
+            node(Op::CallFunction, "neg", "operator.neg", vec![r("sum_1")]),
+            node(
+                Op::Output,
+                "output",
+                "output",
+                vec![GraphArg::Tagged(TaggedArg::Tuple(vec![r("neg"), metrics]))],
+            ),
+        ],
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn custom_losses_train_server_side_like_the_loss_they_spell_out() {
+    use lathe::types::CustomLossInput;
+    let dir = temp("custom");
+    let srv = start(&dir).await;
+    let service = connect(&srv).await;
+    let base = service
+        .get_server_capabilities()
+        .await
+        .unwrap()
+        .supported_models[0]
+        .model_name
+        .clone();
+    let inputs = vec![
+        CustomLossInput {
+            name: "logprobs".into(),
+            rank: 1,
+        },
+        CustomLossInput {
+            name: "weights".into(),
+            rank: 1,
+        },
+    ];
+    let loss = service
+        .create_custom_loss("neg_ll", inputs.clone(), neg_ll_graph())
+        .await
+        .unwrap();
+    let lora = LoraConfig {
+        rank: 4,
+        seed: Some(3),
+        ..Default::default()
+    };
+    let builtin = service
+        .create_lora_training_client(&base, lora)
+        .await
+        .unwrap();
+    let custom = service
+        .create_lora_training_client(&base, lora)
+        .await
+        .unwrap();
+    let data = vec![datum(1), datum(2)];
+    for _ in 0..2 {
+        let want = builtin
+            .forward_backward(&data, LossFn::CrossEntropy, None)
+            .await
+            .unwrap()
+            .result()
+            .await
+            .unwrap();
+        let got = custom
+            .forward_backward_custom(&data, &loss)
+            .await
+            .unwrap()
+            .result()
+            .await
+            .unwrap();
+        let (w, g) = (want.metrics["loss:sum"], got.metrics["loss:sum"]);
+        assert!((w - g).abs() <= 1e-5 * w.abs(), "{w} vs {g}");
+        assert!((got.metrics["custom/nll:sum"] - g).abs() <= 1e-9 * g.abs());
+        builtin
+            .optim_step(ADAM)
+            .await
+            .unwrap()
+            .result()
+            .await
+            .unwrap();
+        custom
+            .optim_step(ADAM)
+            .await
+            .unwrap()
+            .result()
+            .await
+            .unwrap();
+    }
+    // Checked before sending: a datum without the input, and another session's loss.
+    let bare = Datum {
+        model_input: data[0].model_input.clone(),
+        loss_fn_inputs: data[0]
+            .loss_fn_inputs
+            .iter()
+            .filter(|(k, _)| k.as_str() == "target_tokens")
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect(),
+    };
+    let err = custom
+        .forward_backward_custom(&[bare], &loss)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidInput(_)), "{err}");
+    let other = connect(&srv).await;
+    let foreign = other
+        .create_custom_loss("neg_ll", inputs.clone(), neg_ll_graph())
+        .await
+        .unwrap();
+    let err = custom
+        .forward_backward_custom(&data, &foreign)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("session"), "{err}");
+    // The server's allow-list refuses what it does not know, with the node named.
+    let mut evil = neg_ll_graph();
+    evil.nodes[2].target = "builtins.exec".into();
+    let err = service
+        .create_custom_loss("evil", inputs, evil)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Api { status: 400, .. }), "{err}");
+    assert!(err.to_string().contains("builtins.exec"), "{err}");
+}

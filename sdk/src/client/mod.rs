@@ -1,6 +1,7 @@
 //! The asynchronous HTTP client (feature `client`).
 
 mod config;
+mod custom_loss;
 mod error;
 mod future;
 mod http;
@@ -11,6 +12,7 @@ mod tokenizer;
 mod training;
 
 pub use config::{ClientBuilder, ClientConfig, RetryPolicy};
+pub use custom_loss::CustomLoss;
 pub use error::{Error, Result};
 pub use future::ApiFuture;
 pub use rest::RestClient;

@@ -36,6 +36,7 @@ pub(crate) struct Session {
     pub(crate) session_id: String,
     model_seq: AtomicU64,
     sampling_seq: AtomicU64,
+    custom_loss_seq: AtomicU64,
     heartbeat: tokio::task::JoinHandle<()>,
 }
 
@@ -151,6 +152,7 @@ impl ServiceClient {
                 session_id: created.session_id,
                 model_seq: AtomicU64::new(0),
                 sampling_seq: AtomicU64::new(0),
+                custom_loss_seq: AtomicU64::new(0),
                 heartbeat,
             }),
         })
@@ -162,6 +164,10 @@ impl ServiceClient {
 
     pub(crate) fn next_sampling_seq(&self) -> u64 {
         self.session.sampling_seq.fetch_add(1, Ordering::Relaxed)
+    }
+
+    pub(crate) fn next_custom_loss_seq(&self) -> u64 {
+        self.session.custom_loss_seq.fetch_add(1, Ordering::Relaxed)
     }
 
     /// This connection's session id.

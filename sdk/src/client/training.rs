@@ -33,7 +33,7 @@ pub const MAX_CHUNK_BYTES: usize = 5_000_000;
 /// operations from every clone run in the order they were submitted.
 #[derive(Clone, Debug)]
 pub struct TrainingClient {
-    service: ServiceClient,
+    pub(crate) service: ServiceClient,
     model_id: String,
     seq: Arc<AtomicU64>,
 }
@@ -180,24 +180,33 @@ impl TrainingClient {
         Ok(fut.request_id)
     }
 
-    async fn forward_like(
+    /// A built-in loss's name and numeric settings as the wire has them.
+    fn builtin(
+        loss_fn: LossFn,
+        config: Option<LossFnConfig>,
+    ) -> (&'static str, Option<BTreeMap<String, LossConfigValue>>) {
+        let config = config.map(|c| {
+            c.into_iter()
+                .map(|(k, v)| (k, LossConfigValue::Number(v)))
+                .collect()
+        });
+        (loss_fn.as_str(), config)
+    }
+
+    pub(crate) async fn forward_like(
         &self,
         with_grad: bool,
         data: &[Datum],
-        loss_fn: LossFn,
-        config: Option<LossFnConfig>,
+        loss_fn: &str,
+        config: Option<BTreeMap<String, LossConfigValue>>,
     ) -> Result<ApiFuture<ForwardBackwardOutput>> {
         validate_data(data)?;
         let mut ids = Vec::new();
         for chunk in chunks(data) {
             let input = ForwardBackwardInput {
                 data: chunk.to_vec(),
-                loss_fn: loss_fn.as_str().to_string(),
-                loss_fn_config: config.as_ref().map(|c| {
-                    c.iter()
-                        .map(|(k, &v)| (k.clone(), LossConfigValue::Number(v)))
-                        .collect()
-                }),
+                loss_fn: loss_fn.to_string(),
+                loss_fn_config: config.clone(),
             };
             ids.push(self.submit_forward(input, with_grad).await?);
         }
@@ -286,6 +295,7 @@ impl TrainingClient {
         loss_fn: LossFn,
         config: Option<LossFnConfig>,
     ) -> Result<ApiFuture<ForwardBackwardOutput>> {
+        let (loss_fn, config) = Self::builtin(loss_fn, config);
         self.forward_like(false, data, loss_fn, config).await
     }
 
@@ -298,6 +308,7 @@ impl TrainingClient {
         loss_fn: LossFn,
         config: Option<LossFnConfig>,
     ) -> Result<ApiFuture<ForwardBackwardOutput>> {
+        let (loss_fn, config) = Self::builtin(loss_fn, config);
         self.forward_like(true, data, loss_fn, config).await
     }
 
