@@ -9,6 +9,7 @@ pub mod embedded;
 pub mod engine;
 pub mod memory;
 pub mod model;
+pub mod panics;
 pub mod sample;
 pub mod server;
 pub mod store;

@@ -277,13 +277,15 @@ fn a_batch_run_in_passes_equals_one_pass() {
             ce_job(5, 3, vocab, 0),
         ];
         let adapters = [&a, &b];
-        let (whole_out, whole_grads) =
+        let whole =
             forward_backward_in_passes(&model.transformer, &adapters, &jobs, true, usize::MAX)
                 .unwrap();
+        let (whole_out, whole_grads) = (whole.results, whole.grads);
         // 12 tokens a pass: datums in adapter order (10, 8, 3 tokens for adapter 0, then
         // 6 and 5 for adapter 1) make three passes: [10], [8, 3], [6, 5].
-        let (cut_out, cut_grads) =
+        let cut =
             forward_backward_in_passes(&model.transformer, &adapters, &jobs, true, 12).unwrap();
+        let (cut_out, cut_grads) = (cut.results, cut.grads);
         for (w, c) in whole_out.iter().zip(&cut_out) {
             assert!((w.loss - c.loss).abs() < tol * w.loss.abs().max(1.0));
             for (x, y) in w.logprobs.iter().zip(&c.logprobs) {
@@ -343,4 +345,95 @@ fn gradients_accumulate_across_calls() {
         let (xa, xb) = &acc.pairs[t];
         assert!(rel_diff(da, xa) < 1e-5 && rel_diff(db, xb) < 1e-5, "{t:?}");
     }
+}
+
+/// A custom loss `-(logprobs ** 2).sum()` when `scalar`, and one whose value is not a
+/// 0-d tensor (it fails on every datum) otherwise.
+fn custom_loss(scalar: bool) -> lathe_server::train::CustomLossRef {
+    use lathe_server::train::custom::CustomLoss;
+    let call = |name: &str, target: &str, args: serde_json::Value| {
+        serde_json::json!({"op": "call_function", "name": name, "target": target,
+                           "args": args, "kwargs": {}})
+    };
+    let last = if scalar { "neg" } else { "sq" };
+    let graph = serde_json::json!({"format": 1, "nodes": [
+        {"op": "placeholder", "name": "logprobs", "target": "logprobs", "args": [], "kwargs": {}},
+        call("sq", "operator.mul", serde_json::json!([{"ref": "logprobs"}, {"ref": "logprobs"}])),
+        call("s", "torch.sum", serde_json::json!([{"ref": "sq"}])),
+        call("neg", "operator.neg", serde_json::json!([{"ref": "s"}])),
+        {"op": "output", "name": "output", "target": "output",
+         "args": [{"tuple": [{"ref": last}, {"dict": {}}]}], "kwargs": {}}
+    ]});
+    let inputs = vec![lathe_sdk::types::CustomLossInput {
+        name: "logprobs".into(),
+        rank: 1,
+    }];
+    let loss = CustomLoss::compile("t", &inputs, &serde_json::from_value(graph).unwrap()).unwrap();
+    lathe_server::train::CustomLossRef(std::sync::Arc::new(loss))
+}
+
+fn custom_job(seed: u64, n: usize, vocab: usize, adapter: usize, scalar: bool) -> DatumJob {
+    DatumJob {
+        loss: Loss::Custom(custom_loss(scalar)),
+        inputs: TokenInputs {
+            custom: Some(lathe_server::train::CustomInputs {
+                logprobs_shape: vec![n],
+                inputs: Vec::new(),
+            }),
+            ..Default::default()
+        },
+        ..ce_job(seed, n, vocab, adapter)
+    }
+}
+
+/// Several requests share one model pass; one whose custom loss fails on its second
+/// datum fails alone, and the others get exactly what they get alone.
+#[test]
+fn a_failing_custom_loss_fails_its_own_adapter_and_no_other() {
+    let (model, a, b) = tiny_with_adapters(
+        Arch::Llama,
+        DType::F32,
+        [(full_spec(4), 31), (full_spec(4), 32)],
+    );
+    let vocab = model.transformer.config.vocab_size;
+    let c = random_adapter(&model, full_spec(4), 33);
+    let jobs = vec![
+        custom_job(1, 9, vocab, 0, true),
+        ce_job(2, 6, vocab, 1),
+        custom_job(3, 5, vocab, 0, false),
+        custom_job(4, 7, vocab, 2, true),
+    ];
+    let out =
+        forward_backward_in_passes(&model.transformer, &[&a, &b, &c], &jobs, true, 64).unwrap();
+    let why = out.failed[0].as_deref().unwrap();
+    assert!(why.contains("0-d"), "{why}");
+    assert!(out.failed[1].is_none() && out.failed[2].is_none());
+    assert!(
+        out.grads[0].pairs.is_empty(),
+        "a failed adapter keeps no gradient"
+    );
+    for (ai, adapter) in [(1, &b), (2, &c)] {
+        let own: Vec<DatumJob> = jobs
+            .iter()
+            .filter(|j| j.adapter == ai)
+            .map(|j| DatumJob {
+                adapter: 0,
+                ..j.clone()
+            })
+            .collect();
+        let (alone, grads) = forward_backward(&model.transformer, &[adapter], &own, true).unwrap();
+        let shared: Vec<_> = jobs
+            .iter()
+            .zip(&out.results)
+            .filter(|(j, _)| j.adapter == ai)
+            .map(|(_, r)| r)
+            .collect();
+        for (s, a) in shared.iter().zip(&alone) {
+            assert!((s.loss - a.loss).abs() < 1e-4 * a.loss.abs().max(1.0));
+        }
+        assert_grads_close(&out.grads[ai], &grads[0], 1e-3, "shared pass");
+    }
+    // The strict entry point fails the call with the loss's reason.
+    let err = forward_backward(&model.transformer, &[&a, &b, &c], &jobs, true).unwrap_err();
+    assert!(err.to_string().contains("0-d"));
 }

@@ -84,7 +84,7 @@ impl TrainingClient {
             )));
         }
         for (i, d) in data.iter().enumerate() {
-            for input in &loss.inputs[1..] {
+            for input in loss.inputs.iter().skip(1) {
                 let Some(t) = d.loss_fn_inputs.get(&input.name) else {
                     return Err(Error::InvalidInput(format!(
                         "datum {i} has no loss_fn_inputs[{:?}], which custom loss {:?} reads",

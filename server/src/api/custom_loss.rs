@@ -10,7 +10,7 @@ use lathe_sdk::types::{CreateCustomLossRequest, Datum, TensorDtype, UntypedApiFu
 use super::validate::LossChoice;
 use super::{ApiError, ApiJson, AppState, Owner};
 use crate::engine::KeyLimits;
-use crate::train::custom::{Array, CustomLoss, Kind};
+use crate::train::custom::{checked_shape, Array, CustomLoss, Kind};
 use crate::train::{CustomInputs, CustomLossRef, Loss};
 
 /// Values a custom loss's inputs may hold per target a request may declare
@@ -106,6 +106,7 @@ pub fn inputs(
                 input.rank
             )));
         }
+        checked_shape(&dims).map_err(|e| bad(format!("loss_fn_inputs[{name:?}]: {e}")))?;
         let size = t.num_elements().ok_or_else(|| {
             bad(format!(
                 "loss_fn_inputs[{name:?}] has shape {dims:?}, whose size overflows"

@@ -226,6 +226,8 @@ pub struct LossEval {
     pub grad: Vec<f32>,
     /// A custom loss's metrics, in its order (empty for the built-in losses).
     pub metrics: Vec<f64>,
+    /// Tensor elements a custom loss's evaluation made (0 for the built-in losses).
+    pub elements: usize,
 }
 
 /// Evaluates `loss` for target log-probs `lp` (inputs already validated for `lp.len()`).
@@ -252,6 +254,7 @@ pub fn evaluate(loss: &Loss, lp: &[f64], inp: &TokenInputs) -> Result<LossEval, 
             .collect(),
         grad: out.grad.iter().map(|&g| g as f32).collect(),
         metrics: out.metrics,
+        elements: out.elements,
     })
 }
 
@@ -321,6 +324,7 @@ fn builtin(loss: &Loss, lp: &[f64], inp: &TokenInputs) -> LossEval {
         elementwise,
         grad,
         metrics: Vec::new(),
+        elements: 0,
     }
 }
 

@@ -70,27 +70,45 @@ pub struct DatumResult {
 /// peaked at 14 GB as one pass. Tokens per second stay flat from 512 tokens per pass up.
 pub const PASS_TOKENS: usize = 1024;
 
+/// What one forward/backward call produced, adapter by adapter.
+#[derive(Debug)]
+pub struct Trained {
+    /// Each datum's result (empty for the datums of a failed adapter).
+    pub results: Vec<DatumResult>,
+    /// Each adapter's gradient (empty without `with_grad`, and for a failed adapter).
+    pub grads: Vec<AdapterGrads>,
+    /// Why an adapter's datums failed, if they did: a custom loss that failed (or was
+    /// over its budget) on one of them. The other adapters' results stand.
+    pub failed: Vec<Option<String>>,
+}
+
 /// Runs a batch whose datums may belong to different adapters (and use different
 /// losses) through the model, in passes of at most [`PASS_TOKENS`] tokens. With
 /// `with_grad`, returns each adapter's gradient; adapters without datums get an empty
-/// gradient.
+/// gradient. Any failure fails the call.
 pub fn forward_backward(
     model: &Transformer,
     adapters: &[&Adapter],
     jobs: &[DatumJob],
     with_grad: bool,
 ) -> Result<(Vec<DatumResult>, Vec<AdapterGrads>), TrainError> {
-    forward_backward_in_passes(model, adapters, jobs, with_grad, PASS_TOKENS)
+    let out = forward_backward_in_passes(model, adapters, jobs, with_grad, PASS_TOKENS)?;
+    match out.failed.into_iter().flatten().next() {
+        Some(why) => Err(TrainError::Input(why)),
+        None => Ok((out.results, out.grads)),
+    }
 }
 
-/// [`forward_backward`] with passes of at most `pass_tokens` input tokens.
+/// [`forward_backward`] with passes of at most `pass_tokens` input tokens, where a
+/// custom loss failing on one adapter's datums fails that adapter alone ([`Trained`]):
+/// the shared model pass is not repeated for the others.
 pub fn forward_backward_in_passes(
     model: &Transformer,
     adapters: &[&Adapter],
     jobs: &[DatumJob],
     with_grad: bool,
     pass_tokens: usize,
-) -> Result<(Vec<DatumResult>, Vec<AdapterGrads>), TrainError> {
+) -> Result<Trained, TrainError> {
     on_pool(|| forward_backward_on_pool(model, adapters, jobs, with_grad, pass_tokens))
 }
 
@@ -119,7 +137,7 @@ fn forward_backward_on_pool(
     jobs: &[DatumJob],
     with_grad: bool,
     pass_tokens: usize,
-) -> Result<(Vec<DatumResult>, Vec<AdapterGrads>), TrainError> {
+) -> Result<Trained, TrainError> {
     if jobs.is_empty() {
         return Err(TrainError::Input("no data".into()));
     }
@@ -154,6 +172,7 @@ fn forward_backward_on_pool(
     order.sort_by_key(|&i| (jobs[i].k, jobs[i].adapter));
     let mut results: Vec<Option<DatumResult>> = vec![None; jobs.len()];
     let mut grads = vec![AdapterGrads::default(); adapters.len()];
+    let mut losses = LossBudgets::new(adapters.len());
     let mut start = 0;
     while start < order.len() {
         let k = jobs[order[start]].k;
@@ -171,17 +190,73 @@ fn forward_backward_on_pool(
                 with_grad,
                 &mut results,
                 &mut grads,
+                &mut losses,
             )?;
         }
         start = end;
     }
-    Ok((
-        results
+    for (grad, failed) in grads.iter_mut().zip(&losses.failed) {
+        if failed.is_some() {
+            *grad = AdapterGrads::default();
+        }
+    }
+    Ok(Trained {
+        results: results
             .into_iter()
             .map(|r| r.expect("every datum ran"))
             .collect(),
         grads,
-    ))
+        failed: losses.failed,
+    })
+}
+
+/// Per adapter: why its custom loss failed, and the elements its evaluations used.
+struct LossBudgets {
+    failed: Vec<Option<String>>,
+    used: Vec<usize>,
+}
+
+impl LossBudgets {
+    fn new(adapters: usize) -> Self {
+        Self {
+            failed: vec![None; adapters],
+            used: vec![0; adapters],
+        }
+    }
+
+    /// Evaluates datum `job`'s loss unless its adapter has already failed; a failure (or
+    /// a panic, or the adapter's evaluations passing [`custom::MAX_PASS_ELEMENTS`])
+    /// marks the adapter failed and yields `None`.
+    fn evaluate(&mut self, job: &DatumJob, lp: &[f64]) -> Option<LossEval> {
+        let a = job.adapter;
+        if self.failed[a].is_some() {
+            return None;
+        }
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            loss::evaluate(&job.loss, lp, &job.inputs)
+        }));
+        let why = match outcome {
+            Ok(Ok(ev)) => {
+                self.used[a] = self.used[a].saturating_add(ev.elements);
+                if self.used[a] <= custom::MAX_PASS_ELEMENTS {
+                    return Some(ev);
+                }
+                format!(
+                    "the custom loss's evaluations in this request exceed {} tensor \
+                     elements in one pass; send fewer or shorter datums per request",
+                    custom::MAX_PASS_ELEMENTS
+                )
+            }
+            Ok(Err(e)) => e.to_string(),
+            Err(panic) => {
+                let msg = crate::panics::panic_message(panic.as_ref());
+                tracing::error!("a loss evaluation panicked (contained): {msg}");
+                format!("internal error evaluating the loss: {msg}")
+            }
+        };
+        self.failed[a] = Some(why);
+        None
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -194,6 +269,7 @@ fn run_group(
     with_grad: bool,
     results: &mut [Option<DatumResult>],
     grads: &mut [AdapterGrads],
+    losses: &mut LossBudgets,
 ) -> Result<(), TrainError> {
     let dev = model.device();
     let seqs: Vec<(&[u32], Option<usize>, usize)> = group
@@ -223,13 +299,26 @@ fn run_group(
     for &i in group {
         let n = jobs[i].targets.len();
         let slice = &lp[offset..offset + n];
-        let ev = loss::evaluate(&jobs[i].loss, slice, &jobs[i].inputs)?;
-        dlp.extend_from_slice(&ev.grad);
-        results[i] = Some(DatumResult {
-            logprobs: slice.iter().map(|&x| x as f32).collect(),
-            elementwise_loss: ev.elementwise,
-            loss: ev.total,
-            metrics: ev.metrics,
+        results[i] = Some(match losses.evaluate(&jobs[i], slice) {
+            Some(ev) => {
+                dlp.extend_from_slice(&ev.grad);
+                DatumResult {
+                    logprobs: slice.iter().map(|&x| x as f32).collect(),
+                    elementwise_loss: ev.elementwise,
+                    loss: ev.total,
+                    metrics: ev.metrics,
+                }
+            }
+            // Its adapter failed: the datum adds nothing to any gradient.
+            None => {
+                dlp.resize(dlp.len() + n, 0.0);
+                DatumResult {
+                    logprobs: Vec::new(),
+                    elementwise_loss: Vec::new(),
+                    loss: 0.0,
+                    metrics: Vec::new(),
+                }
+            }
         });
         offset += n;
     }

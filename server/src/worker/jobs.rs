@@ -200,14 +200,7 @@ impl From<Vec<Outcome>> for BatchReport {
     }
 }
 
-/// The message of a caught panic's payload.
-pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
-    panic
-        .downcast_ref::<String>()
-        .cloned()
-        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-        .unwrap_or_else(|| "unknown panic".into())
-}
+pub use crate::panics::panic_message;
 
 /// Who is to blame for a failure; decides the `category` the client sees.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

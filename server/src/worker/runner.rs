@@ -398,14 +398,33 @@ impl Worker {
             .iter()
             .map(|w| &self.runs[&w.run_id].adapter)
             .collect();
-        let (results, grads) =
-            train::forward_backward(&self.model.transformer, &adapters, &jobs, with_grad)
-                .map_err(train_failure)?;
+        let trained = train::forward_backward_in_passes(
+            &self.model.transformer,
+            &adapters,
+            &jobs,
+            with_grad,
+            train::PASS_TOKENS,
+        )
+        .map_err(train_failure)?;
         let mut outcomes = Vec::with_capacity(group.len());
-        for ((work, span), grad) in group.iter().zip(spans).zip(grads) {
+        let results = &trained.results;
+        for (((work, span), grad), failed) in group
+            .iter()
+            .zip(spans)
+            .zip(trained.grads)
+            .zip(trained.failed)
+        {
             let RunOp::Forward { data, pass, .. } = &work.op else {
                 unreachable!()
             };
+            // Its loss failed on one of its datums: it fails alone, the others stand.
+            if let Some(why) = failed {
+                outcomes.push(Outcome {
+                    request_id: work.request_id.clone(),
+                    result: Err(Failure::user(why)),
+                });
+                continue;
+            }
             if with_grad {
                 let run = self.runs.get_mut(&work.run_id).expect("checked above");
                 if pass.first {

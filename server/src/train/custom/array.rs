@@ -6,7 +6,7 @@
 //! into) in the other. A forward gather `out[i] = x[map[i]]` then has the backward
 //! scatter `dx[map[i]] += dout[i]`, so each shape op is written once for both passes.
 
-use super::EvalError;
+use super::{EvalError, MAX_ELEMENTS, MAX_RANK};
 
 /// What a value holds, in torch's promotion order (bool < integer < floating).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -79,6 +79,28 @@ pub fn checked_size(shape: &[usize], limit: usize) -> Result<usize, EvalError> {
     })
 }
 
+/// Checks a shape a tensor is about to take, before anything of that size is allocated:
+/// at most [`MAX_RANK`] dimensions and [`MAX_ELEMENTS`] elements, counting an empty
+/// dimension as 1 (so a reduction over the empty dimension of `(0, 2⁴⁰)` cannot ask for
+/// a result of `2⁴⁰` elements).
+pub fn checked_shape(shape: &[usize]) -> Result<(), EvalError> {
+    if shape.len() > MAX_RANK {
+        return Err(EvalError(format!(
+            "a tensor of rank {} exceeds the limit of {MAX_RANK} dimensions",
+            shape.len()
+        )));
+    }
+    let size = shape
+        .iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d.max(1)));
+    match size {
+        Some(n) if n <= MAX_ELEMENTS => Ok(()),
+        _ => Err(EvalError(format!(
+            "a tensor of shape {shape:?} would exceed the limit of {MAX_ELEMENTS} elements"
+        ))),
+    }
+}
+
 /// Wraps a possibly negative dimension index of a rank-`rank` tensor.
 pub fn wrap_dim(dim: i64, rank: usize) -> Result<usize, EvalError> {
     // A 0-d tensor accepts dims 0 and -1, as in torch.
@@ -113,7 +135,8 @@ pub fn broadcast_shape(a: &[usize], b: &[usize]) -> Result<Vec<usize>, EvalError
                 "shapes {a:?} and {b:?} cannot be broadcast together (dimension {i}: {x} and {y})"
             ))),
         })
-        .collect()
+        .collect::<Result<Vec<_>, _>>()
+        .and_then(|shape| checked_shape(&shape).map(|()| shape))
 }
 
 /// For each element of an array of shape `to`, the flat index of the element of an

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use lathe_sdk::types::{CustomLossGraph, CustomLossInput, CustomLossNodeOp, GraphArg, TaggedArg};
 
 use super::array::Kind;
-use super::{CompileError, MAX_INPUTS, MAX_METRICS, MAX_NODES};
+use super::{CompileError, MAX_ARGS, MAX_INPUTS, MAX_METRICS, MAX_NODES};
 
 /// Elementwise functions of one tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -350,6 +350,7 @@ pub fn compile(
         metrics: Vec::new(),
     };
     let mut output = None;
+    let mut budget = MAX_ARGS;
     for node in &graph.nodes {
         let at = |what: String| CompileError(format!("node {:?}: {what}", node.name));
         if output.is_some() {
@@ -395,13 +396,13 @@ pub fn compile(
                 let args = node
                     .args
                     .iter()
-                    .map(|a| arg(a, &by_name, 0))
+                    .map(|a| arg(a, &by_name, 0, &mut budget))
                     .collect::<Result<Vec<_>, _>>()
                     .map_err(|e| at(e.0))?;
                 let kwargs = node
                     .kwargs
                     .iter()
-                    .map(|(k, a)| Ok((k.as_str(), arg(a, &by_name, 0)?)))
+                    .map(|(k, a)| Ok((k.as_str(), arg(a, &by_name, 0, &mut budget)?)))
                     .collect::<Result<Vec<_>, CompileError>>()
                     .map_err(|e| at(e.0))?;
                 let args = bind(func, args, kwargs).map_err(|e| {
@@ -486,6 +487,12 @@ fn bind(
     let params = func.params();
     if func == Func::Reshape && args.len() > 2 {
         let sizes = args.split_off(1);
+        if sizes.len() > MAX_SEQ {
+            return Err(CompileError(format!(
+                "a shape of {} sizes; the limit is {MAX_SEQ}",
+                sizes.len()
+            )));
+        }
         args.push(Arg::Seq(sizes));
     }
     if args.len() > params.len() {
@@ -542,13 +549,25 @@ fn bind(
 }
 
 /// An encoded argument as a compiled [`Arg`]; references must name earlier nodes.
-fn arg(a: &GraphArg, by_name: &HashMap<&str, usize>, depth: usize) -> Result<Arg, CompileError> {
+/// Each argument, at any depth, takes one unit of `budget` (so that a graph's compiled
+/// form stays small whatever the request's size).
+fn arg(
+    a: &GraphArg,
+    by_name: &HashMap<&str, usize>,
+    depth: usize,
+    budget: &mut usize,
+) -> Result<Arg, CompileError> {
     if depth > MAX_DEPTH {
         return Err(CompileError(format!(
             "arguments nest deeper than {MAX_DEPTH} levels"
         )));
     }
-    let seq = |items: &[GraphArg]| -> Result<Arg, CompileError> {
+    *budget = budget.checked_sub(1).ok_or_else(|| {
+        CompileError(format!(
+            "the graph's arguments hold more than {MAX_ARGS} constants and references"
+        ))
+    })?;
+    let seq = |items: &[GraphArg], budget: &mut usize| -> Result<Arg, CompileError> {
         if items.len() > MAX_SEQ {
             return Err(CompileError(format!(
                 "a sequence argument has {} items; the limit is {MAX_SEQ}",
@@ -558,7 +577,7 @@ fn arg(a: &GraphArg, by_name: &HashMap<&str, usize>, depth: usize) -> Result<Arg
         Ok(Arg::Seq(
             items
                 .iter()
-                .map(|x| arg(x, by_name, depth + 1))
+                .map(|x| arg(x, by_name, depth + 1, budget))
                 .collect::<Result<_, _>>()?,
         ))
     };
@@ -569,20 +588,20 @@ fn arg(a: &GraphArg, by_name: &HashMap<&str, usize>, depth: usize) -> Result<Arg
         GraphArg::Float(f) => Arg::Scalar(*f, Kind::Float),
         GraphArg::Str(s) if s.len() <= 64 => Arg::Str(s.clone()),
         GraphArg::Str(_) => return Err(CompileError("a string argument is too long".into())),
-        GraphArg::List(items) => seq(items)?,
+        GraphArg::List(items) => seq(items, budget)?,
         GraphArg::Tagged(t) => match t {
             TaggedArg::Ref(name) => Arg::Node(*by_name.get(name.as_str()).ok_or_else(|| {
                 CompileError(format!("refers to {name:?}, which is not an earlier node"))
             })?),
-            TaggedArg::Tuple(items) => seq(items)?,
+            TaggedArg::Tuple(items) => seq(items, budget)?,
             TaggedArg::Slice(parts) => {
                 let [start, stop, step] = parts.as_slice() else {
                     return Err(CompileError("a slice has three parts".into()));
                 };
                 Arg::Slice(Box::new([
-                    arg(start, by_name, depth + 1)?,
-                    arg(stop, by_name, depth + 1)?,
-                    arg(step, by_name, depth + 1)?,
+                    arg(start, by_name, depth + 1, budget)?,
+                    arg(stop, by_name, depth + 1, budget)?,
+                    arg(step, by_name, depth + 1, budget)?,
                 ]))
             }
             TaggedArg::Ellipsis(_) => Arg::Ellipsis,

@@ -3,7 +3,7 @@
 
 use std::rc::Rc;
 
-use super::array::{scatter_add, wrap_dim, Array, Kind};
+use super::array::{checked_shape, scatter_add, wrap_dim, Array, Kind};
 use super::compile::{Arg, Binary, Func, Program, Reduce, Step};
 use super::elementwise::{self as ew, binary_differentiable, unary_differentiable};
 use super::shape;
@@ -19,6 +19,8 @@ pub struct Evaluated {
     pub grad: Vec<f64>,
     /// The metrics, in the program's order.
     pub metrics: Vec<f64>,
+    /// Elements of all the tensors the forward evaluation made (a measure of its work).
+    pub elements: usize,
 }
 
 /// Runs `program` with `inputs` (`logprobs` first).
@@ -49,6 +51,7 @@ pub fn run(program: &Program, inputs: Vec<Array>) -> Result<Evaluated, EvalError
             }
         };
         if let Val::Array(a) = &value {
+            checked_shape(&a.shape).map_err(at)?;
             used = used.saturating_add(a.numel());
             if used > MAX_TOTAL_ELEMENTS {
                 return Err(at(EvalError(format!(
@@ -101,6 +104,7 @@ pub fn run(program: &Program, inputs: Vec<Array>) -> Result<Evaluated, EvalError
         loss,
         grad,
         metrics,
+        elements: used,
     })
 }
 

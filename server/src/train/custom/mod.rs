@@ -22,9 +22,9 @@ mod shape;
 mod value;
 
 use lathe_sdk::types::{CustomLossGraph, CustomLossInput};
+use sha2::Digest;
 
-pub use array::{Array, Kind};
-pub use compile::metric_key;
+pub use array::{checked_shape, Array, Kind};
 pub use eval::Evaluated;
 
 /// Most nodes in a graph.
@@ -37,6 +37,14 @@ pub const MAX_METRICS: usize = 64;
 pub const MAX_ELEMENTS: usize = 1 << 22;
 /// Most elements of all the tensors of one evaluation.
 pub const MAX_TOTAL_ELEMENTS: usize = 1 << 24;
+/// Most elements of all the tensors of the evaluations of one adapter's datums in one
+/// pass over the model (a scheduled slice of a request), so that no request's loss can
+/// hold the worker much longer than its model pass does.
+pub const MAX_PASS_ELEMENTS: usize = 1 << 26;
+/// Most dimensions of a tensor while a loss runs.
+pub const MAX_RANK: usize = 8;
+/// Most constants and node references in the arguments of one graph.
+pub const MAX_ARGS: usize = 16_384;
 
 /// Why a graph was refused.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -48,12 +56,21 @@ pub struct CompileError(pub String);
 #[error("{0}")]
 pub struct EvalError(pub String);
 
-/// A compiled custom loss.
-#[derive(Debug, Clone, PartialEq)]
+/// A compiled custom loss. Two are equal when they were compiled from the same
+/// declaration and graph (a client's retry), compared by digest: a graph holding a NaN
+/// constant equals itself.
+#[derive(Debug, Clone)]
 pub struct CustomLoss {
     name: String,
     inputs: Vec<CustomLossInput>,
     program: compile::Program,
+    digest: [u8; 32],
+}
+
+impl PartialEq for CustomLoss {
+    fn eq(&self, other: &Self) -> bool {
+        self.digest == other.digest
+    }
 }
 
 impl CustomLoss {
@@ -104,10 +121,13 @@ impl CustomLoss {
             }
         }
         let program = compile::compile(graph, inputs)?;
+        let source = serde_json::to_vec(&(name, inputs, graph))
+            .map_err(|e| CompileError(format!("the graph cannot be re-encoded: {e}")))?;
         Ok(Self {
             name: name.to_string(),
             inputs: inputs.to_vec(),
             program,
+            digest: sha2::Sha256::digest(&source).into(),
         })
     }
 

@@ -2,7 +2,7 @@
 //! their derivatives. Reductions follow torch: `amax`/`amin` share the gradient equally
 //! among tied maxima, and an empty `dim` (or none) reduces every dimension.
 
-use super::array::{reduction, strided_map, strides, wrap_dim, Array, Kind};
+use super::array::{checked_shape, reduction, strided_map, strides, wrap_dim, Array, Kind};
 use super::compile::Reduce;
 use super::value::Val;
 use super::EvalError;
@@ -76,14 +76,21 @@ pub fn index_map(shape: &[usize], index: &Val) -> Result<(Vec<usize>, Vec<usize>
                 };
                 let start = clamp(part(&parts[0], "a slice's start")?, 0);
                 let stop = clamp(part(&parts[1], "a slice's stop")?, n);
+                // `0 <= start, stop <= n` after clamping, so nothing here overflows
+                // however large `step` is.
                 let len = if stop > start {
-                    (stop - start + step - 1) / step
+                    (stop - start - 1) / step + 1
                 } else {
                     0
                 };
                 base += start as usize * in_strides[d];
                 out_shape.push(len as usize);
-                steps.push(in_strides[d] * step as usize);
+                // With one element or none the step is never taken.
+                steps.push(if len > 1 {
+                    in_strides[d] * step as usize
+                } else {
+                    0
+                });
                 d += 1;
             }
             Val::Array(_) => {
@@ -104,6 +111,7 @@ pub fn index_map(shape: &[usize], index: &Val) -> Result<(Vec<usize>, Vec<usize>
     while d < rank {
         keep(&mut d, &mut out_shape, &mut steps);
     }
+    checked_shape(&out_shape)?;
     let map = strided_map(&out_shape, &steps, base);
     Ok((out_shape, map))
 }
@@ -137,6 +145,7 @@ pub fn reshaped(shape: &[usize], sizes: &[i64]) -> Result<Vec<usize>, EvalError>
         })
         .collect::<Result<Vec<_>, _>>()
         .and_then(|new| {
+            checked_shape(&new)?;
             if new.iter().product::<usize>() == numel {
                 Ok(new)
             } else {
@@ -174,6 +183,7 @@ pub fn unsqueezed(shape: &[usize], dim: i64) -> Result<Vec<usize>, EvalError> {
     let d = wrap_dim(dim, shape.len() + 1)?;
     let mut out = shape.to_vec();
     out.insert(d, 1);
+    checked_shape(&out)?;
     Ok(out)
 }
 

@@ -412,3 +412,140 @@ fn run_time_failures_are_errors_naming_the_node_never_panics() {
         .to_string()
         .contains("rank"));
 }
+
+/// The triggers a hostile review found: each is an error (or a correct value), never a
+/// panic, an abort or a huge allocation.
+#[test]
+fn hostile_shapes_slices_and_ranks_are_refused_before_anything_is_allocated() {
+    // A step far past the dimension: one element, and no overflow computing the length.
+    let huge_step = loss_of(vec![
+        node(
+            "call_function",
+            "x",
+            "operator.getitem",
+            json!([{"ref": "logprobs"}, {"slice": [null, null, i64::MAX]}]),
+        ),
+        node("call_method", "s", "sum", json!([{"ref": "x"}])),
+    ]);
+    let lp = Array::new(vec![3], vec![-1.0, -2.0, -3.0], Kind::Float);
+    let out = huge_step.evaluate(lp, Vec::new()).unwrap();
+    assert_eq!((out.loss, out.grad), (-1.0, vec![1.0, 0.0, 0.0]));
+    // An empty tensor reshaped to (0, 2^40), then reduced over its empty dimension: the
+    // result would hold 2^40 elements.
+    let empty_giant = loss_of(vec![
+        node(
+            "call_function",
+            "e",
+            "operator.getitem",
+            json!([{"ref": "logprobs"}, {"slice": [0, 0, null]}]),
+        ),
+        node(
+            "call_method",
+            "r",
+            "reshape",
+            json!([{"ref": "e"}, 0, 1_i64 << 40]),
+        ),
+        node(
+            "call_function",
+            "l",
+            "torch.logsumexp",
+            json!([{"ref": "r"}, 0]),
+        ),
+        node("call_method", "s", "sum", json!([{"ref": "l"}])),
+    ]);
+    let err = eval_error(&empty_giant, 3);
+    assert!(err.contains("\"r\"") && err.contains("limit"), "{err}");
+    // Rank grown by indexing with None, one node at a time.
+    let nones: Vec<Value> = vec![Value::Null; MAX_RANK + 1];
+    let deep = loss_of(vec![
+        node(
+            "call_function",
+            "x",
+            "operator.getitem",
+            json!([{"ref": "logprobs"}, {"tuple": nones}]),
+        ),
+        node("call_method", "s", "sum", json!([{"ref": "x"}])),
+    ]);
+    assert!(eval_error(&deep, 3).contains("dimensions"));
+    let mut grow = vec![node(
+        "call_method",
+        "u0",
+        "unsqueeze",
+        json!([{"ref": "logprobs"}, 0]),
+    )];
+    for i in 1..=MAX_RANK {
+        grow.push(node(
+            "call_method",
+            &format!("u{i}"),
+            "unsqueeze",
+            json!([{"ref": format!("u{}", i - 1)}, 0]),
+        ));
+    }
+    grow.push(node(
+        "call_method",
+        "s",
+        "sum",
+        json!([{"ref": format!("u{MAX_RANK}")}]),
+    ));
+    assert!(eval_error(&loss_of(grow), 3).contains("dimensions"));
+    assert!(checked_shape(&[0, 1 << 40]).is_err());
+    assert!(checked_shape(&[usize::MAX, usize::MAX]).is_err());
+    assert!(checked_shape(&[0, 5, 7]).is_ok());
+}
+
+#[test]
+fn a_graph_holding_too_many_constants_or_sizes_is_refused_at_compile_time() {
+    // reshape's sizes as separate positional arguments.
+    let sizes: Vec<Value> = std::iter::once(json!({"ref": "logprobs"}))
+        .chain((0..100).map(|_| json!(1)))
+        .collect();
+    let err = compile_error(vec![
+        placeholder("logprobs"),
+        node("call_method", "r", "reshape", Value::Array(sizes)),
+        output("r"),
+    ]);
+    assert!(err.contains("limit"), "{err}");
+    // Nested constant lists past the per-graph budget: 64 x 64 x 8 = 32K constants.
+    let row: Vec<Value> = (0..64).map(|_| json!(1)).collect();
+    let block: Vec<Value> = (0..64).map(|_| Value::Array(row.clone())).collect();
+    let mut nodes = vec![placeholder("logprobs")];
+    for i in 0..8 {
+        nodes.push(node(
+            "call_function",
+            &format!("c{i}"),
+            "torch.clamp",
+            json!([{"ref": "logprobs"}, Value::Array(block.clone())]),
+        ));
+    }
+    nodes.push(output("c7"));
+    let err = compile_error(nodes);
+    assert!(err.contains(&MAX_ARGS.to_string()), "{err}");
+}
+
+#[test]
+fn a_retried_graph_with_a_nan_constant_equals_itself() {
+    let nodes = || {
+        vec![
+            placeholder("logprobs"),
+            node(
+                "call_function",
+                "m",
+                "operator.gt",
+                json!([{"ref": "logprobs"}, 0.0]),
+            ),
+            node(
+                "call_method",
+                "f",
+                "masked_fill",
+                json!([{"ref": "logprobs"}, {"ref": "m"}, {"float": "nan"}]),
+            ),
+            node("call_method", "s", "sum", json!([{"ref": "f"}])),
+            output("s"),
+        ]
+    };
+    let a = CustomLoss::compile("t", &logprobs(1), &graph(nodes())).unwrap();
+    let b = CustomLoss::compile("t", &logprobs(1), &graph(nodes())).unwrap();
+    assert_eq!(a, b);
+    let other = CustomLoss::compile("u", &logprobs(1), &graph(nodes())).unwrap();
+    assert_ne!(a, other, "a different name is a different loss");
+}
