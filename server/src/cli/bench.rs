@@ -8,7 +8,7 @@ use std::time::Instant;
 use candle_core::{DType, Device, Tensor};
 use clap::{Args, Subcommand};
 use lathe_sdk::types::AdamParams;
-use lathe_server::model::{Adapter, LoadedModel, LoraSpec};
+use lathe_server::model::{bf16, Adapter, LoadedModel, LoraSpec, Precision};
 use lathe_server::sample::{sample_timed, DecodeMode, Picker, SampleJob, SampleTimings};
 use lathe_server::train::adamw::{self, AdamState};
 use lathe_server::train::{forward_backward, DatumJob, Loss, TokenInputs};
@@ -22,7 +22,8 @@ pub enum BenchCommand {
     Train(TrainArgs),
     /// Single-stream and multi-adapter batched decoding.
     Sample(SampleArgs),
-    /// f32 matrix multiplication GFLOP/s at the model's shapes.
+    /// Matrix multiplication GFLOP/s at the model's shapes: f32, and bf16 on each bf16
+    /// kernel this CPU has.
     Gemm(GemmArgs),
     /// The HTTP server: batching across sessions and protocol overhead, over loopback.
     Serve(super::bench_serve::ServeBenchArgs),
@@ -49,6 +50,9 @@ pub struct TrainArgs {
     /// when several sessions' requests share one pass; each takes its own AdamW step.
     #[arg(long, default_value_t = 1)]
     adapters: usize,
+    /// Element type of the base model's products.
+    #[arg(long, value_enum, default_value_t = super::PrecisionArg::F32)]
+    precision: super::PrecisionArg,
     /// Timed iterations (after one warm-up).
     #[arg(long, default_value_t = 5)]
     iters: usize,
@@ -183,22 +187,68 @@ fn gemm_gflops(m: usize, k: usize, n: usize, iters: usize) -> anyhow::Result<Sta
     Ok(stats(rates))
 }
 
+/// GFLOP/s of `(m, k) x (k, n)` in bf16 with f32 accumulation on `kernel`, the
+/// right-hand side packed once (a frozen weight) and the left-hand side rounded in each
+/// product, as training does.
+fn bf16_gflops(
+    kernel: bf16::Kernel,
+    m: usize,
+    k: usize,
+    n: usize,
+    iters: usize,
+) -> anyhow::Result<Stats> {
+    let a = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu)?;
+    let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu)?;
+    let packed = bf16::PackedWeight::from_tensor(&w)?;
+    let p = bf16::Bf16Ref {
+        kernel,
+        weight: &packed,
+    };
+    let _ = bf16::matmul_t(&a, p)?;
+    let mut rates = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let t = Instant::now();
+        let c = bf16::matmul_t(&a, p)?;
+        let dt = t.elapsed().as_secs_f64();
+        drop(c);
+        rates.push(2.0 * (m * k * n) as f64 / dt / 1e9);
+    }
+    Ok(stats(rates))
+}
+
+/// The training step's shapes on SmolLM2-135M at 512 tokens: MLP, attention, head.
+const GEMM_SHAPES: [(usize, usize, usize); 4] = [
+    (512, 576, 1536),
+    (512, 1536, 576),
+    (512, 576, 576),
+    (512, 576, 8192),
+];
+
 fn bench_gemm(a: &GemmArgs) -> anyhow::Result<serde_json::Value> {
-    // The training step's shapes on SmolLM2-135M at 512 tokens: MLP, attention, head.
-    let shapes = [
-        (512, 576, 1536),
-        (512, 1536, 576),
-        (512, 576, 576),
-        (512, 576, 8192),
-    ];
     let mut per_shape = Vec::new();
     let mut best = 0f64;
-    for (m, k, n) in shapes {
+    let mut best_bf16 = serde_json::Map::new();
+    for (m, k, n) in GEMM_SHAPES {
         let s = gemm_gflops(m, k, n, a.iters)?;
         best = best.max(s.median);
-        per_shape.push(json!({"m": m, "k": k, "n": n, "gflops_median": round(s.median), "gflops_min": round(s.min), "gflops_max": round(s.max)}));
+        let mut row = json!({"m": m, "k": k, "n": n, "gflops_median": round(s.median), "gflops_min": round(s.min), "gflops_max": round(s.max)});
+        for &kernel in bf16::available() {
+            let b = bf16_gflops(kernel, m, k, n, a.iters)?;
+            row[format!("{}_gflops_median", kernel.name())] = json!(round(b.median));
+            let entry = best_bf16.entry(kernel.name()).or_insert(json!(0.0));
+            if b.median > entry.as_f64().unwrap_or(0.0) {
+                *entry = json!(round(b.median));
+            }
+        }
+        per_shape.push(row);
     }
-    Ok(json!({"bench": "gemm", "threads": threads(), "gflops": round(best), "shapes": per_shape}))
+    Ok(json!({
+        "bench": "gemm",
+        "threads": threads(),
+        "gflops": round(best),
+        "bf16_gflops": best_bf16,
+        "shapes": per_shape,
+    }))
 }
 
 pub(super) fn round(x: f64) -> f64 {
@@ -223,7 +273,7 @@ fn random_tokens(rng: &mut StdRng, n: usize, vocab: usize) -> Vec<u32> {
 }
 
 fn bench_train(a: TrainArgs) -> anyhow::Result<serde_json::Value> {
-    let model = super::load_model(&a.model)?;
+    let model = super::load_model_in(&a.model, a.precision)?;
     let t = &model.transformer;
     let spec = seven_projections(a.rank);
     let n_adapters = a.adapters.clamp(1, a.batch.max(1));
@@ -276,12 +326,18 @@ fn bench_train(a: TrainArgs) -> anyhow::Result<serde_json::Value> {
         }
     }
     let s = stats(rates);
-    let gemm = gemm_gflops(512, 576, 1536, 20)?;
+    // The peak the run is measured against: the product it uses, at the MLP's shape.
+    let gemm = match (t.precision(), bf16::kernel()) {
+        (Precision::Bf16, Some(kernel)) => bf16_gflops(kernel, 512, 576, 1536, 20)?,
+        _ => gemm_gflops(512, 576, 1536, 20)?,
+    };
     let params_count = t.weights.num_params() as f64;
     let achieved = 4.0 * params_count * s.median / 1e9;
     Ok(json!({
         "bench": "train",
         "model": model.name,
+        "precision": t.precision(),
+        "bf16_kernel": bf16::kernel().map(bf16::Kernel::name),
         "threads": threads(),
         "batch": a.batch, "seq_len": a.seq_len, "rank": a.rank, "adapters": n_adapters,
         "trainable_params": adapters[0].num_params(),

@@ -55,6 +55,9 @@ pub struct ServeArgs {
     /// Which weights pick sampled tokens.
     #[arg(long, value_enum, default_value_t = Mode::Fast)]
     decode_mode: Mode,
+    /// Element type of the base model's products in training and prefill.
+    #[arg(long, value_enum, default_value_t = super::PrecisionArg::F32)]
+    precision: super::PrecisionArg,
     /// Per-key limits (what one API key may use at once).
     #[command(flatten)]
     limits: LimitArgs,
@@ -131,7 +134,7 @@ enum Mode {
 
 /// Runs `lathe serve` until SIGINT or SIGTERM.
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
-    let model = super::load_model(&args.model)?;
+    let model = super::load_model_in(&args.model, args.precision)?;
     let name = model.name.clone();
     let config = ServerConfig {
         host: args.host,

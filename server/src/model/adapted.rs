@@ -10,6 +10,7 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 
+use super::bf16::{self, Bf16Ref};
 use super::gemm::{gemm, with_slices, Mat, MatMut};
 use super::input_grad;
 use super::kernels;
@@ -28,6 +29,9 @@ pub struct Projection<'a> {
     pub bias: Option<&'a Tensor>,
     /// `(target, width)` of each output slice.
     pub parts: &'a [(Target, usize)],
+    /// The weight packed for bf16 products, when the model computes in bf16: then the
+    /// frozen products of the CPU path (not the LoRA deltas) run in bf16.
+    pub bf16: Option<Bf16Ref<'a>>,
 }
 
 /// The pair and scale a segment uses for `target`, if its adapter trains it.
@@ -106,7 +110,16 @@ pub fn forward(
         let (xs, ws) = (Mat::new(s[0], n, d_in), Mat::new(s[1], d_out, d_in));
         let mut out = MatMut::new(&mut y, n, d_out, d_out);
         if !frozen_done {
-            gemm(&mut out, xs, ws.t(), 1.0, proj.bias.is_some());
+            match proj.bf16 {
+                Some(p) => bf16::gemm(
+                    p.kernel,
+                    &mut out,
+                    xs,
+                    &p.weight.forward,
+                    proj.bias.is_some(),
+                ),
+                None => gemm(&mut out, xs, ws.t(), 1.0, proj.bias.is_some()),
+            }
         }
         let mut col = 0;
         for (pi, &(target, width)) in proj.parts.iter().enumerate() {
@@ -209,7 +222,10 @@ pub fn backward(
         let dys = Mat::new(s[1], n, d_out);
         let mut dxm = MatMut::new(&mut dx, n, d_in, d_in);
         if !few {
-            gemm(&mut dxm, dys, Mat::new(s[2], d_out, d_in), 1.0, false);
+            match proj.bf16 {
+                Some(p) => bf16::gemm(p.kernel, &mut dxm, dys, &p.weight.input_grad, false),
+                None => gemm(&mut dxm, dys, Mat::new(s[2], d_out, d_in), 1.0, false),
+            }
         }
         let mut col = 0;
         for (&(target, width), cache) in proj.parts.iter().zip(caches) {
@@ -354,6 +370,7 @@ mod tests {
                 weight: &w,
                 bias: Some(&b),
                 parts: &parts,
+                bf16: None,
             };
             let (y, caches) = forward(&x, &proj, &segs, adapters).unwrap();
             let mut grads = vec![AdapterGrads::default(); 2];
@@ -384,5 +401,79 @@ mod tests {
         // ... and adapted rows do not.
         assert!(max_abs_diff(&rows(&base, 0), &rows(&y32, 0)) > 1e-2);
         assert!(max_abs_diff(&rows(&base, 10 * k), &rows(&y32, 10 * k)) > 1e-2);
+    }
+
+    /// In bf16 the frozen products differ from f64 by at most `(2u + u²) Σ|x w|` per
+    /// element (`u = 2⁻⁹`; the derivation is in `bf16::tests`), plus f32 accumulation;
+    /// the LoRA deltas stay f32.
+    #[test]
+    fn the_bf16_path_is_within_the_bf16_rounding_bound_of_f64() {
+        let Some(kernel) = bf16::kernel() else {
+            eprintln!("this CPU has no bf16 kernel; nothing to check");
+            return;
+        };
+        let cfg = tiny_config(Arch::Qwen2);
+        let (d, qd) = (cfg.hidden_size, cfg.q_dim());
+        let parts = [(Target::Layer(0, Proj::Q), qd)];
+        let n = 70;
+        let segs = [Segment {
+            start: 0,
+            len: n,
+            adapter: Some(0),
+        }];
+        let (x, w, dy) = (
+            uniform(&[n, d], 1.0, 11),
+            uniform(&[qd, d], 0.3, 12),
+            uniform(&[n, qd], 1.0, 13),
+        );
+        let ad = adapter(14);
+        let packed = bf16::PackedWeight::from_tensor(&w).unwrap();
+        let run = |dtype: DType, adapters: &[&Adapter], bf16: Option<Bf16Ref>| {
+            let cast = |t: &Tensor| t.to_dtype(dtype).unwrap();
+            let (x, w, dy) = (cast(&x), cast(&w), cast(&dy));
+            let proj = Projection {
+                weight: &w,
+                bias: None,
+                parts: &parts,
+                bf16,
+            };
+            let (y, caches) = forward(&x, &proj, &segs, adapters).unwrap();
+            let mut grads = vec![AdapterGrads::default()];
+            let dx = backward(&x, &dy, &proj, &segs, adapters, &caches, &mut grads).unwrap();
+            (
+                y.to_dtype(DType::F64).unwrap(),
+                dx.to_dtype(DType::F64).unwrap(),
+            )
+        };
+        let (y64, dx64) = run(DType::F64, &[&ad], None);
+        let ad32 = f32s(&ad);
+        let p = Bf16Ref {
+            kernel,
+            weight: &packed,
+        };
+        let (y16, dx16) = run(DType::F32, &[&ad32], Some(p));
+        // Σ|x w| and Σ|dy| |w| per element, in f64.
+        let (xa, wa, dya) = (x.abs().unwrap(), w.abs().unwrap(), dy.abs().unwrap());
+        let y_scale = xa.matmul(&wa.t().unwrap()).unwrap();
+        let dx_scale = dya.matmul(&wa).unwrap();
+        let u = 1.0 / 512.0;
+        let within = |got: &Tensor, want: &Tensor, scale: &Tensor, what: &str| {
+            let err = (got - want).unwrap().abs().unwrap();
+            let bound = ((scale * (2.0 * u + u * u)).unwrap() + 1e-5).unwrap();
+            let over = (err - bound)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .max(0)
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap();
+            assert!(over <= 0.0, "{what}: {over} over the bf16 bound");
+        };
+        within(&y16, &y64, &y_scale, "y");
+        within(&dx16, &dx64, &dx_scale, "dx");
+        // And the rounding is really there: bf16 differs from f32 by more than f32 noise.
+        let (y32, _) = run(DType::F32, &[&ad32], None);
+        assert!(max_abs_diff(&y16, &y32) > 1e-4);
     }
 }

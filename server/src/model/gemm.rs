@@ -56,6 +56,26 @@ impl<'a> Mat<'a> {
         Self::strided(&self.data[off..], self.rows, len, self.rs, self.cs)
     }
 
+    /// `(rows, cols)`.
+    pub fn shape(&self) -> (usize, usize) {
+        (self.rows, self.cols)
+    }
+
+    /// Element `(i, j)`. Panics outside the matrix.
+    pub fn at(&self, i: usize, j: usize) -> f32 {
+        assert!(
+            i < self.rows && j < self.cols,
+            "({i}, {j}) outside the matrix"
+        );
+        self.data[i * self.rs + j * self.cs]
+    }
+
+    /// Row `i` as a slice, when its elements are contiguous (`cs == 1`).
+    pub fn row(&self, i: usize) -> Option<&'a [f32]> {
+        assert!(i < self.rows, "row {i} outside the matrix");
+        (self.cs == 1 || self.cols <= 1).then(|| &self.data[i * self.rs..i * self.rs + self.cols])
+    }
+
     /// The transpose (a view: strides swap).
     pub fn t(self) -> Self {
         Self {
@@ -92,6 +112,34 @@ impl<'a> MatMut<'a> {
             cols,
             rs,
         }
+    }
+
+    /// `(rows, cols)`.
+    pub fn shape(&self) -> (usize, usize) {
+        (self.rows, self.cols)
+    }
+
+    /// The `cols` elements of row `i`.
+    pub fn row_mut(&mut self, i: usize) -> &mut [f32] {
+        assert!(i < self.rows, "row {i} outside the matrix");
+        &mut self.data[i * self.rs..i * self.rs + self.cols]
+    }
+
+    /// The matrix cut into consecutive blocks of `block` rows (the last may be shorter),
+    /// each with the index of its first row.
+    pub fn row_blocks(&mut self, block: usize) -> Vec<(usize, MatMut<'_>)> {
+        assert!(block > 0, "empty row blocks");
+        let (rows, cols, rs) = (self.rows, self.cols, self.rs);
+        let mut rest = &mut self.data[..];
+        let mut out = Vec::with_capacity(rows.div_ceil(block));
+        for start in (0..rows).step_by(block) {
+            let len = block.min(rows - start);
+            let take = (len * rs).min(rest.len());
+            let (head, tail) = std::mem::take(&mut rest).split_at_mut(take);
+            out.push((start, MatMut::new(head, len, cols, rs)));
+            rest = tail;
+        }
+        out
     }
 
     /// Rows `start..start + len` and columns `col..col + width`.

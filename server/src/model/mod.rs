@@ -3,6 +3,7 @@
 
 pub mod adapted;
 pub mod batch;
+pub mod bf16;
 pub mod chat_template;
 pub mod config;
 pub mod decode;
@@ -30,6 +31,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::Device;
 
+pub use bf16::Precision;
 pub use chat_template::{ChatMessage, ChatTemplate};
 pub use config::{Arch, ModelConfig};
 pub use kv::KvCache;

@@ -5,6 +5,8 @@ use candle_core::{DType, Tensor};
 
 use super::{Tape, Transformer};
 use crate::model::batch::PackedBatch;
+use crate::model::bf16;
+use crate::model::kernels::FEW_ROWS;
 use crate::model::lora::{lora_backward, lora_forward, Adapter, AdapterGrads, Segment, Target};
 use crate::model::ops::{self, TopK};
 use crate::model::weights::{matmul_input_grad, matmul_t};
@@ -49,6 +51,25 @@ impl Tape {
 }
 
 impl Transformer {
+    /// `x Eᵀ`, the frozen head's logits of rows `x`: in bf16 when the model computes in
+    /// bf16 and the rows are more than a handful.
+    fn head_product(&self, x: &Tensor) -> Result<Tensor, ModelError> {
+        match self.bf16_head() {
+            Some(p) if x.dim(0)? > FEW_ROWS && x.dtype() == DType::F32 => Ok(bf16::matmul_t(x, p)?),
+            _ => Ok(matmul_t(x, self.weights.lm_head())?),
+        }
+    }
+
+    /// `dlogits E`, the frozen head's input gradient, like [`Self::head_product`].
+    fn head_input_grad(&self, dlogits: &Tensor) -> Result<Tensor, ModelError> {
+        match self.bf16_head() {
+            Some(p) if dlogits.dim(0)? > FEW_ROWS && dlogits.dtype() == DType::F32 => {
+                Ok(bf16::input_grad(&dlogits.contiguous()?, p)?)
+            }
+            _ => Ok(matmul_input_grad(dlogits, self.weights.lm_head())?),
+        }
+    }
+
     /// The full next-token logits of rows `start..start + len` of `batch`,
     /// `(len, vocab)`, keeping nothing for a backward pass (a frozen reference's
     /// distribution, say).
@@ -60,7 +81,6 @@ impl Transformer {
         len: usize,
     ) -> Result<Tensor, ModelError> {
         let xf = self.hidden(batch, adapters, false)?.xf;
-        let w = self.weights.lm_head();
         let mut parts = Vec::new();
         for seg in &batch.segments {
             let (lo, hi) = (start.max(seg.start), (start + len).min(seg.start + seg.len));
@@ -72,7 +92,7 @@ impl Transformer {
                     adapter: seg.adapter,
                 }];
                 let (logits, _) =
-                    lora_forward(&x, matmul_t(&x, w)?, Target::LmHead, &local, adapters)?;
+                    lora_forward(&x, self.head_product(&x)?, Target::LmHead, &local, adapters)?;
                 parts.push(logits);
             }
         }
@@ -100,7 +120,6 @@ impl Transformer {
         k: usize,
         topk: &mut Vec<TopK>,
     ) -> Result<(Tensor, Vec<HeadChunk>), ModelError> {
-        let w = self.weights.lm_head();
         let mut lps = Vec::new();
         let mut chunks = Vec::new();
         for seg in &batch.segments {
@@ -114,7 +133,7 @@ impl Transformer {
                     adapter: seg.adapter,
                 }];
                 let (logits, mut cache) =
-                    lora_forward(&x, matmul_t(&x, w)?, Target::LmHead, &local, adapters)?;
+                    lora_forward(&x, self.head_product(&x)?, Target::LmHead, &local, adapters)?;
                 let t = targets.narrow(0, start, len)?.contiguous()?;
                 let (lp, lse) = ops::logprobs_at(&logits, &t)?;
                 if k > 0 {
@@ -168,12 +187,11 @@ impl Transformer {
         mut dlogits_of: impl FnMut(&HeadChunk) -> Result<Tensor, ModelError>,
         grads: &mut [AdapterGrads],
     ) -> Result<Tensor, ModelError> {
-        let w = self.weights.lm_head();
         let mut dxs = Vec::with_capacity(tape.head.len());
         for c in &tape.head {
             let dlogits = dlogits_of(c)?;
             let x = tape.xf.narrow(0, c.start, c.len)?;
-            let mut dx = matmul_input_grad(&dlogits, w)?;
+            let mut dx = self.head_input_grad(&dlogits)?;
             let local = [Segment {
                 start: 0,
                 len: c.len,

@@ -1,0 +1,258 @@
+//! bf16 products with f32 accumulation for the frozen base weights, as PyTorch's bf16
+//! autocast computes them: both operands are rounded to bf16 (round to nearest even),
+//! every product of two bf16 values is exact in f32, and the sums are kept in f32.
+//!
+//! The right-hand side is a frozen weight, packed once ([`PackedB`]) into the layout both
+//! kernels read: panels of 16 output columns whose rows hold pairs of consecutive `k`
+//! ("VNNI" order). The left-hand side (activations or gradients) is rounded to bf16 at
+//! each call. The kernel is chosen at run time ([`kernel`]):
+//! - [`Kernel::Amx`]: Intel AMX tiles (`TDPBF16PS`, a 16 x 16 x 32 product per
+//!   instruction), on Sapphire Rapids and later;
+//! - [`Kernel::Avx512Bf16`]: `VDPBF16PS` pair dot products, on CPUs with AVX512-BF16 but
+//!   no AMX (AMD Zen 4 and later, Cooper Lake);
+//! - neither: the caller keeps the f32 path.
+//!
+//! Hand-written because no maintained Rust crate offers a bf16 product on AMX tiles or
+//! `VDPBF16PS` (the `gemm` crate computes bf16 by widening to f32).
+
+use std::sync::OnceLock;
+
+use rayon::prelude::*;
+
+use super::gemm::{Mat, MatMut};
+
+#[cfg(target_arch = "x86_64")]
+mod amx;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+mod pack;
+#[cfg(test)]
+mod tests;
+
+pub use pack::{round_bf16, PackedB};
+
+/// Output columns per panel of a packed operand (one AMX tile's width, one zmm of f32).
+pub const PANEL: usize = 16;
+/// The reduction depth is padded to a multiple of this (one AMX tile's depth in bf16).
+pub const K_BLOCK: usize = 32;
+/// Rows of the left-hand side handled per kernel call (two AMX tiles, four AVX-512
+/// micro-tiles); the rounded left-hand side is padded to a multiple of this.
+pub const M_BLOCK: usize = 32;
+
+/// A bf16 product kernel the CPU has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Kernel {
+    /// AMX tiles.
+    Amx,
+    /// AVX512-BF16 dot products.
+    Avx512Bf16,
+}
+
+impl Kernel {
+    /// A short name for logs and benchmark output.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernel::Amx => "amx",
+            Kernel::Avx512Bf16 => "avx512_bf16",
+        }
+    }
+}
+
+/// The fastest bf16 kernel this CPU (and OS) supports, detected once; `None` when it has
+/// neither AMX nor AVX512-BF16. For AMX this also asks Linux for permission to use the
+/// tile registers, which every process must do once.
+pub fn kernel() -> Option<Kernel> {
+    available().first().copied()
+}
+
+/// Every bf16 kernel this CPU supports, fastest first (detected once).
+pub fn available() -> &'static [Kernel] {
+    static KERNELS: OnceLock<Vec<Kernel>> = OnceLock::new();
+    KERNELS.get_or_init(detect)
+}
+
+fn detect() -> Vec<Kernel> {
+    let mut out = Vec::new();
+    #[cfg(target_arch = "x86_64")]
+    {
+        if amx::usable() {
+            out.push(Kernel::Amx);
+        }
+        if avx512::usable() {
+            out.push(Kernel::Avx512Bf16);
+        }
+    }
+    out
+}
+
+/// A frozen `(out, in)` weight packed for both products a training step needs: the
+/// forward `x Wᵀ` and the input gradient `dy W`. Twice the bf16 size of the weight, half
+/// its f32 size.
+#[derive(Debug, Clone)]
+pub struct PackedWeight {
+    /// `Wᵀ`: `k = in`, `n = out`.
+    pub forward: PackedB,
+    /// `W`: `k = out`, `n = in`.
+    pub input_grad: PackedB,
+}
+
+impl PackedWeight {
+    /// Packs a row-major `(out, in)` weight.
+    pub fn new(w: &[f32], out: usize, inp: usize) -> Self {
+        assert_eq!(w.len(), out * inp, "weight is not {out} x {inp}");
+        Self {
+            forward: PackedB::new(inp, out, |k, n| w[n * inp + k]),
+            input_grad: PackedB::new(out, inp, |k, n| w[k * inp + n]),
+        }
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.forward.bytes() + self.input_grad.bytes()
+    }
+}
+
+/// Rows per thread below which splitting a product across threads costs more than it
+/// saves.
+const MIN_ROWS_PER_THREAD: usize = 64;
+
+/// `dst = a b`, or `dst += a b` with `accumulate`, in bf16 with f32 accumulation, where
+/// `a` is `(m, k)` f32 (rounded to bf16 here) and `b` is a packed `(k, n)`. Panics if the
+/// shapes disagree or if this CPU lacks `kernel` (see [`available`]).
+pub fn gemm(kernel: Kernel, dst: &mut MatMut<'_>, a: Mat<'_>, b: &PackedB, accumulate: bool) {
+    assert!(
+        available().contains(&kernel),
+        "this CPU has no {} kernel",
+        kernel.name()
+    );
+    let (m, n) = dst.shape();
+    assert_eq!(a.shape(), (m, b.k()), "lhs is not {m} x {}", b.k());
+    assert_eq!(
+        n,
+        b.n(),
+        "output has {n} columns, the packed operand {}",
+        b.n()
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    let threads = rayon::current_num_threads();
+    if threads > 1 && m >= 2 * MIN_ROWS_PER_THREAD {
+        // Row blocks (whole M_BLOCKs) on separate threads; each rounds its own rows and
+        // reads all of `b`.
+        let block = m.div_ceil(threads).div_ceil(M_BLOCK) * M_BLOCK;
+        dst.row_blocks(block)
+            .into_par_iter()
+            .for_each(|(start, mut d)| run(kernel, &mut d, a, start, b, accumulate));
+    } else {
+        run(kernel, dst, a, 0, b, accumulate);
+    }
+}
+
+/// One thread's share: `dst` holds rows `row0..row0 + dst.rows` of the product.
+fn run(
+    kernel: Kernel,
+    dst: &mut MatMut<'_>,
+    a: Mat<'_>,
+    row0: usize,
+    b: &PackedB,
+    accumulate: bool,
+) {
+    let lhs = pack::Lhs::round(a, row0, dst.shape().0, b.k_padded());
+    let mut out = pack::Output::new(dst, accumulate);
+    match kernel {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `gemm` checked that this CPU supports the kernel.
+        Kernel::Amx => unsafe { amx::product(&mut out, &lhs, b) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Kernel::Avx512Bf16 => unsafe { avx512::product(&mut out, &lhs, b) },
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => unreachable!("no bf16 kernel exists off x86_64"),
+    }
+}
+
+/// The element type of the frozen base weights' products in training and prefill.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// f32 products (the reference).
+    #[default]
+    F32,
+    /// bf16 products with f32 accumulation, as PyTorch's bf16 autocast computes them.
+    Bf16,
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Precision::F32 => "f32",
+            Precision::Bf16 => "bf16",
+        })
+    }
+}
+
+/// A packed frozen weight and the kernel that multiplies with it.
+#[derive(Debug, Clone, Copy)]
+pub struct Bf16Ref<'a> {
+    /// The kernel (one this CPU has).
+    pub kernel: Kernel,
+    /// The weight.
+    pub weight: &'a PackedWeight,
+}
+
+impl PackedWeight {
+    /// Packs an `(out, in)` f32 tensor.
+    pub fn from_tensor(w: &candle_core::Tensor) -> candle_core::Result<Self> {
+        let (out, inp) = w.dims2()?;
+        let data: Vec<f32> = w
+            .to_dtype(candle_core::DType::F32)?
+            .flatten_all()?
+            .to_vec1()?;
+        Ok(Self::new(&data, out, inp))
+    }
+}
+
+/// `x Wᵀ` for an `(m, in)` f32 CPU tensor, in bf16.
+pub fn matmul_t(
+    x: &candle_core::Tensor,
+    w: Bf16Ref<'_>,
+) -> candle_core::Result<candle_core::Tensor> {
+    product(x, w.kernel, &w.weight.forward)
+}
+
+/// `dy W` for an `(m, out)` f32 CPU tensor, in bf16.
+pub fn input_grad(
+    dy: &candle_core::Tensor,
+    w: Bf16Ref<'_>,
+) -> candle_core::Result<candle_core::Tensor> {
+    product(dy, w.kernel, &w.weight.input_grad)
+}
+
+fn product(
+    a: &candle_core::Tensor,
+    kernel: Kernel,
+    b: &PackedB,
+) -> candle_core::Result<candle_core::Tensor> {
+    let (m, k) = a.dims2()?;
+    if k != b.k() {
+        candle_core::bail!(
+            "bf16 product: lhs has {k} columns, the weight {} rows",
+            b.k()
+        );
+    }
+    let n = b.n();
+    let mut out = vec![0f32; m * n];
+    super::gemm::with_slices(&[a], |s| {
+        gemm(
+            kernel,
+            &mut MatMut::new(&mut out, m, n, n),
+            Mat::new(s[0], m, k),
+            b,
+            false,
+        );
+        Ok(())
+    })?;
+    candle_core::Tensor::from_vec(out, (m, n), a.device())
+}

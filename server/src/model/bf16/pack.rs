@@ -1,0 +1,206 @@
+//! The operand layouts the bf16 kernels read, and the clipped write of their results.
+//!
+//! A bf16 pair (elements `2p` and `2p + 1` of a row or column, the first in the low half)
+//! is stored as one `u32`: that is the order both `TDPBF16PS` and `VDPBF16PS` multiply in.
+
+use super::super::gemm::{Mat, MatMut};
+use super::{K_BLOCK, M_BLOCK, PANEL};
+
+/// `x` rounded to bf16 (to nearest, ties to even), as its bit pattern. Subnormal inputs
+/// become zero of the same sign, as `VCVTNEPS2BF16` makes them (the vector rounding
+/// of the activations), so that both roundings agree on every input.
+pub fn round_bf16(x: f32) -> u16 {
+    if x.is_subnormal() {
+        return if x.is_sign_negative() { 0x8000 } else { 0 };
+    }
+    half::bf16::from_f32(x).to_bits()
+}
+
+/// Two bf16 bit patterns as one pair word, `lo` first in memory.
+fn pair(lo: u16, hi: u16) -> u32 {
+    u32::from(lo) | (u32::from(hi) << 16)
+}
+
+/// A `(k, n)` right-hand side in bf16, packed into panels of [`PANEL`] columns. Panel
+/// `j`'s pair row `p` holds, for each of its 16 columns, the pair `(k = 2p, k = 2p + 1)`;
+/// the rows of a panel are contiguous, so a [`K_BLOCK`]-deep slab of a panel is one
+/// contiguous 1 KiB AMX tile. `k` is padded with zeros to a multiple of [`K_BLOCK`] and
+/// `n` to an even number of panels (the kernels work on two panels at a time).
+#[derive(Debug, Clone)]
+pub struct PackedB {
+    k: usize,
+    n: usize,
+    k_padded: usize,
+    panels: usize,
+    data: Vec<u32>,
+}
+
+impl PackedB {
+    /// Packs the `(k, n)` matrix whose element `(i, j)` is `at(i, j)`.
+    pub fn new(k: usize, n: usize, at: impl Fn(usize, usize) -> f32 + Sync) -> Self {
+        let k_padded = k.div_ceil(K_BLOCK) * K_BLOCK;
+        let panels = n.div_ceil(2 * PANEL) * 2;
+        let pairs = k_padded / 2;
+        let value = |i: usize, j: usize| {
+            if i < k && j < n {
+                round_bf16(at(i, j))
+            } else {
+                0
+            }
+        };
+        let mut data = vec![0u32; panels * pairs * PANEL];
+        use rayon::prelude::*;
+        data.par_chunks_mut(pairs * PANEL)
+            .enumerate()
+            .for_each(|(panel, slab)| {
+                for (p, row) in slab.chunks_exact_mut(PANEL).enumerate() {
+                    for (c, word) in row.iter_mut().enumerate() {
+                        let j = panel * PANEL + c;
+                        *word = pair(value(2 * p, j), value(2 * p + 1, j));
+                    }
+                }
+            });
+        Self {
+            k,
+            n,
+            k_padded,
+            panels,
+            data,
+        }
+    }
+
+    /// Rows of the matrix (the reduction depth).
+    pub fn k(&self) -> usize {
+        self.k
+    }
+
+    /// Columns of the matrix.
+    pub fn n(&self) -> usize {
+        self.n
+    }
+
+    /// `k` rounded up to a multiple of [`K_BLOCK`].
+    pub fn k_padded(&self) -> usize {
+        self.k_padded
+    }
+
+    /// Panels of [`PANEL`] columns (an even number).
+    pub fn panels(&self) -> usize {
+        self.panels
+    }
+
+    /// Panel `j`: `k_padded / 2` pair rows of [`PANEL`] words.
+    pub fn panel(&self, j: usize) -> &[u32] {
+        let len = self.k_padded / 2 * PANEL;
+        &self.data[j * len..(j + 1) * len]
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.data.len() * 4
+    }
+
+    /// Element `(i, j)` as f32 (exact: the stored bf16 widened). For tests.
+    #[cfg(test)]
+    pub fn get(&self, i: usize, j: usize) -> f32 {
+        let word = self.panel(j / PANEL)[i / 2 * PANEL + j % PANEL];
+        let bits = if i.is_multiple_of(2) {
+            word & 0xffff
+        } else {
+            word >> 16
+        };
+        half::bf16::from_bits(bits as u16).to_f32()
+    }
+}
+
+/// Rows of a left-hand side rounded to bf16 as pair words, `pairs` words per row (`k`
+/// padded to a multiple of [`K_BLOCK`] with zeros), and the row count padded with zero
+/// rows to a multiple of [`M_BLOCK`].
+pub struct Lhs {
+    /// Row-major pair words.
+    pub data: Vec<u32>,
+    /// Pair words per row.
+    pub pairs: usize,
+    /// Rows held, a multiple of [`M_BLOCK`].
+    pub rows: usize,
+}
+
+impl Lhs {
+    /// Rounds rows `start..start + len` of `a`, padding `k` to `k_padded`.
+    pub fn round(a: Mat<'_>, start: usize, len: usize, k_padded: usize) -> Self {
+        let (_, k) = a.shape();
+        let pairs = k_padded / 2;
+        let rows = len.div_ceil(M_BLOCK) * M_BLOCK;
+        let mut data = vec![0u32; rows * pairs];
+        for (r, out) in data.chunks_exact_mut(pairs).take(len).enumerate() {
+            match a.row(start + r) {
+                Some(row) => round_row(row, out),
+                None => {
+                    for (p, word) in out.iter_mut().enumerate() {
+                        let v = |i: usize| {
+                            if i < k {
+                                round_bf16(a.at(start + r, i))
+                            } else {
+                                0
+                            }
+                        };
+                        *word = pair(v(2 * p), v(2 * p + 1));
+                    }
+                }
+            }
+        }
+        Self { data, pairs, rows }
+    }
+}
+
+/// Rounds a contiguous row into pair words (the row may be shorter than `out` holds; the
+/// rest stays zero).
+fn round_row(row: &[f32], out: &mut [u32]) {
+    #[cfg(target_arch = "x86_64")]
+    if super::avx512::usable() {
+        // SAFETY: the CPU has AVX512-F and AVX512-BF16 (checked just above).
+        unsafe { super::avx512::round_row(row, out) };
+        return;
+    }
+    let mut chunks = row.chunks_exact(2);
+    for (word, two) in out.iter_mut().zip(&mut chunks) {
+        *word = pair(round_bf16(two[0]), round_bf16(two[1]));
+    }
+    if let [last] = chunks.remainder() {
+        out[row.len() / 2] = pair(round_bf16(*last), 0);
+    }
+}
+
+/// Where a kernel's results go: the rows and columns of `dst` that exist (the padded rows
+/// and columns of a block are dropped), added to it with `accumulate` and written over it
+/// otherwise.
+pub struct Output<'d, 'a> {
+    dst: &'d mut MatMut<'a>,
+    accumulate: bool,
+}
+
+impl<'d, 'a> Output<'d, 'a> {
+    /// Wraps `dst`.
+    pub fn new(dst: &'d mut MatMut<'a>, accumulate: bool) -> Self {
+        Self { dst, accumulate }
+    }
+
+    /// Writes the `rows x cols` block `block` (row stride `ld`) at `(row, col)`, clipped
+    /// to the output.
+    pub fn put(&mut self, row: usize, col: usize, block: &[f32], ld: usize, rows: usize) {
+        let (m, n) = self.dst.shape();
+        if row >= m || col >= n {
+            return;
+        }
+        let width = ld.min(n - col);
+        for r in 0..rows.min(m - row) {
+            let src = &block[r * ld..r * ld + width];
+            let out = &mut self.dst.row_mut(row + r)[col..col + width];
+            if self.accumulate {
+                out.iter_mut().zip(src).for_each(|(o, s)| *o += s);
+            } else {
+                out.copy_from_slice(src);
+            }
+        }
+    }
+}

@@ -1,0 +1,219 @@
+//! The bf16 kernels against f64 references.
+//!
+//! Two references, two bounds (with `u = 2⁻⁹`, bf16's unit roundoff, and `ε = 2⁻²⁴`,
+//! f32's):
+//! - the exact product of the *rounded* operands, `Σ ã b̃` in f64. The kernels differ from
+//!   it only by f32 accumulation: at most `k ε Σ |ã b̃|` (each partial sum rounds once;
+//!   the order differs between kernels, the bound does not);
+//! - the exact product of the f32 operands. Rounding each operand to bf16 changes each
+//!   term by at most `(2u + u²) |a b|`, so `|Σ ã b̃ - Σ a b| ≤ (2u + u²) Σ |a b|`, plus the
+//!   accumulation term above. This is the tolerance every bf16 training check derives
+//!   from.
+
+use super::*;
+use crate::model::gemm::{Mat, MatMut};
+
+const U: f64 = 1.0 / 512.0;
+const EPS: f64 = 1.0 / 16_777_216.0;
+
+fn data(len: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
+        })
+        .collect()
+}
+
+fn widen(x: f32) -> f64 {
+    f64::from(half::bf16::from_bits(round_bf16(x)).to_f32())
+}
+
+/// Checks `gemm` with `kernel` on an `(m, k) x (k, n)` product, written into a column
+/// block of a wider output (with and without accumulation).
+fn check(kernel: Kernel, m: usize, k: usize, n: usize) {
+    let a = data(m * k, 1 + m as u64);
+    let w = data(n * k, 2 + n as u64); // (n, k): the product is a wᵀ
+    let packed = PackedWeight::new(&w, n, k);
+    let (wide, col) = (n + 7, 3);
+    for accumulate in [false, true] {
+        let mut out = vec![0.25f32; m * wide];
+        {
+            let mut full = MatMut::new(&mut out, m, wide, wide);
+            let mut dst = full.block(0, m, col, n);
+            gemm(
+                kernel,
+                &mut dst,
+                Mat::new(&a, m, k),
+                &packed.forward,
+                accumulate,
+            );
+        }
+        for i in 0..m {
+            for j in 0..wide {
+                let got = f64::from(out[i * wide + j]);
+                let base = if accumulate { 0.25 } else { 0.0 };
+                if !(col..col + n).contains(&j) {
+                    assert_eq!(got, 0.25, "({i},{j}) outside the block was written");
+                    continue;
+                }
+                let jj = j - col;
+                let (mut rounded, mut abs_rounded, mut exact, mut abs_exact) = (0.0, 0.0, 0.0, 0.0);
+                for p in 0..k {
+                    let (x, y) = (a[i * k + p], w[jj * k + p]);
+                    rounded += widen(x) * widen(y);
+                    abs_rounded += (widen(x) * widen(y)).abs();
+                    exact += f64::from(x) * f64::from(y);
+                    abs_exact += (f64::from(x) * f64::from(y)).abs();
+                }
+                let acc_bound = (k as f64 + 2.0) * EPS * (abs_rounded + base) + 1e-30;
+                assert!(
+                    (got - base - rounded).abs() <= acc_bound,
+                    "{kernel:?} {m}x{k}x{n} ({i},{jj}): {got} vs {} (bound {acc_bound})",
+                    rounded + base
+                );
+                let bf16_bound = (2.0 * U + U * U) * abs_exact + acc_bound;
+                assert!((got - base - exact).abs() <= bf16_bound);
+            }
+        }
+    }
+}
+
+const SHAPES: [(usize, usize, usize); 7] = [
+    (1, 1, 1),
+    (5, 31, 17),
+    (33, 33, 33),
+    (40, 70, 100),
+    (130, 64, 45),
+    (300, 96, 40),
+    (64, 200, 65),
+];
+
+#[test]
+fn every_kernel_this_cpu_has_equals_the_rounded_product_up_to_f32_accumulation() {
+    if available().is_empty() {
+        eprintln!("this CPU has no bf16 kernel: only the packing is checked here");
+    }
+    for &kernel in available() {
+        for (m, k, n) in SHAPES {
+            check(kernel, m, k, n);
+        }
+    }
+}
+
+#[test]
+fn the_input_gradient_packing_is_the_transpose_of_the_forward_one() {
+    let (out, inp) = (37, 45);
+    let w = data(out * inp, 9);
+    let p = PackedWeight::new(&w, out, inp);
+    assert_eq!((p.forward.k(), p.forward.n()), (inp, out));
+    assert_eq!((p.input_grad.k(), p.input_grad.n()), (out, inp));
+    assert_eq!(p.forward.k_padded() % K_BLOCK, 0);
+    assert_eq!(p.forward.panels() % 2, 0);
+    for o in 0..out {
+        for i in 0..inp {
+            let want = widen(w[o * inp + i]) as f32;
+            assert_eq!(p.forward.get(i, o), want);
+            assert_eq!(p.input_grad.get(o, i), want);
+        }
+    }
+    // Padding is zero.
+    assert_eq!(p.forward.get(inp, 0), 0.0);
+    assert_eq!(p.forward.get(0, out), 0.0);
+    // And dy W through a kernel matches the f64 product of the rounded operands.
+    for &kernel in available() {
+        let m = 70;
+        let dy = data(m * out, 10);
+        let mut dx = vec![0f32; m * inp];
+        gemm(
+            kernel,
+            &mut MatMut::new(&mut dx, m, inp, inp),
+            Mat::new(&dy, m, out),
+            &p.input_grad,
+            false,
+        );
+        for r in 0..m {
+            for i in 0..inp {
+                let want: f64 = (0..out)
+                    .map(|o| widen(dy[r * out + o]) * widen(w[o * inp + i]))
+                    .sum();
+                assert!(
+                    (f64::from(dx[r * inp + i]) - want).abs() < 1e-5,
+                    "{kernel:?}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn both_roundings_agree_to_nearest_even_on_every_kind_of_value() {
+    let mut row: Vec<f32> = data(1000, 3).iter().map(|x| x * 1e3).collect();
+    row.extend([
+        0.0,
+        -0.0,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::MIN_POSITIVE / 4.0,
+        f32::MAX,
+        1.0 + 1.0 / 256.0,           // a tie: stays at 1.0 (even)
+        1.0 + 3.0 / 256.0,           // a tie: rounds up to the even neighbour
+        f32::from_bits(0x3f80_8001), // just above a tie: rounds up
+    ]);
+    for len in [row.len(), 33, 32, 31, 1] {
+        let src = &row[row.len() - len..];
+        let pairs = len.div_ceil(32) * 16;
+        let lhs = pack::Lhs::round(Mat::new(src, 1, len), 0, 1, pairs * 2);
+        for (i, v) in src.iter().enumerate() {
+            let word = lhs.data[i / 2];
+            let bits = if i % 2 == 0 {
+                word & 0xffff
+            } else {
+                word >> 16
+            };
+            assert_eq!(bits as u16, round_bf16(*v), "{v} at {i} of {len}");
+        }
+        assert!(lhs.data[len.div_ceil(2)..].iter().all(|&w| w == 0));
+        if len % 2 == 1 {
+            assert_eq!(lhs.data[len / 2] >> 16, 0, "the padding half is zero");
+        }
+    }
+    assert_eq!(
+        round_bf16(f32::MIN_POSITIVE / 4.0),
+        0,
+        "subnormals become zero"
+    );
+    assert_eq!(round_bf16(-f32::MIN_POSITIVE / 4.0), 0x8000);
+    assert_eq!(round_bf16(1.0 + 1.0 / 256.0), round_bf16(1.0));
+    assert_eq!(round_bf16(1.0 + 3.0 / 256.0), round_bf16(1.0 + 4.0 / 256.0));
+    assert!(half::bf16::from_bits(round_bf16(f32::NAN)).is_nan());
+}
+
+#[test]
+fn a_strided_left_hand_side_is_read_through_its_strides() {
+    let (m, k, n) = (50, 40, 20);
+    let at = data(k * m, 4); // stored (k, m); the lhs is its transpose
+    let w = data(n * k, 5);
+    let p = PackedWeight::new(&w, n, k);
+    for &kernel in available() {
+        let mut out = vec![0f32; m * n];
+        gemm(
+            kernel,
+            &mut MatMut::new(&mut out, m, n, n),
+            Mat::new(&at, k, m).t(),
+            &p.forward,
+            false,
+        );
+        for i in 0..m {
+            for j in 0..n {
+                let want: f64 = (0..k)
+                    .map(|q| widen(at[q * m + i]) * widen(w[j * k + q]))
+                    .sum();
+                assert!((f64::from(out[i * n + j]) - want).abs() < 1e-5);
+            }
+        }
+    }
+}
