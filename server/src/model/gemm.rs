@@ -119,6 +119,16 @@ impl<'a> MatMut<'a> {
         (self.rows, self.cols)
     }
 
+    /// The buffer's first element (element `(i, j)` is at offset `i * row_stride + j`).
+    pub fn as_mut_ptr(&mut self) -> *mut f32 {
+        self.data.as_mut_ptr()
+    }
+
+    /// Elements between the starts of consecutive rows.
+    pub fn row_stride(&self) -> usize {
+        self.rs
+    }
+
     /// The `cols` elements of row `i`.
     pub fn row_mut(&mut self, i: usize) -> &mut [f32] {
         assert!(i < self.rows, "row {i} outside the matrix");

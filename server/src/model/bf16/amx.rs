@@ -89,7 +89,26 @@ impl Drop for Tiles {
     }
 }
 
+/// The instruction `$pre tmmN $post` for accumulator tile `$t` (0 to 3): tile registers
+/// must be named literally.
+macro_rules! with_tile {
+    ($t:expr, $pre:literal, $post:literal, $($args:tt)*) => {
+        match $t {
+            0 => asm!(concat!($pre, "tmm0", $post), $($args)*),
+            1 => asm!(concat!($pre, "tmm1", $post), $($args)*),
+            2 => asm!(concat!($pre, "tmm2", $post), $($args)*),
+            _ => asm!(concat!($pre, "tmm3", $post), $($args)*),
+        }
+    };
+}
+
 /// All of `lhs`'s rows times `b`, written to `out`.
+///
+/// Accumulator tile `t` covers rows `16 (t / 2)` and panel `t % 2` of a 32 x 32 block.
+/// A tile wholly inside the output is loaded from it (when accumulating) and stored
+/// straight back; a tile on the output's edge goes through a buffer and is clipped.
+/// The accumulators live in the tile registers between the `asm!` blocks below: nothing
+/// else in this program uses tile registers, and no code between the blocks can.
 ///
 /// # Safety
 /// The CPU must support AMX-BF16 and the process must hold the tile-data permission
@@ -103,29 +122,48 @@ pub(super) unsafe fn product(out: &mut Output<'_, '_>, lhs: &Lhs, b: &PackedB) {
         return;
     }
     let row_bytes = lhs.pairs * 4;
+    let accumulate = out.accumulates();
     // SAFETY: the caller guarantees AMX.
     let _tiles = unsafe { Tiles::configure() };
-    let mut acc = [0f32; 4 * 256];
+    let mut edge = [[0f32; 256]; 4];
     for jp in (0..b.panels()).step_by(2) {
         let (p0, p1) = (b.panel(jp), b.panel(jp + 1));
         for ib in (0..lhs.rows).step_by(M_BLOCK) {
             let a = &lhs.data[ib * lhs.pairs..(ib + M_BLOCK) * lhs.pairs];
+            let place = |t: usize| (ib + 16 * (t / 2), (jp + t % 2) * PANEL);
+            let mut direct = [None; 4];
+            for (t, d) in direct.iter_mut().enumerate() {
+                let (row, col) = place(t);
+                *d = out.tile(row, col);
+                // SAFETY: `tile` checked that 16 rows of 16 f32 at this stride are in
+                // the output; the tiles are configured 16 x 64 bytes.
+                unsafe {
+                    match *d {
+                        Some((ptr, stride)) if accumulate => with_tile!(
+                            t,
+                            "tileloadd ",
+                            ", [{p} + {s}]",
+                            p = in(reg) ptr,
+                            s = in(reg) stride,
+                            options(nostack, readonly)
+                        ),
+                        _ => with_tile!(t, "tilezero ", "", options(nostack, nomem)),
+                    }
+                }
+            }
             // SAFETY: `a` holds 32 rows of `row_bytes`, each `steps` tiles of 64 bytes
-            // wide; each panel holds `steps` contiguous 1 KiB tiles; `acc` holds four
-            // 16 x 16 f32 tiles. The asm reads only those and writes only `acc`.
+            // wide; each panel holds `steps` contiguous 1 KiB tiles. The asm reads only
+            // those.
             unsafe {
                 asm!(
-                    "tilezero tmm0",
-                    "tilezero tmm1",
-                    "tilezero tmm2",
-                    "tilezero tmm3",
                     "2:",
+                    // Each product starts as soon as its two tiles are in.
                     "tileloadd tmm4, [{a0} + {sa}]",
-                    "tileloadd tmm5, [{a1} + {sa}]",
                     "tileloadd tmm6, [{b0} + {sb}]",
-                    "tileloadd tmm7, [{b1} + {sb}]",
                     "tdpbf16ps tmm0, tmm4, tmm6",
+                    "tileloadd tmm7, [{b1} + {sb}]",
                     "tdpbf16ps tmm1, tmm4, tmm7",
+                    "tileloadd tmm5, [{a1} + {sa}]",
                     "tdpbf16ps tmm2, tmm5, tmm6",
                     "tdpbf16ps tmm3, tmm5, tmm7",
                     "add {a0}, 64",
@@ -134,30 +172,36 @@ pub(super) unsafe fn product(out: &mut Output<'_, '_>, lhs: &Lhs, b: &PackedB) {
                     "add {b1}, 1024",
                     "dec {n}",
                     "jnz 2b",
-                    "tilestored [{c} + {sb}], tmm0",
-                    "add {c}, 1024",
-                    "tilestored [{c} + {sb}], tmm1",
-                    "add {c}, 1024",
-                    "tilestored [{c} + {sb}], tmm2",
-                    "add {c}, 1024",
-                    "tilestored [{c} + {sb}], tmm3",
                     a0 = inout(reg) a.as_ptr() => _,
                     a1 = inout(reg) a.as_ptr().add(16 * lhs.pairs) => _,
                     b0 = inout(reg) p0.as_ptr() => _,
                     b1 = inout(reg) p1.as_ptr() => _,
-                    c = inout(reg) acc.as_mut_ptr() => _,
                     n = inout(reg) steps => _,
                     sa = in(reg) row_bytes,
                     sb = in(reg) 64usize,
-                    options(nostack),
+                    options(nostack, readonly),
                 );
             }
-            // Tiles: 0 = (rows 0-15, panel 0), 1 = (0-15, panel 1), 2 = (16-31, 0),
-            // 3 = (16-31, 1).
-            for (t, tile) in acc.chunks_exact(256).enumerate() {
-                let row = ib + 16 * (t / 2);
-                let col = (jp + t % 2) * PANEL;
-                out.put(row, col, tile, PANEL, 16);
+            for t in 0..4 {
+                let (ptr, stride) = match direct[t] {
+                    Some(d) => d,
+                    None => (edge[t].as_mut_ptr(), 64),
+                };
+                // SAFETY: `ptr` is a checked output tile or a 16 x 16 buffer.
+                unsafe {
+                    with_tile!(
+                        t,
+                        "tilestored [{p} + {s}], ",
+                        "",
+                        p = in(reg) ptr,
+                        s = in(reg) stride,
+                        options(nostack)
+                    )
+                };
+                if direct[t].is_none() {
+                    let (row, col) = place(t);
+                    out.put(row, col, &edge[t], PANEL, 16);
+                }
             }
         }
     }

@@ -33,7 +33,10 @@ pub(super) unsafe fn round_row(row: &[f32], out: &mut [u32]) {
             let hi = _mm512_loadu_ps(src.as_ptr().add(16));
             // The second operand fills the low half of the result.
             let packed: __m512bh = _mm512_cvtne2ps_pbh(hi, lo);
-            _mm512_storeu_si512(dst.as_mut_ptr().cast(), std::mem::transmute::<__m512bh, __m512i>(packed));
+            _mm512_storeu_si512(
+                dst.as_mut_ptr().cast(),
+                std::mem::transmute::<__m512bh, __m512i>(packed),
+            );
         }
     }
     let rest = chunks.remainder();

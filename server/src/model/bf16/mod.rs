@@ -159,7 +159,12 @@ fn run(
     b: &PackedB,
     accumulate: bool,
 ) {
-    let lhs = pack::Lhs::round(a, row0, dst.shape().0, b.k_padded());
+    thread_local! {
+        /// Each thread's rounded rows, kept between products.
+        static BUFFER: std::cell::Cell<Vec<u32>> = const { std::cell::Cell::new(Vec::new()) };
+    }
+    let buffer = BUFFER.take();
+    let lhs = pack::Lhs::round_into(buffer, a, row0, dst.shape().0, b.k_padded());
     let mut out = pack::Output::new(dst, accumulate);
     match kernel {
         #[cfg(target_arch = "x86_64")]
@@ -171,7 +176,15 @@ fn run(
         #[cfg(not(target_arch = "x86_64"))]
         _ => unreachable!("no bf16 kernel exists off x86_64"),
     }
+    if lhs.data.capacity() <= KEEP_BUFFER_WORDS {
+        BUFFER.set(lhs.data);
+    }
 }
+
+/// Largest rounded left-hand side a thread keeps for its next product (16 MiB; the
+/// output head's input gradient, the largest the trainer makes, needs about 13 MiB per
+/// thread at 256-row chunks on two threads).
+const KEEP_BUFFER_WORDS: usize = 4 << 20;
 
 /// The element type of the frozen base weights' products in training and prefill.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]

@@ -126,15 +126,30 @@ pub struct Lhs {
 }
 
 impl Lhs {
-    /// Rounds rows `start..start + len` of `a`, padding `k` to `k_padded`.
-    pub fn round(a: Mat<'_>, start: usize, len: usize, k_padded: usize) -> Self {
+    /// Rounds rows `start..start + len` of `a`, padding `k` to `k_padded`, into `data`'s
+    /// memory (whatever it holds is overwritten, so a buffer kept between calls costs
+    /// neither an allocation nor a clearing pass).
+    pub fn round_into(
+        mut data: Vec<u32>,
+        a: Mat<'_>,
+        start: usize,
+        len: usize,
+        k_padded: usize,
+    ) -> Self {
         let (_, k) = a.shape();
         let pairs = k_padded / 2;
         let rows = len.div_ceil(M_BLOCK) * M_BLOCK;
-        let mut data = vec![0u32; rows * pairs];
+        if data.len() < rows * pairs {
+            data.resize(rows * pairs, 0);
+        }
+        data.truncate(rows * pairs);
+        data[len * pairs..].fill(0);
         for (r, out) in data.chunks_exact_mut(pairs).take(len).enumerate() {
             match a.row(start + r) {
-                Some(row) => round_row(row, out),
+                Some(row) => {
+                    round_row(row, out);
+                    out[row.len().div_ceil(2)..].fill(0);
+                }
                 None => {
                     for (p, word) in out.iter_mut().enumerate() {
                         let v = |i: usize| {
@@ -183,6 +198,29 @@ impl<'d, 'a> Output<'d, 'a> {
     /// Wraps `dst`.
     pub fn new(dst: &'d mut MatMut<'a>, accumulate: bool) -> Self {
         Self { dst, accumulate }
+    }
+
+    /// Whether results are added to the output (rather than written over it).
+    pub fn accumulates(&self) -> bool {
+        self.accumulate
+    }
+
+    /// Where the `16 x 16` block at `(row, col)` lies in the output, when all of it does:
+    /// a pointer to its first element and the row stride in bytes. The pointer is valid
+    /// for 16 rows of 16 `f32` at that stride while `self` is borrowed.
+    pub fn tile(&mut self, row: usize, col: usize) -> Option<(*mut f32, usize)> {
+        let (m, n) = self.dst.shape();
+        if row + 16 > m || col + 16 > n {
+            return None;
+        }
+        let stride = self.dst.row_stride();
+        // `MatMut` holds every element of its `(m, n)` shape at this stride, so the
+        // block's elements, up to `(row + 15) * stride + col + 15`, are in its buffer.
+        let offset = row * stride + col;
+        Some((
+            self.dst.as_mut_ptr().wrapping_add(offset),
+            stride * std::mem::size_of::<f32>(),
+        ))
     }
 
     /// Writes the `rows x cols` block `block` (row stride `ld`) at `(row, col)`, clipped

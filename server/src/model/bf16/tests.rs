@@ -166,7 +166,9 @@ fn both_roundings_agree_to_nearest_even_on_every_kind_of_value() {
     for len in [row.len(), 33, 32, 31, 1] {
         let src = &row[row.len() - len..];
         let pairs = len.div_ceil(32) * 16;
-        let lhs = pack::Lhs::round(Mat::new(src, 1, len), 0, 1, pairs * 2);
+        // A dirty buffer: every word must be overwritten.
+        let lhs =
+            pack::Lhs::round_into(vec![u32::MAX; 4096], Mat::new(src, 1, len), 0, 1, pairs * 2);
         for (i, v) in src.iter().enumerate() {
             let word = lhs.data[i / 2];
             let bits = if i % 2 == 0 {
