@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use clap::Args;
 use lathe::types::LoraConfig;
 use lathe::{ServiceClient, TrainingClient};
+use lathe_server::model::Precision;
 use lathe_server::server::{RunningServer, ServerConfig};
 
 /// Training steps of a recipe that names no default of its own.
@@ -40,6 +41,10 @@ pub struct CommonArgs {
     /// Limit of LoRA sessions of the embedded server (1 exercises the fallback).
     #[arg(long, default_value_t = 8)]
     pub max_sessions: usize,
+    /// Element type of the embedded server's base-model products in training and
+    /// prefill.
+    #[arg(long, value_enum, default_value_t = Precision::F32)]
+    pub precision: Precision,
 }
 
 impl CommonArgs {
@@ -112,9 +117,11 @@ pub async fn connect(args: &CommonArgs, out: &Path) -> anyhow::Result<Connection
     let (service, server) = if remote {
         (ServiceClient::new().await?, None)
     } else {
-        let spec = args.model.clone();
-        let model = tokio::task::spawn_blocking(move || lathe_server::embedded::load_model(&spec))
-            .await??;
+        let (spec, precision) = (args.model.clone(), args.precision);
+        let model = tokio::task::spawn_blocking(move || {
+            lathe_server::embedded::load_model_in(&spec, precision)
+        })
+        .await??;
         let config = ServerConfig {
             port: 0,
             data_dir: out.join("server-data"),

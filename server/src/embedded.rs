@@ -7,7 +7,7 @@ use std::process::Command;
 
 use candle_core::Device;
 
-use crate::model::{default_model_path, LoadedModel, ModelError, DEFAULT_MODEL_NAME};
+use crate::model::{default_model_path, LoadedModel, ModelError, Precision, DEFAULT_MODEL_NAME};
 use crate::server::{self, RunningServer, ServeError, ServerConfig};
 
 /// Errors of [`load_model`] and [`start`].
@@ -67,6 +67,23 @@ pub fn load_model(spec: &str) -> Result<LoadedModel, EmbedError> {
         seconds = format!("{:.2}", started.elapsed().as_secs_f64()),
         "model loaded"
     );
+    Ok(model)
+}
+
+/// [`load_model`], then sets the element type of its products ([`Precision`]). A CPU
+/// without a bf16 kernel keeps f32, with a warning in the log.
+pub fn load_model_in(spec: &str, precision: Precision) -> Result<LoadedModel, EmbedError> {
+    let mut model = load_model(spec)?;
+    let got = model
+        .transformer
+        .set_precision(precision)
+        .map_err(|source| EmbedError::Model {
+            spec: spec.to_string(),
+            source,
+        })?;
+    if got != precision {
+        tracing::warn!("precision {precision} is not available on this CPU; using {got}");
+    }
     Ok(model)
 }
 

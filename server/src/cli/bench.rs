@@ -51,8 +51,8 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 1)]
     adapters: usize,
     /// Element type of the base model's products.
-    #[arg(long, value_enum, default_value_t = super::PrecisionArg::F32)]
-    precision: super::PrecisionArg,
+    #[arg(long, value_enum, default_value_t = Precision::F32)]
+    precision: Precision,
     /// Timed iterations (after one warm-up).
     #[arg(long, default_value_t = 5)]
     iters: usize,
@@ -89,6 +89,10 @@ pub struct SampleArgs {
     /// Nucleus mass of the sampler (1 = the whole vocabulary, no truncation).
     #[arg(long, default_value_t = 1.0)]
     top_p: f64,
+    /// Element type of the base model's products in prefill (and in the trainer's
+    /// pass that the sampled logprobs are compared with).
+    #[arg(long, value_enum, default_value_t = Precision::F32)]
+    precision: Precision,
     /// Keep only this many most likely tokens.
     #[arg(long)]
     top_k: Option<usize>,
@@ -358,7 +362,7 @@ fn bench_sample(a: SampleArgs) -> anyhow::Result<serde_json::Value> {
         a.top_p
     );
     anyhow::ensure!(a.top_k != Some(0), "--top-k must be at least 1");
-    let model = super::load_model(&a.model)?;
+    let model = super::load_model_in(&a.model, a.precision)?;
     let t = &model.transformer;
     let spec = seven_projections(a.rank);
     let adapters = (0..a.adapters.max(1))
@@ -429,8 +433,10 @@ fn bench_sample(a: SampleArgs) -> anyhow::Result<serde_json::Value> {
         })
     };
     let (s, m, r) = (stats(single_rates), stats(multi_rates), stats(ratios));
+    let agreement = trainer_agreement(&model, &refs, &multi, a.mode.into())?;
     Ok(json!({
         "bench": "sample",
+        "precision": t.precision(),
         "mode": match a.mode { Mode::Fast => "fast", Mode::Exact => "exact" },
         "top_p": a.top_p,
         "top_k": a.top_k,
@@ -447,7 +453,59 @@ fn bench_sample(a: SampleArgs) -> anyhow::Result<serde_json::Value> {
         "batched_over_single_ratio_median": round(r.median),
         "single_stream_phases": phases(&single_phases, 1),
         "batched_phases": phases(&multi_phases, a.streams),
+        "trainer_agreement": agreement,
         "peak_rss_mib": round(peak_rss_mib()),
+    }))
+}
+
+/// How well the sampler's logprobs of the tokens it picked agree with the trainer's
+/// forward pass over the same sequences (what an RL recipe's importance ratio sees):
+/// the mean over tokens of `exp(trainer - sampler)` (1 when they agree) and the largest
+/// `|trainer - sampler|`.
+fn trainer_agreement(
+    model: &LoadedModel,
+    adapters: &[&Adapter],
+    jobs: &[SampleJob],
+    mode: DecodeMode,
+) -> anyhow::Result<serde_json::Value> {
+    let t = &model.transformer;
+    let (out, _) = sample_timed(t, &model.tokenizer, adapters, jobs, mode)?;
+    let mut datums = Vec::new();
+    let mut sampled = Vec::new();
+    for (job, o) in jobs.iter().zip(&out) {
+        for seq in &o.sequences {
+            let full: Vec<u32> = job.prompt.iter().chain(&seq.tokens).copied().collect();
+            let n = full.len() - 1;
+            let mut weights = vec![0.0; n];
+            weights[job.prompt.len() - 1..].fill(1.0);
+            datums.push(DatumJob {
+                tokens: full[..n].to_vec(),
+                targets: full[1..].to_vec(),
+                k: 1,
+                adapter: job.adapter.unwrap_or(0),
+                loss: Loss::CrossEntropy,
+                inputs: TokenInputs {
+                    weights,
+                    ..Default::default()
+                },
+            });
+            sampled.push((job.prompt.len() - 1, seq.logprobs.clone()));
+        }
+    }
+    let (results, _) = forward_backward(t, adapters, &datums, false)?;
+    let (mut ratio_sum, mut count, mut worst) = (0.0f64, 0usize, 0.0f64);
+    for (r, (start, lps)) in results.iter().zip(&sampled) {
+        for (trainer, sampler) in r.logprobs[*start..].iter().zip(lps) {
+            let d = f64::from(*trainer) - f64::from(*sampler);
+            ratio_sum += d.exp();
+            worst = worst.max(d.abs());
+            count += 1;
+        }
+    }
+    Ok(json!({
+        "tokens": count,
+        "ratio_mean": (ratio_sum / count.max(1) as f64 * 1e5).round() / 1e5,
+        "max_abs_logprob_diff": (worst * 1e5).round() / 1e5,
     }))
 }
 

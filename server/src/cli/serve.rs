@@ -6,6 +6,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Args, ValueEnum};
 use lathe_server::engine::{EngineConfig, KeyLimits};
+use lathe_server::model::Precision;
 use lathe_server::sample::DecodeMode;
 use lathe_server::server::{self, ServerConfig};
 
@@ -56,8 +57,8 @@ pub struct ServeArgs {
     #[arg(long, value_enum, default_value_t = Mode::Fast)]
     decode_mode: Mode,
     /// Element type of the base model's products in training and prefill.
-    #[arg(long, value_enum, default_value_t = super::PrecisionArg::F32)]
-    precision: super::PrecisionArg,
+    #[arg(long, value_enum, default_value_t = Precision::F32)]
+    precision: Precision,
     /// Per-key limits (what one API key may use at once).
     #[command(flatten)]
     limits: LimitArgs,

@@ -186,14 +186,16 @@ fn run(
 /// thread at 256-row chunks on two threads).
 const KEEP_BUFFER_WORDS: usize = 4 << 20;
 
-/// The element type of the frozen base weights' products in training and prefill.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+/// The element type of the frozen base weights' products in training and prefill (the
+/// `--precision` flag of `lathe serve`, `lathe bench` and the recipes).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Precision {
-    /// f32 products (the reference).
+    /// f32 products.
     #[default]
     F32,
-    /// bf16 products with f32 accumulation, as PyTorch's bf16 autocast computes them.
+    /// bf16 products with f32 accumulation (AMX or AVX512-BF16; f32 on a CPU with
+    /// neither).
     Bf16,
 }
 

@@ -1,0 +1,159 @@
+"""Lathe and its peers on the same machine, interleaved, as one JSON object.
+
+Each round runs, one after another: `lathe bench train` in f32 and in bf16, PyTorch +
+PEFT on the same shapes in f32 and with bf16 autocast, `lathe bench sample` and
+llama.cpp decoding the same GGUF. Rounds interleave the systems so that a machine
+getting busier or quieter affects all of them alike. Before each run the script samples
+how busy the CPUs are with other work; a run that started on a busy machine is marked,
+and the summary says whether every run was on a quiet one (llama.cpp's OpenMP threads in
+particular collapse when another process shares the cores).
+
+Run through `scripts/bench-peers`, which builds Lathe and the peers' venv first.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+LATHE = os.path.join(ROOT, "target", "release", "lathe")
+PEERS = os.path.dirname(os.path.abspath(__file__))
+
+# Other processes may use at most this fraction of all cores for a run to count as quiet.
+QUIET_BUSY_FRACTION = 0.15
+
+
+def cpu_busy_fraction(seconds: float = 1.0) -> float:
+    """Fraction of all CPU time spent busy over `seconds` (nothing of ours runs then)."""
+
+    def snapshot():
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        idle = fields[3] + fields[4]
+        return sum(fields), idle
+
+    t0, i0 = snapshot()
+    time.sleep(seconds)
+    t1, i1 = snapshot()
+    return 1.0 - (i1 - i0) / max(t1 - t0, 1)
+
+
+def cpu_name() -> dict:
+    name, flags = platform.processor(), set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name") and not name:
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    return {
+        "name": name,
+        "cores": os.cpu_count(),
+        "amx_bf16": "amx_bf16" in flags,
+        "avx512_bf16": "avx512_bf16" in flags,
+        "avx512f": "avx512f" in flags,
+    }
+
+
+def run_json(cmd: list, env: dict | None = None) -> dict:
+    busy = cpu_busy_fraction()
+    print(f"  {' '.join(os.path.basename(c) if i == 0 else c for i, c in enumerate(cmd))}", file=sys.stderr)
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, cwd=ROOT
+    )
+    if out.returncode != 0:
+        sys.stderr.write(out.stderr[-3000:])
+        raise SystemExit(f"{cmd[0]} failed with status {out.returncode}")
+    lines = [l for l in out.stdout.splitlines() if l.strip()]
+    text = out.stdout[out.stdout.index("{") :] if lines and not lines[-1].startswith("{") else lines[-1]
+    result = json.loads(text)
+    result["_busy_before"] = round(busy, 3)
+    return result
+
+
+def median(xs):
+    return round(statistics.median(xs), 2)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default=os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--iters", type=int, default=5, help="timed iterations per run")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--skip-decode", action="store_true")
+    a = p.parse_args()
+    threads = str(os.cpu_count())
+    shape = ["--batch", str(a.batch), "--seq-len", str(a.seq_len), "--rank", str(a.rank)]
+    py = sys.executable
+    runs: dict[str, list] = {k: [] for k in ["lathe_f32", "lathe_bf16", "torch_f32", "torch_bf16", "lathe_decode", "llama_decode"]}
+    for r in range(a.rounds):
+        print(f"round {r + 1} of {a.rounds}", file=sys.stderr)
+        for precision in ["f32", "bf16"]:
+            runs[f"lathe_{precision}"].append(
+                run_json([LATHE, "bench", "train", "--model", a.model, "--precision", precision, "--iters", str(a.iters)] + shape)
+            )
+        for bf16 in [False, True]:
+            cmd = [py, os.path.join(PEERS, "torch_train.py"), "--model", a.model, "--iters", str(a.iters), "--threads", threads] + shape
+            runs["torch_bf16" if bf16 else "torch_f32"].append(run_json(cmd + (["--bf16"] if bf16 else [])))
+        if not a.skip_decode:
+            runs["lathe_decode"].append(
+                run_json([LATHE, "bench", "sample", "--model", a.model, "--iters", "3", "--streams", "8", "--adapters", "4"])
+            )
+            runs["llama_decode"].append(
+                run_json([py, os.path.join(PEERS, "llama_decode.py"), "--model", a.model, "--threads", threads, "--iters", "3"])
+            )
+    train = {k: median([x["tokens_per_s_median"] for x in runs[k]]) for k in ["lathe_f32", "lathe_bf16", "torch_f32", "torch_bf16"]}
+    report = {
+        "bench": "peers",
+        "cpu": cpu_name(),
+        "threads": int(threads),
+        "rounds": a.rounds,
+        "train_shape": {"batch": a.batch, "seq_len": a.seq_len, "rank": a.rank, "targets": "q,k,v,o,gate,up,down"},
+        "train_tokens_per_s": train,
+        "lathe_bf16_kernel": runs["lathe_bf16"][0].get("bf16_kernel"),
+        "lathe_bf16_fraction_of_bf16_gemm_peak": median([x["fraction_of_gemm"] for x in runs["lathe_bf16"]]),
+        "lathe_f32_fraction_of_f32_gemm_peak": median([x["fraction_of_gemm"] for x in runs["lathe_f32"]]),
+        "ratios": {
+            "lathe_bf16_over_torch_bf16": round(train["lathe_bf16"] / train["torch_bf16"], 3),
+            "lathe_f32_over_torch_f32": round(train["lathe_f32"] / train["torch_f32"], 3),
+            "lathe_bf16_over_lathe_f32": round(train["lathe_bf16"] / train["lathe_f32"], 3),
+        },
+        "versions": {
+            "torch": runs["torch_f32"][0].get("torch"),
+        },
+    }
+    if not a.skip_decode:
+        single = median([x["single_stream_phases"]["decode_only_tokens_per_s"] for x in runs["lathe_decode"]])
+        llama = median([x["decode_tokens_per_s_median"] for x in runs["llama_decode"]])
+        report["decode_tokens_per_s"] = {
+            "lathe_single_stream": single,
+            "llama_cpp_single_stream": llama,
+            "lathe_8_streams_4_adapters": median([x["batched_phases"]["decode_only_tokens_per_s"] for x in runs["lathe_decode"]]),
+        }
+        report["ratios"]["lathe_over_llama_cpp_decode"] = round(single / llama, 3)
+        report["ratios"]["lathe_batched_over_single"] = median([x["batched_over_single_ratio_median"] for x in runs["lathe_decode"]])
+        report["versions"]["llama_cpp_python"] = runs["llama_decode"][0].get("llama_cpp_python")
+    busy = [x["_busy_before"] for v in runs.values() for x in v]
+    report["busiest_start"] = max(busy)
+    report["quiet"] = max(busy) <= QUIET_BUSY_FRACTION
+    if not report["quiet"]:
+        report["warning"] = (
+            f"another process kept up to {max(busy):.0%} of the CPUs busy before a run: "
+            "these figures are not trustworthy; rerun on a quiet machine"
+        )
+    report["runs"] = runs
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
