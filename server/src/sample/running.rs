@@ -626,10 +626,11 @@ fn prefill<K>(
     Ok(out)
 }
 
-/// Replaces each sequence's log-probabilities with the f32 trainer's. The first token
-/// was drawn from the f32 prefill's logits, so its log-probability is already exact;
-/// the others are scored in one batched pass over the generated tokens, continuing
-/// copies of the prompt's f32 KV cache.
+/// Replaces each sequence's log-probabilities with the trainer's (its f32 weights, with
+/// their products in bf16 when the model computes in bf16). The first token was drawn
+/// from the prefill's logits, so its log-probability is already the trainer's; the
+/// others are scored in one batched pass over the generated tokens, continuing copies of
+/// the prompt's KV cache.
 fn rescore(
     model: &Transformer,
     adapter: Option<&Adapter>,

@@ -89,31 +89,65 @@ impl Drop for Tiles {
     }
 }
 
-/// The instruction `$pre tmmN $post` for accumulator tile `$t` (0 to 3): tile registers
-/// must be named literally.
-macro_rules! with_tile {
-    ($t:expr, $pre:literal, $post:literal, $($args:tt)*) => {
-        match $t {
-            0 => asm!(concat!($pre, "tmm0", $post), $($args)*),
-            1 => asm!(concat!($pre, "tmm1", $post), $($args)*),
-            2 => asm!(concat!($pre, "tmm2", $post), $($args)*),
-            _ => asm!(concat!($pre, "tmm3", $post), $($args)*),
-        }
+/// One 32 x 32 output block: `c` holds each accumulator tile's pointer and row stride in
+/// bytes (tile `t` covers rows `16 (t / 2)` and panel `t % 2`); the tiles start from
+/// what `c` points at (`$init` = `tileloadd`) or from zero (`tilezero`), take `steps`
+/// 32-deep products and are stored back through `c`. Tile registers are declared
+/// clobbered, so nothing is assumed about them between blocks.
+macro_rules! block {
+    ($init0:literal, $init1:literal, $init2:literal, $init3:literal,
+     $a:expr, $pairs:expr, $p0:expr, $p1:expr, $steps:expr, $c:expr) => {
+        asm!(
+            "mov {r}, [{c}]", "mov {s}, [{c} + 8]", $init0,
+            "mov {r}, [{c} + 16]", "mov {s}, [{c} + 24]", $init1,
+            "mov {r}, [{c} + 32]", "mov {s}, [{c} + 40]", $init2,
+            "mov {r}, [{c} + 48]", "mov {s}, [{c} + 56]", $init3,
+            "2:",
+            // Each product starts as soon as its two tiles are in.
+            "tileloadd tmm4, [{a0} + {sa}]",
+            "tileloadd tmm6, [{b0} + {sb}]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tileloadd tmm7, [{b1} + {sb}]",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            "tileloadd tmm5, [{a1} + {sa}]",
+            "tdpbf16ps tmm2, tmm5, tmm6",
+            "tdpbf16ps tmm3, tmm5, tmm7",
+            "add {a0}, 64",
+            "add {a1}, 64",
+            "add {b0}, 1024",
+            "add {b1}, 1024",
+            "dec {n}",
+            "jnz 2b",
+            "mov {r}, [{c}]", "mov {s}, [{c} + 8]", "tilestored [{r} + {s}], tmm0",
+            "mov {r}, [{c} + 16]", "mov {s}, [{c} + 24]", "tilestored [{r} + {s}], tmm1",
+            "mov {r}, [{c} + 32]", "mov {s}, [{c} + 40]", "tilestored [{r} + {s}], tmm2",
+            "mov {r}, [{c} + 48]", "mov {s}, [{c} + 56]", "tilestored [{r} + {s}], tmm3",
+            a0 = inout(reg) $a.as_ptr() => _,
+            a1 = inout(reg) $a.as_ptr().add(16 * $pairs) => _,
+            b0 = inout(reg) $p0.as_ptr() => _,
+            b1 = inout(reg) $p1.as_ptr() => _,
+            n = inout(reg) $steps => _,
+            sa = in(reg) $pairs * 4,
+            sb = in(reg) 64usize,
+            c = in(reg) $c.as_ptr(),
+            r = out(reg) _,
+            s = out(reg) _,
+            out("tmm0") _, out("tmm1") _, out("tmm2") _, out("tmm3") _,
+            out("tmm4") _, out("tmm5") _, out("tmm6") _, out("tmm7") _,
+            options(nostack),
+        )
     };
 }
 
 /// All of `lhs`'s rows times `b`, written to `out`.
 ///
-/// Accumulator tile `t` covers rows `16 (t / 2)` and panel `t % 2` of a 32 x 32 block.
 /// A tile wholly inside the output is loaded from it (when accumulating) and stored
 /// straight back; a tile on the output's edge goes through a buffer and is clipped.
-/// The accumulators live in the tile registers between the `asm!` blocks below: nothing
-/// else in this program uses tile registers, and no code between the blocks can.
 ///
 /// # Safety
 /// The CPU must support AMX-BF16 and the process must hold the tile-data permission
 /// ([`usable`]).
-pub(super) unsafe fn product(out: &mut Output<'_, '_>, lhs: &Lhs, b: &PackedB) {
+pub(super) unsafe fn product(out: &mut Output<'_>, lhs: &Lhs, b: &PackedB) {
     debug_assert_eq!(lhs.pairs * 2, b.k_padded());
     debug_assert_eq!(lhs.rows % M_BLOCK, 0);
     debug_assert_eq!(b.panels() % 2, 0);
@@ -121,7 +155,6 @@ pub(super) unsafe fn product(out: &mut Output<'_, '_>, lhs: &Lhs, b: &PackedB) {
     if steps == 0 {
         return;
     }
-    let row_bytes = lhs.pairs * 4;
     let accumulate = out.accumulates();
     // SAFETY: the caller guarantees AMX.
     let _tiles = unsafe { Tiles::configure() };
@@ -131,77 +164,63 @@ pub(super) unsafe fn product(out: &mut Output<'_, '_>, lhs: &Lhs, b: &PackedB) {
         for ib in (0..lhs.rows).step_by(M_BLOCK) {
             let a = &lhs.data[ib * lhs.pairs..(ib + M_BLOCK) * lhs.pairs];
             let place = |t: usize| (ib + 16 * (t / 2), (jp + t % 2) * PANEL);
-            let mut direct = [None; 4];
-            for (t, d) in direct.iter_mut().enumerate() {
-                let (row, col) = place(t);
-                *d = out.tile(row, col);
-                // SAFETY: `tile` checked that 16 rows of 16 f32 at this stride are in
-                // the output; the tiles are configured 16 x 64 bytes.
-                unsafe {
-                    match *d {
-                        Some((ptr, stride)) if accumulate => with_tile!(
-                            t,
-                            "tileloadd ",
-                            ", [{p} + {s}]",
-                            p = in(reg) ptr,
-                            s = in(reg) stride,
-                            options(nostack, readonly)
-                        ),
-                        _ => with_tile!(t, "tilezero ", "", options(nostack, nomem)),
-                    }
-                }
-            }
-            // SAFETY: `a` holds 32 rows of `row_bytes`, each `steps` tiles of 64 bytes
-            // wide; each panel holds `steps` contiguous 1 KiB tiles. The asm reads only
-            // those.
-            unsafe {
-                asm!(
-                    "2:",
-                    // Each product starts as soon as its two tiles are in.
-                    "tileloadd tmm4, [{a0} + {sa}]",
-                    "tileloadd tmm6, [{b0} + {sb}]",
-                    "tdpbf16ps tmm0, tmm4, tmm6",
-                    "tileloadd tmm7, [{b1} + {sb}]",
-                    "tdpbf16ps tmm1, tmm4, tmm7",
-                    "tileloadd tmm5, [{a1} + {sa}]",
-                    "tdpbf16ps tmm2, tmm5, tmm6",
-                    "tdpbf16ps tmm3, tmm5, tmm7",
-                    "add {a0}, 64",
-                    "add {a1}, 64",
-                    "add {b0}, 1024",
-                    "add {b1}, 1024",
-                    "dec {n}",
-                    "jnz 2b",
-                    a0 = inout(reg) a.as_ptr() => _,
-                    a1 = inout(reg) a.as_ptr().add(16 * lhs.pairs) => _,
-                    b0 = inout(reg) p0.as_ptr() => _,
-                    b1 = inout(reg) p1.as_ptr() => _,
-                    n = inout(reg) steps => _,
-                    sa = in(reg) row_bytes,
-                    sb = in(reg) 64usize,
-                    options(nostack, readonly),
-                );
-            }
+            // Each tile's (pointer, row stride in bytes), as the asm reads them.
+            let mut c = [0usize; 8];
+            let mut direct = [false; 4];
             for t in 0..4 {
-                let (ptr, stride) = match direct[t] {
-                    Some(d) => d,
-                    None => (edge[t].as_mut_ptr(), 64),
+                let (row, col) = place(t);
+                let (ptr, stride) = match out.tile(row, col) {
+                    Some(d) => {
+                        direct[t] = true;
+                        d
+                    }
+                    None => {
+                        if accumulate {
+                            out.get(row, col, &mut edge[t]);
+                        }
+                        (edge[t].as_mut_ptr(), 64)
+                    }
                 };
-                // SAFETY: `ptr` is a checked output tile or a 16 x 16 buffer.
-                unsafe {
-                    with_tile!(
-                        t,
-                        "tilestored [{p} + {s}], ",
-                        "",
-                        p = in(reg) ptr,
-                        s = in(reg) stride,
-                        options(nostack)
-                    )
-                };
-                if direct[t].is_none() {
-                    let (row, col) = place(t);
-                    out.put(row, col, &edge[t], PANEL, 16);
+                c[2 * t] = ptr as usize;
+                c[2 * t + 1] = stride;
+            }
+            // SAFETY: `a` holds 32 rows of `lhs.pairs` words, each `steps` tiles of 64
+            // bytes wide; each panel holds `steps` contiguous 1 KiB tiles; each pointer
+            // in `c` is an output tile `Output::tile` checked (16 rows of 64 bytes at
+            // its stride) or a 16 x 16 buffer with stride 64.
+            unsafe {
+                if accumulate {
+                    block!(
+                        "tileloadd tmm0, [{r} + {s}]",
+                        "tileloadd tmm1, [{r} + {s}]",
+                        "tileloadd tmm2, [{r} + {s}]",
+                        "tileloadd tmm3, [{r} + {s}]",
+                        a,
+                        lhs.pairs,
+                        p0,
+                        p1,
+                        steps,
+                        c
+                    );
+                } else {
+                    block!(
+                        "tilezero tmm0",
+                        "tilezero tmm1",
+                        "tilezero tmm2",
+                        "tilezero tmm3",
+                        a,
+                        lhs.pairs,
+                        p0,
+                        p1,
+                        steps,
+                        c
+                    );
                 }
+            }
+            for t in (0..4).filter(|&t| !direct[t]) {
+                let (row, col) = place(t);
+                // The buffer started from the output's values, so it replaces them.
+                out.put(row, col, &edge[t], PANEL, 16, false);
             }
         }
     }

@@ -59,9 +59,10 @@ pub(super) unsafe fn round_row(row: &[f32], out: &mut [u32]) {
 ///
 /// # Safety
 /// The CPU must support AVX512-F and AVX512-BF16 ([`usable`]).
-pub(super) unsafe fn product(out: &mut Output<'_, '_>, lhs: &Lhs, b: &PackedB) {
+pub(super) unsafe fn product(out: &mut Output<'_>, lhs: &Lhs, b: &PackedB) {
     debug_assert_eq!(lhs.pairs * 2, b.k_padded());
     debug_assert_eq!(lhs.rows % M_BLOCK, 0);
+    let add = out.accumulates();
     let mut acc = [0f32; MR * 2 * PANEL];
     for jp in (0..b.panels()).step_by(2) {
         let (p0, p1) = (b.panel(jp), b.panel(jp + 1));
@@ -69,7 +70,7 @@ pub(super) unsafe fn product(out: &mut Output<'_, '_>, lhs: &Lhs, b: &PackedB) {
             let a = &lhs.data[ib * lhs.pairs..(ib + MR) * lhs.pairs];
             // SAFETY: the caller guarantees the CPU features.
             unsafe { block(a, lhs.pairs, p0, p1, &mut acc) };
-            out.put(ib, jp * PANEL, &acc, 2 * PANEL, MR);
+            out.put(ib, jp * PANEL, &acc, 2 * PANEL, MR, add);
         }
     }
 }

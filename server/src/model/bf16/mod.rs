@@ -1,6 +1,8 @@
 //! bf16 products with f32 accumulation for the frozen base weights, as PyTorch's bf16
-//! autocast computes them: both operands are rounded to bf16 (round to nearest even),
-//! every product of two bf16 values is exact in f32, and the sums are kept in f32.
+//! autocast computes a matmul: both operands are rounded to bf16 (round to nearest
+//! even), every product of two bf16 values is exact in f32, and the sums are kept in f32.
+//! Unlike autocast, only these products are bf16: attention, the LoRA products and every
+//! other operation stay f32.
 //!
 //! The right-hand side is a frozen weight, packed once ([`PackedB`]) into the layout both
 //! kernels read: panels of 16 output columns whose rows hold pairs of consecutive `k`
@@ -87,8 +89,8 @@ fn detect() -> Vec<Kernel> {
 }
 
 /// A frozen `(out, in)` weight packed for both products a training step needs: the
-/// forward `x Wᵀ` and the input gradient `dy W`. Twice the bf16 size of the weight, half
-/// its f32 size.
+/// forward `x Wᵀ` and the input gradient `dy W`. Two bf16 copies: as many bytes as the
+/// f32 weight, which the model keeps too.
 #[derive(Debug, Clone)]
 pub struct PackedWeight {
     /// `Wᵀ`: `k = in`, `n = out`.
@@ -110,6 +112,16 @@ impl PackedWeight {
     /// Bytes held.
     pub fn bytes(&self) -> usize {
         self.forward.bytes() + self.input_grad.bytes()
+    }
+
+    /// Packs an `(out, in)` f32 tensor.
+    pub fn from_tensor(w: &candle_core::Tensor) -> candle_core::Result<Self> {
+        let (out, inp) = w.dims2()?;
+        let data: Vec<f32> = w
+            .to_dtype(candle_core::DType::F32)?
+            .flatten_all()?
+            .to_vec1()?;
+        Ok(Self::new(&data, out, inp))
     }
 }
 
@@ -181,9 +193,9 @@ fn run(
     }
 }
 
-/// Largest rounded left-hand side a thread keeps for its next product (16 MiB; the
-/// output head's input gradient, the largest the trainer makes, needs about 13 MiB per
-/// thread at 256-row chunks on two threads).
+/// Largest rounded left-hand side (in words, 16 MiB) each thread keeps for its next
+/// product; a larger one (the output head's input gradient of a large vocabulary) is
+/// allocated per product.
 const KEEP_BUFFER_WORDS: usize = 4 << 20;
 
 /// The element type of the frozen base weights' products in training and prefill (the
@@ -215,18 +227,6 @@ pub struct Bf16Ref<'a> {
     pub kernel: Kernel,
     /// The weight.
     pub weight: &'a PackedWeight,
-}
-
-impl PackedWeight {
-    /// Packs an `(out, in)` f32 tensor.
-    pub fn from_tensor(w: &candle_core::Tensor) -> candle_core::Result<Self> {
-        let (out, inp) = w.dims2()?;
-        let data: Vec<f32> = w
-            .to_dtype(candle_core::DType::F32)?
-            .flatten_all()?
-            .to_vec1()?;
-        Ok(Self::new(&data, out, inp))
-    }
 }
 
 /// `x Wᵀ` for an `(m, in)` f32 CPU tensor, in bf16.

@@ -189,15 +189,31 @@ fn round_row(row: &[f32], out: &mut [u32]) {
 /// Where a kernel's results go: the rows and columns of `dst` that exist (the padded rows
 /// and columns of a block are dropped), added to it with `accumulate` and written over it
 /// otherwise.
-pub struct Output<'d, 'a> {
-    dst: &'d mut MatMut<'a>,
+///
+/// Every access goes through one raw pointer taken from `dst` when the `Output` is made,
+/// so the pointers [`Output::tile`] hands to the AMX kernel stay valid while it writes
+/// other blocks through [`Output::put`]; `dst` stays borrowed meanwhile.
+pub struct Output<'d> {
+    base: *mut f32,
+    rows: usize,
+    cols: usize,
+    stride: usize,
     accumulate: bool,
+    _dst: std::marker::PhantomData<&'d mut [f32]>,
 }
 
-impl<'d, 'a> Output<'d, 'a> {
+impl<'d> Output<'d> {
     /// Wraps `dst`.
-    pub fn new(dst: &'d mut MatMut<'a>, accumulate: bool) -> Self {
-        Self { dst, accumulate }
+    pub fn new(dst: &'d mut MatMut<'_>, accumulate: bool) -> Self {
+        let (rows, cols) = dst.shape();
+        Self {
+            base: dst.as_mut_ptr(),
+            rows,
+            cols,
+            stride: dst.row_stride(),
+            accumulate,
+            _dst: std::marker::PhantomData,
+        }
     }
 
     /// Whether results are added to the output (rather than written over it).
@@ -207,34 +223,63 @@ impl<'d, 'a> Output<'d, 'a> {
 
     /// Where the `16 x 16` block at `(row, col)` lies in the output, when all of it does:
     /// a pointer to its first element and the row stride in bytes. The pointer is valid
-    /// for 16 rows of 16 `f32` at that stride while `self` is borrowed.
-    pub fn tile(&mut self, row: usize, col: usize) -> Option<(*mut f32, usize)> {
-        let (m, n) = self.dst.shape();
-        if row + 16 > m || col + 16 > n {
+    /// for 16 rows of 16 `f32` at that stride while `self` lives.
+    pub fn tile(&self, row: usize, col: usize) -> Option<(*mut f32, usize)> {
+        if row + 16 > self.rows || col + 16 > self.cols {
             return None;
         }
-        let stride = self.dst.row_stride();
-        // `MatMut` holds every element of its `(m, n)` shape at this stride, so the
-        // block's elements, up to `(row + 15) * stride + col + 15`, are in its buffer.
-        let offset = row * stride + col;
+        // `MatMut` holds every element of its shape at this stride, so the block's
+        // elements, up to `(row + 15) * stride + col + 15`, are in its buffer.
         Some((
-            self.dst.as_mut_ptr().wrapping_add(offset),
-            stride * std::mem::size_of::<f32>(),
+            self.base.wrapping_add(row * self.stride + col),
+            self.stride * std::mem::size_of::<f32>(),
         ))
     }
 
-    /// Writes the `rows x cols` block `block` (row stride `ld`) at `(row, col)`, clipped
-    /// to the output.
-    pub fn put(&mut self, row: usize, col: usize, block: &[f32], ld: usize, rows: usize) {
-        let (m, n) = self.dst.shape();
-        if row >= m || col >= n {
+    /// Row `r`'s columns `col..col + width` (checked against the output's shape).
+    fn row_mut(&mut self, r: usize, col: usize, width: usize) -> &mut [f32] {
+        assert!(
+            r < self.rows && col + width <= self.cols,
+            "outside the output"
+        );
+        // SAFETY: inside the shape (asserted), hence inside the buffer `MatMut` checked;
+        // `&mut self` makes this the only reference made through `base` at a time.
+        unsafe { std::slice::from_raw_parts_mut(self.base.add(r * self.stride + col), width) }
+    }
+
+    /// The existing values of the `16 x 16` block at `(row, col)`, clipped to the output
+    /// (zero outside it), into `block`: the starting point of an accumulating edge tile.
+    pub fn get(&mut self, row: usize, col: usize, block: &mut [f32; 256]) {
+        block.fill(0.0);
+        if row >= self.rows || col >= self.cols {
             return;
         }
-        let width = ld.min(n - col);
-        for r in 0..rows.min(m - row) {
+        let width = 16.min(self.cols - col);
+        for r in 0..16.min(self.rows - row) {
+            let src = self.row_mut(row + r, col, width);
+            block[r * 16..r * 16 + width].copy_from_slice(src);
+        }
+    }
+
+    /// Writes the `rows x ld` block `block` (row stride `ld`) at `(row, col)`, clipped to
+    /// the output; with `add`, adds it to what is there.
+    pub fn put(
+        &mut self,
+        row: usize,
+        col: usize,
+        block: &[f32],
+        ld: usize,
+        rows: usize,
+        add: bool,
+    ) {
+        if row >= self.rows || col >= self.cols {
+            return;
+        }
+        let width = ld.min(self.cols - col);
+        for r in 0..rows.min(self.rows - row) {
             let src = &block[r * ld..r * ld + width];
-            let out = &mut self.dst.row_mut(row + r)[col..col + width];
-            if self.accumulate {
+            let out = self.row_mut(row + r, col, width);
+            if add {
                 out.iter_mut().zip(src).for_each(|(o, s)| *o += s);
             } else {
                 out.copy_from_slice(src);

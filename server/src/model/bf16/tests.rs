@@ -1,7 +1,7 @@
 //! The bf16 kernels against f64 references.
 //!
-//! Two references, two bounds (with `u = 2⁻⁹`, bf16's unit roundoff, and `ε = 2⁻²⁴`,
-//! f32's):
+//! Two references, two bounds (with `u = 2⁻⁸`, the unit roundoff of bf16's 8 significant
+//! bits, and `ε = 2⁻²⁴`, f32's):
 //! - the exact product of the *rounded* operands, `Σ ã b̃` in f64. The kernels differ from
 //!   it only by f32 accumulation: at most `k ε Σ |ã b̃|` (each partial sum rounds once;
 //!   the order differs between kernels, the bound does not);
@@ -13,7 +13,7 @@
 use super::*;
 use crate::model::gemm::{Mat, MatMut};
 
-const U: f64 = 1.0 / 512.0;
+const U: f64 = 1.0 / 256.0;
 const EPS: f64 = 1.0 / 16_777_216.0;
 
 fn data(len: usize, seed: u64) -> Vec<f32> {

@@ -6,7 +6,6 @@ use candle_core::{DType, Tensor};
 use super::{Tape, Transformer};
 use crate::model::batch::PackedBatch;
 use crate::model::bf16;
-use crate::model::kernels::FEW_ROWS;
 use crate::model::lora::{lora_backward, lora_forward, Adapter, AdapterGrads, Segment, Target};
 use crate::model::ops::{self, TopK};
 use crate::model::weights::{matmul_input_grad, matmul_t};
@@ -52,21 +51,19 @@ impl Tape {
 
 impl Transformer {
     /// `x Eᵀ`, the frozen head's logits of rows `x`: in bf16 when the model computes in
-    /// bf16 and the rows are more than a handful.
+    /// bf16 (its weights are then f32 on the CPU, and so is `x`).
     fn head_product(&self, x: &Tensor) -> Result<Tensor, ModelError> {
         match self.bf16_head() {
-            Some(p) if x.dim(0)? > FEW_ROWS && x.dtype() == DType::F32 => Ok(bf16::matmul_t(x, p)?),
-            _ => Ok(matmul_t(x, self.weights.lm_head())?),
+            Some(p) => Ok(bf16::matmul_t(x, p)?),
+            None => Ok(matmul_t(x, self.weights.lm_head())?),
         }
     }
 
     /// `dlogits E`, the frozen head's input gradient, like [`Self::head_product`].
     fn head_input_grad(&self, dlogits: &Tensor) -> Result<Tensor, ModelError> {
         match self.bf16_head() {
-            Some(p) if dlogits.dim(0)? > FEW_ROWS && dlogits.dtype() == DType::F32 => {
-                Ok(bf16::input_grad(&dlogits.contiguous()?, p)?)
-            }
-            _ => Ok(matmul_input_grad(dlogits, self.weights.lm_head())?),
+            Some(p) => Ok(bf16::input_grad(dlogits, p)?),
+            None => Ok(matmul_input_grad(dlogits, self.weights.lm_head())?),
         }
     }
 
