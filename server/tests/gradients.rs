@@ -222,14 +222,7 @@ fn mixed_equals_separate(arch: Arch, dtype: DType, tol: f64) {
     let (mixed_out, mixed_grads) =
         forward_backward(&model.transformer, &[&a, &b], &jobs, true).unwrap();
     for (ai, adapter) in [&a, &b].into_iter().enumerate() {
-        let own: Vec<DatumJob> = jobs
-            .iter()
-            .filter(|j| j.adapter == ai)
-            .map(|j| DatumJob {
-                adapter: 0,
-                ..j.clone()
-            })
-            .collect();
+        let own = own_jobs(&jobs, ai);
         let (alone_out, alone_grads) =
             forward_backward(&model.transformer, &[adapter], &own, true).unwrap();
         let mixed_for_adapter: Vec<_> = jobs
@@ -247,6 +240,17 @@ fn mixed_equals_separate(arch: Arch, dtype: DType, tol: f64) {
         }
         assert_grads_close(&mixed_grads[ai], &alone_grads[0], tol, &format!("{arch:?}"));
     }
+}
+
+/// The datums of adapter `ai`, as a batch of their own (adapter 0).
+fn own_jobs(jobs: &[DatumJob], ai: usize) -> Vec<DatumJob> {
+    jobs.iter()
+        .filter(|j| j.adapter == ai)
+        .map(|j| DatumJob {
+            adapter: 0,
+            ..j.clone()
+        })
+        .collect()
 }
 
 /// Both gradients cover the same targets, every dA and dB within `tol` (relative).
@@ -413,14 +417,7 @@ fn a_failing_custom_loss_fails_its_own_adapter_and_no_other() {
         "a failed adapter keeps no gradient"
     );
     for (ai, adapter) in [(1, &b), (2, &c)] {
-        let own: Vec<DatumJob> = jobs
-            .iter()
-            .filter(|j| j.adapter == ai)
-            .map(|j| DatumJob {
-                adapter: 0,
-                ..j.clone()
-            })
-            .collect();
+        let own = own_jobs(&jobs, ai);
         let (alone, grads) = forward_backward(&model.transformer, &[adapter], &own, true).unwrap();
         let shared: Vec<_> = jobs
             .iter()

@@ -379,3 +379,32 @@ fn each_key_has_its_own_limits_and_one_at_a_limit_slows_no_one_else() {
     server.stop();
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Sampling sessions close only with their session, so each key may hold a bounded
+/// number open; past it the key gets a 429 naming the limit and other keys carry on.
+#[test]
+fn a_key_at_its_sampling_session_limit_is_refused_and_no_one_else() {
+    let dir = temp_dir("hostile-samplers");
+    let server = TestServer::start(&dir, |c| c.engine.limits.samplers = 2);
+    let (a, b) = (server.client(KEY_A), server.client(KEY_B));
+    let open = |c: &Client, session: &str, seq: u64| {
+        c.post(
+            "/api/v1/create_sampling_session",
+            &json!({"session_id": session, "sampling_session_seq_id": seq,
+                    "base_model": c.base_model()}),
+        )
+    };
+    let session = a.session();
+    for seq in 0..2 {
+        let (status, v) = open(&a, &session, seq);
+        assert_eq!(status, 200, "{v}");
+    }
+    let (status, v) = open(&a, &session, 2);
+    assert_limited(status, &v, "max_samplers");
+    // Another key is not limited by A's sessions.
+    let other = b.session();
+    let (status, v) = open(&b, &other, 0);
+    assert_eq!(status, 200, "{v}");
+    server.stop();
+    let _ = std::fs::remove_dir_all(dir);
+}
