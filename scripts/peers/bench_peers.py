@@ -4,8 +4,8 @@ Each round runs, one after another: `lathe bench train` in f32 and in bf16, PyTo
 PEFT on the same shapes in f32 and with bf16 autocast, `lathe bench sample` and
 llama.cpp decoding the same GGUF. Rounds interleave the systems so that a machine
 getting busier or quieter affects all of them alike. Before each run the script samples
-how busy the CPUs are with other work; a run that started on a busy machine is marked,
-and the summary says whether every run was on a quiet one (llama.cpp's OpenMP threads in
+how busy the CPUs are with other work, and during it counts the CPU time not spent by the
+run itself; the summary says whether every run was on a quiet machine (llama.cpp's OpenMP threads in
 particular collapse when another process shares the cores).
 
 Run through `scripts/bench-peers`, which builds Lathe and the peers' venv first.
@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -28,19 +29,24 @@ PEERS = os.path.dirname(os.path.abspath(__file__))
 QUIET_BUSY_FRACTION = 0.15
 
 
+def cpu_times() -> tuple:
+    """(all CPU time, idle CPU time) since boot, in clock ticks."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return sum(fields), fields[3] + fields[4]
+
+
 def cpu_busy_fraction(seconds: float = 1.0) -> float:
     """Fraction of all CPU time spent busy over `seconds` (nothing of ours runs then)."""
-
-    def snapshot():
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-        idle = fields[3] + fields[4]
-        return sum(fields), idle
-
-    t0, i0 = snapshot()
+    t0, i0 = cpu_times()
     time.sleep(seconds)
-    t1, i1 = snapshot()
+    t1, i1 = cpu_times()
     return 1.0 - (i1 - i0) / max(t1 - t0, 1)
+
+
+def children_cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def cpu_name() -> dict:
@@ -63,9 +69,15 @@ def cpu_name() -> dict:
 def run_json(cmd: list, env: dict | None = None) -> dict:
     busy = cpu_busy_fraction()
     print(f"  {' '.join(os.path.basename(c) if i == 0 else c for i, c in enumerate(cmd))}", file=sys.stderr)
+    ticks = os.sysconf("SC_CLK_TCK")
+    (t0, i0), c0 = cpu_times(), children_cpu_seconds()
     out = subprocess.run(
         cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, cwd=ROOT
     )
+    (t1, i1), c1 = cpu_times(), children_cpu_seconds()
+    # Busy CPU time during the run that was not the run's own, over all CPU time.
+    others = ((t1 - t0) - (i1 - i0)) / ticks - (c1 - c0)
+    busy_during = max(0.0, others / max((t1 - t0) / ticks, 1e-9))
     if out.returncode != 0:
         sys.stderr.write(out.stderr[-3000:])
         raise SystemExit(f"{cmd[0]} failed with status {out.returncode}")
@@ -75,6 +87,7 @@ def run_json(cmd: list, env: dict | None = None) -> dict:
     except json.JSONDecodeError:
         result = json.loads(out.stdout.strip().splitlines()[-1])
     result["_busy_before"] = round(busy, 3)
+    result["_others_busy_during"] = round(busy_during, 3)
     return result
 
 
@@ -147,13 +160,13 @@ def main() -> None:
         report["ratios"]["lathe_over_llama_cpp_decode"] = round(single / llama, 3)
         report["ratios"]["lathe_batched_over_single"] = median([x["batched_over_single_ratio_median"] for x in runs["lathe_decode"]])
         report["versions"]["llama_cpp_python"] = runs["llama_decode"][0].get("llama_cpp_python")
-    busy = [x["_busy_before"] for v in runs.values() for x in v]
-    report["busiest_start"] = max(busy)
+    busy = [max(x["_busy_before"], x["_others_busy_during"]) for v in runs.values() for x in v]
+    report["busiest_other_load"] = max(busy)
     report["quiet"] = max(busy) <= QUIET_BUSY_FRACTION
     if not report["quiet"]:
         report["warning"] = (
-            f"another process kept up to {max(busy):.0%} of the CPUs busy before a run: "
-            "these figures are not trustworthy; rerun on a quiet machine"
+            f"other processes kept up to {max(busy):.0%} of the CPUs busy before or during "
+            "a run: these figures are not trustworthy; rerun on a quiet machine"
         )
     report["runs"] = runs
     print(json.dumps(report, indent=2))
