@@ -1,0 +1,68 @@
+"""The README's table of Lathe against its peers, from a `scripts/bench-peers` report.
+
+    scripts/bench-peers --rounds 3 > peers.json
+    python3 scripts/peers/table.py peers.json
+"""
+
+import json
+import sys
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        r = json.load(f)
+    t, x = r["train_tokens_per_s"], r["ratios"]
+    rows = [
+        ("| | Lathe | Peer | Lathe / peer | Target |", None),
+        ("|---|---|---|---|---|", None),
+        (
+            f"| training, f32 | {t['lathe_f32']:.0f} tokens/s | PyTorch + PEFT f32: "
+            f"{t['torch_f32']:.0f} | {x['lathe_f32_over_torch_f32']:.2f}x | |",
+            None,
+        ),
+        (
+            f"| training, bf16 (`--precision bf16`, {r.get('lathe_bf16_kernel') or 'no bf16 kernel'}) | "
+            f"{t['lathe_bf16']:.0f} tokens/s ({x['lathe_bf16_over_lathe_f32']:.2f}x Lathe f32) | "
+            f"PyTorch + PEFT, bf16 autocast: {t['torch_bf16']:.0f} | "
+            f"{x['lathe_bf16_over_torch_bf16']:.2f}x | 2x{met(x['lathe_bf16_over_torch_bf16'] >= 2)} |",
+            None,
+        ),
+        (
+            "| training in bf16: achieved over the bf16 GEMM rate `lathe bench gemm` measures | "
+            f"{r['lathe_bf16_fraction_of_bf16_gemm_peak']:.2f} | | | "
+            f"0.6{met(r['lathe_bf16_fraction_of_bf16_gemm_peak'] >= 0.6)} |",
+            None,
+        ),
+    ]
+    d = r.get("decode_tokens_per_s")
+    if d:
+        lathe = d.get("lathe_single_stream_with_adapter", d.get("lathe_single_stream"))
+        rows.append(
+            (
+                "| single-stream decode (Q4_1, decode phase alone; Lathe's stream carries a "
+                "rank-8 adapter on seven projections, llama.cpp decodes the bare model) | "
+                f"{lathe:.0f} tokens/s | llama.cpp: {d['llama_cpp_single_stream']:.0f} | "
+                f"{x['lathe_over_llama_cpp_decode']:.2f}x | 1.2x{met(x['lathe_over_llama_cpp_decode'] >= 1.2)} |",
+                None,
+            )
+        )
+        rows.append(
+            (
+                f"| 8 streams over 4 adapters, aggregate | {d['lathe_8_streams_4_adapters']:.0f} tokens/s "
+                f"= {x['lathe_batched_over_single']:.2f}x one stream | | | "
+                f"4x{met(x['lathe_batched_over_single'] >= 4)} |",
+                None,
+            )
+        )
+    for line, _ in rows:
+        print(line)
+    if not r.get("quiet", False):
+        print(f"\n{r.get('warning', 'not measured on a quiet machine')}")
+
+
+def met(ok: bool) -> str:
+    return "" if ok else ", not met"
+
+
+if __name__ == "__main__":
+    main()
