@@ -175,15 +175,22 @@ fn threads() -> usize {
     candle_core::utils::get_num_threads()
 }
 
-fn gemm_gflops(m: usize, k: usize, n: usize, iters: usize) -> anyhow::Result<Stats> {
-    let dev = Device::Cpu;
-    let a = Tensor::randn(0f32, 1.0, (m, k), &dev)?;
-    let w = Tensor::randn(0f32, 1.0, (n, k), &dev)?;
-    let _ = a.matmul(&w.t()?)?;
+/// GFLOP/s of `product`, an `(m, k) x (k, n)` product run `iters` times after one
+/// warm-up, on random `a (m, k)` and `w (n, k)`.
+fn product_gflops(
+    m: usize,
+    k: usize,
+    n: usize,
+    iters: usize,
+    product: impl Fn(&Tensor, &Tensor) -> anyhow::Result<Tensor>,
+) -> anyhow::Result<Stats> {
+    let a = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu)?;
+    let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu)?;
+    let _ = product(&a, &w)?;
     let mut rates = Vec::with_capacity(iters);
     for _ in 0..iters {
         let t = Instant::now();
-        let c = a.matmul(&w.t()?)?;
+        let c = product(&a, &w)?;
         let dt = t.elapsed().as_secs_f64();
         drop(c);
         rates.push(2.0 * (m * k * n) as f64 / dt / 1e9);
@@ -191,9 +198,13 @@ fn gemm_gflops(m: usize, k: usize, n: usize, iters: usize) -> anyhow::Result<Sta
     Ok(stats(rates))
 }
 
-/// GFLOP/s of `(m, k) x (k, n)` in bf16 with f32 accumulation on `kernel`, the
-/// right-hand side packed once (a frozen weight) and the left-hand side rounded in each
-/// product, as training does.
+/// f32 GFLOP/s of `a wᵀ` through candle.
+fn gemm_gflops(m: usize, k: usize, n: usize, iters: usize) -> anyhow::Result<Stats> {
+    product_gflops(m, k, n, iters, |a, w| Ok(a.matmul(&w.t()?)?))
+}
+
+/// GFLOP/s of `a wᵀ` in bf16 with f32 accumulation on `kernel`: `w` packed once (a
+/// frozen weight), `a` rounded in each product, as training does.
 fn bf16_gflops(
     kernel: bf16::Kernel,
     m: usize,
@@ -201,23 +212,17 @@ fn bf16_gflops(
     n: usize,
     iters: usize,
 ) -> anyhow::Result<Stats> {
-    let a = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu)?;
-    let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu)?;
-    let packed = bf16::PackedWeight::from_tensor(&w)?;
-    let p = bf16::Bf16Ref {
-        kernel,
-        weight: &packed,
-    };
-    let _ = bf16::matmul_t(&a, p)?;
-    let mut rates = Vec::with_capacity(iters);
-    for _ in 0..iters {
-        let t = Instant::now();
-        let c = bf16::matmul_t(&a, p)?;
-        let dt = t.elapsed().as_secs_f64();
-        drop(c);
-        rates.push(2.0 * (m * k * n) as f64 / dt / 1e9);
-    }
-    Ok(stats(rates))
+    let packed = std::cell::OnceCell::new();
+    product_gflops(m, k, n, iters, |a, w| {
+        let weight = match packed.get() {
+            Some(p) => p,
+            None => {
+                let p = bf16::PackedWeight::from_tensor(w)?;
+                packed.get_or_init(|| p)
+            }
+        };
+        Ok(bf16::matmul_t(a, bf16::Bf16Ref { kernel, weight })?)
+    })
 }
 
 /// The training step's shapes on SmolLM2-135M at 512 tokens: MLP, attention, head.

@@ -96,13 +96,12 @@ pub fn forward(
     } else {
         vec![0f32; n * d_out]
     };
-    let frozen_done = few;
     let mut caches = vec![vec![None; segs.len()]; proj.parts.len()];
     let mut us = Vec::new();
     if let Some(b) = proj.bias {
         let b: Vec<f32> = b.to_vec1()?;
         for row in y.chunks_exact_mut(d_out) {
-            if frozen_done {
+            if few {
                 row.iter_mut().zip(&b).for_each(|(v, b)| *v += b);
             } else {
                 row.copy_from_slice(&b);
@@ -112,7 +111,7 @@ pub fn forward(
     with_slices(&[x, proj.weight], |s| {
         let (xs, ws) = (Mat::new(s[0], n, d_in), Mat::new(s[1], d_out, d_in));
         let mut out = MatMut::new(&mut y, n, d_out, d_out);
-        if !frozen_done {
+        if !few {
             match proj.bf16 {
                 Some(p) => bf16::gemm(
                     p.kernel,

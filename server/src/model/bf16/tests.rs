@@ -82,6 +82,23 @@ fn check(kernel: Kernel, m: usize, k: usize, n: usize) {
     }
 }
 
+/// `got` (row-major `(m, n)`) is the f64 product of the rounded `a (m, k)` and
+/// `b (k, n)`, to 1e-5.
+fn assert_rounded_product(
+    got: &[f32],
+    (m, k, n): (usize, usize, usize),
+    a: impl Fn(usize, usize) -> f32,
+    b: impl Fn(usize, usize) -> f32,
+) {
+    for i in 0..m {
+        for j in 0..n {
+            let want: f64 = (0..k).map(|q| widen(a(i, q)) * widen(b(q, j))).sum();
+            let diff = (f64::from(got[i * n + j]) - want).abs();
+            assert!(diff < 1e-5, "({i}, {j}): {} vs {want}", got[i * n + j]);
+        }
+    }
+}
+
 const SHAPES: [(usize, usize, usize); 7] = [
     (1, 1, 1),
     (5, 31, 17),
@@ -135,17 +152,12 @@ fn the_input_gradient_packing_is_the_transpose_of_the_forward_one() {
             &p.input_grad,
             false,
         );
-        for r in 0..m {
-            for i in 0..inp {
-                let want: f64 = (0..out)
-                    .map(|o| widen(dy[r * out + o]) * widen(w[o * inp + i]))
-                    .sum();
-                assert!(
-                    (f64::from(dx[r * inp + i]) - want).abs() < 1e-5,
-                    "{kernel:?}"
-                );
-            }
-        }
+        assert_rounded_product(
+            &dx,
+            (m, out, inp),
+            |r, o| dy[r * out + o],
+            |o, i| w[o * inp + i],
+        );
     }
 }
 
@@ -209,13 +221,6 @@ fn a_strided_left_hand_side_is_read_through_its_strides() {
             &p.forward,
             false,
         );
-        for i in 0..m {
-            for j in 0..n {
-                let want: f64 = (0..k)
-                    .map(|q| widen(at[q * m + i]) * widen(w[j * k + q]))
-                    .sum();
-                assert!((f64::from(out[i * n + j]) - want).abs() < 1e-5);
-            }
-        }
+        assert_rounded_product(&out, (m, k, n), |i, q| at[q * m + i], |q, j| w[j * k + q]);
     }
 }
