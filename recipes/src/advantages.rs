@@ -30,6 +30,18 @@ pub fn group_normalised(rewards: &[f64]) -> Vec<f64> {
 /// within one group: the key names a baseline's scope (a prompt's group, a turn of a
 /// dialogue, the whole batch). The result is in the order of `values`.
 pub fn normalised_within<K: PartialEq>(values: &[f64], keys: &[K]) -> Vec<f64> {
+    within(values, keys, group_normalised)
+}
+
+/// Centres `values` within each set that shares a key, as [`group_centred`] does within
+/// one group.
+pub fn centred_within<K: PartialEq>(values: &[f64], keys: &[K]) -> Vec<f64> {
+    within(values, keys, group_centred)
+}
+
+/// Applies `per_set` to each set of `values` that shares a key; the result is in the
+/// order of `values`.
+fn within<K: PartialEq>(values: &[f64], keys: &[K], per_set: fn(&[f64]) -> Vec<f64>) -> Vec<f64> {
     assert_eq!(values.len(), keys.len(), "one key per value");
     let mut out = vec![0.0; values.len()];
     let mut done = vec![false; values.len()];
@@ -41,7 +53,7 @@ pub fn normalised_within<K: PartialEq>(values: &[f64], keys: &[K]) -> Vec<f64> {
             .filter(|&i| !done[i] && keys[i] == keys[first])
             .collect();
         let set: Vec<f64> = members.iter().map(|&i| values[i]).collect();
-        for (&i, a) in members.iter().zip(group_normalised(&set)) {
+        for (&i, a) in members.iter().zip(per_set(&set)) {
             out[i] = a;
             done[i] = true;
         }
@@ -88,5 +100,8 @@ mod tests {
             normalised_within(&values, &[(); 6]),
             group_normalised(&values)
         );
+        let c = centred_within(&values, &keys);
+        assert_eq!(c[5], 0.0);
+        assert_eq!([c[0], c[2], c[4]], group_centred(&[1.0, 0.0, 1.0])[..]);
     }
 }

@@ -1,4 +1,5 @@
-//! `curves.png`: held-out accuracy per agent over training steps (plotters).
+//! `curves.png`: held-out metrics, and each agent's training reward and loss, over
+//! training steps (plotters).
 //!
 //! Text needs a font; plotters' pure-Rust `ab_glyph` backend is given the first system
 //! TrueType font found. Without one the plot is skipped with a message: it is a
@@ -30,32 +31,96 @@ fn font_ready() -> bool {
     })
 }
 
-/// Draws one line per named series of `(step, value)` points into `path`. Returns
-/// `Ok(false)` when no font is available and nothing was drawn.
-pub fn curves(
+/// Named series of `(step, value)` points.
+pub type Series<'a> = [(&'a str, &'a [(usize, f64)])];
+
+/// Draws one line per named series of `(step, value)` points into `path`, on a 0..1
+/// axis. Returns `Ok(false)` when no font is available and nothing was drawn.
+pub fn curves(path: &Path, title: &str, y_label: &str, series: &Series) -> anyhow::Result<bool> {
+    if !font_ready() {
+        eprintln!("no TrueType font found; skipping {}", path.display());
+        return Ok(false);
+    }
+    let root = BitMapBackend::new(path, (800, 500)).into_drawing_area();
+    root.fill(&WHITE)?;
+    panel(&root, title, y_label, series, Some((0.0, 1.0)))?;
+    root.present()?;
+    Ok(true)
+}
+
+/// A run's plot: the held-out curves on top, then each agent's training reward and its
+/// loss per datum, on axes fitted to them. `Ok(false)` when no font is available.
+pub fn run_curves(
     path: &Path,
     title: &str,
-    y_label: &str,
-    series: &[(&str, &[(usize, f64)])],
+    held_out: &Series,
+    training: &[(String, Vec<(usize, f64)>)],
 ) -> anyhow::Result<bool> {
     if !font_ready() {
         eprintln!("no TrueType font found; skipping {}", path.display());
         return Ok(false);
     }
-    let max_x = series
-        .iter()
-        .flat_map(|(_, pts)| pts.iter().map(|p| p.0))
-        .max()
-        .unwrap_or(1)
-        .max(1);
-    let root = BitMapBackend::new(path, (800, 500)).into_drawing_area();
+    let pick = |suffix: &str| -> Vec<(&str, &[(usize, f64)])> {
+        training
+            .iter()
+            .filter(|(n, _)| n.ends_with(suffix))
+            .map(|(n, p)| (n.as_str(), p.as_slice()))
+            .collect()
+    };
+    let root = BitMapBackend::new(path, (800, 1100)).into_drawing_area();
     root.fill(&WHITE)?;
-    let mut chart = ChartBuilder::on(&root)
+    let areas = root.split_evenly((3, 1));
+    panel(&areas[0], title, "held-out", held_out, Some((0.0, 1.0)))?;
+    panel(
+        &areas[1],
+        "training reward per agent",
+        "mean reward",
+        &pick(" reward"),
+        None,
+    )?;
+    panel(
+        &areas[2],
+        "training loss per agent",
+        "loss per datum",
+        &pick(" loss"),
+        None,
+    )?;
+    root.present()?;
+    Ok(true)
+}
+
+/// Draws `series` into `area`; `y` fixes the axis, `None` fits it to the points.
+fn panel<DB: DrawingBackend>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    title: &str,
+    y_label: &str,
+    series: &Series,
+    y: Option<(f64, f64)>,
+) -> anyhow::Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    let points = || series.iter().flat_map(|(_, pts)| pts.iter());
+    let max_x = points().map(|p| p.0).max().unwrap_or(1).max(1);
+    let (lo, hi) = y.unwrap_or_else(|| {
+        let finite = || points().map(|p| p.1).filter(|v| v.is_finite());
+        let lo = finite().fold(f64::INFINITY, f64::min);
+        let hi = finite().fold(f64::NEG_INFINITY, f64::max);
+        if lo.is_finite() && hi > lo {
+            let pad = (hi - lo) * 0.05;
+            (lo - pad, hi + pad)
+        } else if lo.is_finite() {
+            (lo - 1.0, lo + 1.0)
+        } else {
+            (0.0, 1.0)
+        }
+    });
+    let mut chart = ChartBuilder::on(area)
         .caption(title, ("sans-serif", 24))
         .margin(15)
         .x_label_area_size(40)
         .y_label_area_size(50)
-        .build_cartesian_2d(0usize..max_x, 0f64..1.0f64)?;
+        .build_cartesian_2d(0usize..max_x, lo..hi)?;
     chart
         .configure_mesh()
         .x_desc("step")
@@ -64,6 +129,7 @@ pub fn curves(
     let colors = [BLUE, RED, GREEN, MAGENTA, CYAN];
     for (i, (name, pts)) in series.iter().enumerate() {
         let color = colors[i % colors.len()];
+        let pts: Vec<(usize, f64)> = pts.iter().copied().filter(|p| p.1.is_finite()).collect();
         chart
             .draw_series(LineSeries::new(pts.iter().copied(), color.stroke_width(2)))?
             .label(*name)
@@ -72,13 +138,14 @@ pub fn curves(
             });
         chart.draw_series(pts.iter().map(|&p| Circle::new(p, 3, color.filled())))?;
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()?;
-    root.present()?;
-    Ok(true)
+    if !series.is_empty() {
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -93,6 +160,15 @@ mod tests {
         if drawn {
             let bytes = std::fs::read(&path).unwrap();
             assert_eq!(&bytes[1..4], b"PNG");
+            std::fs::remove_file(&path).unwrap();
+        }
+        let training = vec![
+            ("A reward".to_string(), vec![(1, 0.5), (2, 1.5)]),
+            ("A loss".to_string(), vec![(1, 2.0), (2, f64::NAN)]),
+        ];
+        let path = path.with_extension("run.png");
+        if run_curves(&path, "run", &[("acc", &pts)], &training).unwrap() {
+            assert_eq!(&std::fs::read(&path).unwrap()[1..4], b"PNG");
             std::fs::remove_file(path).unwrap();
         }
     }

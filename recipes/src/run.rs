@@ -13,11 +13,19 @@ pub struct RunDir {
     /// The directory.
     pub path: PathBuf,
     metrics: BufWriter<File>,
+    metrics_bytes: u64,
 }
 
 impl RunDir {
-    /// Creates `out`, or `runs/<recipe>-<unix seconds>/`.
+    /// Creates `out`, or `runs/<recipe>-<unix seconds>/`, with an empty `metrics.jsonl`.
     pub fn create(recipe: &str, out: Option<&Path>) -> anyhow::Result<Self> {
+        Self::open(recipe, out, None)
+    }
+
+    /// As [`RunDir::create`]; with `keep = Some(n)` (a resumed run) the existing
+    /// `metrics.jsonl` is kept up to its first `n` bytes, the lines of the saved steps,
+    /// and appended to.
+    pub fn open(recipe: &str, out: Option<&Path>, keep: Option<u64>) -> anyhow::Result<Self> {
         let path = match out {
             Some(p) => p.to_path_buf(),
             None => {
@@ -28,15 +36,39 @@ impl RunDir {
             }
         };
         std::fs::create_dir_all(&path)?;
-        let metrics = BufWriter::new(File::create(path.join("metrics.jsonl"))?);
-        Ok(Self { path, metrics })
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .write(true)
+            .truncate(false)
+            .open(path.join("metrics.jsonl"))?;
+        let len = file.metadata()?.len();
+        let keep = keep.unwrap_or(0);
+        anyhow::ensure!(
+            keep <= len,
+            "metrics.jsonl is shorter ({len} bytes) than the saved state says ({keep})"
+        );
+        file.set_len(keep)?;
+        let mut file = file;
+        std::io::Seek::seek(&mut file, std::io::SeekFrom::Start(keep))?;
+        Ok(Self {
+            path,
+            metrics: BufWriter::new(file),
+            metrics_bytes: keep,
+        })
+    }
+
+    /// Bytes of `metrics.jsonl` written so far (flushed).
+    pub fn metrics_bytes(&self) -> u64 {
+        self.metrics_bytes
     }
 
     /// Appends one JSON line to `metrics.jsonl` (flushed, so a crash keeps it).
     pub fn log(&mut self, record: &Value) -> anyhow::Result<()> {
-        serde_json::to_writer(&mut self.metrics, record)?;
-        self.metrics.write_all(b"\n")?;
+        let mut line = serde_json::to_vec(record)?;
+        line.push(b'\n');
+        self.metrics.write_all(&line)?;
         self.metrics.flush()?;
+        self.metrics_bytes += line.len() as u64;
         Ok(())
     }
 
@@ -87,6 +119,26 @@ impl Curves {
         }
     }
 
+    /// Curves with the points of `points` (as [`Curves::points`] returns them).
+    pub fn from_points(points: &[(String, Vec<(usize, f64)>)]) -> Self {
+        Self {
+            series: points.to_vec(),
+        }
+    }
+
+    /// Every series with its points.
+    pub fn points(&self) -> Vec<(String, Vec<(usize, f64)>)> {
+        self.series.clone()
+    }
+
+    /// Every series, borrowed, for plotting.
+    pub fn series(&self) -> Vec<(&str, &[(usize, f64)])> {
+        self.series
+            .iter()
+            .map(|(n, p)| (n.as_str(), p.as_slice()))
+            .collect()
+    }
+
     /// Adds a point to `name` (which must be one of the names given to [`Curves::new`]).
     pub fn push(&mut self, name: &str, step: usize, value: f64) {
         if let Some((_, pts)) = self.series.iter_mut().find(|(n, _)| n == name) {
@@ -135,12 +187,7 @@ impl Curves {
     }
 
     /// Prints the before/after table and where the outputs are.
-    pub fn report(
-        &self,
-        run: &RunDir,
-        plotted: bool,
-        checkpoints: &serde_json::Map<String, Value>,
-    ) {
+    pub fn report(&self, run: &RunDir, plotted: bool) {
         let width = self
             .series
             .iter()
@@ -157,9 +204,6 @@ impl Curves {
         println!("summary: {}", run.path.join("summary.json").display());
         if plotted {
             println!("curves:  {}", run.path.join("curves.png").display());
-        }
-        for (role, ck) in checkpoints {
-            println!("checkpoint {role}: {}", ck["state"].as_str().unwrap_or(""));
         }
     }
 }

@@ -6,28 +6,53 @@ use std::path::{Path, PathBuf};
 use clap::Args;
 use lathe::types::LoraConfig;
 use lathe::{ServiceClient, TrainingClient};
+#[cfg(feature = "embedded")]
 use lathe_server::model::Precision;
+#[cfg(feature = "embedded")]
 use lathe_server::server::{RunningServer, ServerConfig};
 
-/// Training steps of a recipe that names no default of its own.
-pub const DEFAULT_STEPS: usize = 12;
+use crate::resume::ResumeFrom;
 
-/// Flags of every recipe.
+/// Flags of every recipe. The recipe names its own defaults for the flags marked
+/// "recipe's default" through [`parse_args`], and `--help` shows them.
 #[derive(Args, Debug, Clone)]
 pub struct CommonArgs {
-    /// Training steps (default: the recipe's own, 12 unless its help says otherwise).
+    /// Training steps (recipe's default).
     #[arg(long)]
-    pub steps: Option<usize>,
+    pub steps: usize,
     /// Seed of data, sampling and adapters.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// LoRA rank.
     #[arg(long, default_value_t = 16)]
     pub rank: usize,
-    /// Adam learning rate (default: the recipe's own, 5e-4 unless its help says
-    /// otherwise).
+    /// Adam learning rate (recipe's default).
     #[arg(long)]
-    pub lr: Option<f64>,
+    pub lr: f64,
+    /// Problems (or cases) per step (recipe's default).
+    #[arg(long)]
+    pub batch: usize,
+    /// Sampling temperature of training rollouts (recipe's default).
+    #[arg(long)]
+    pub temperature: f64,
+    /// Evaluate on held-out problems every this many steps (recipe's default).
+    #[arg(long)]
+    pub eval_every: usize,
+    /// Held-out problems (recipe's default).
+    #[arg(long)]
+    pub eval_size: usize,
+    /// Save the training state (adapters and optimizer) every this many steps, and
+    /// always at the end; 0 saves only at the end.
+    #[arg(long, default_value_t = 5)]
+    pub save_every: usize,
+    /// Continue a run: its directory, or one of its training-state URIs
+    /// (`tinker://<run>/weights/<name>`, as `summary.json` and the log print). Pass the
+    /// run's other flags again; `--steps` may be raised to train further.
+    #[arg(long, value_name = "RUN_DIR|URI")]
+    pub resume: Option<ResumeFrom>,
+    /// Use one session for every role even if more could be created.
+    #[arg(long)]
+    pub force_fallback: bool,
     /// Output directory (default `runs/<recipe>-<unix time>/`).
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -36,28 +61,33 @@ pub struct CommonArgs {
     pub check: bool,
     /// Model of the embedded server (when no TINKER_BASE_URL is set): `default`, a
     /// `.gguf` file or a Hugging Face directory.
+    #[cfg(feature = "embedded")]
     #[arg(long, default_value = "default")]
     pub model: String,
     /// Limit of LoRA sessions of the embedded server (1 exercises the fallback).
+    #[cfg(feature = "embedded")]
     #[arg(long, default_value_t = 8)]
     pub max_sessions: usize,
     /// Element type of the embedded server's base-model products in training and
     /// prefill.
+    #[cfg(feature = "embedded")]
     #[arg(long, value_enum, default_value_t = Precision::F32)]
     pub precision: Precision,
 }
 
+/// Parses the command line into `T` with the recipe's `defaults` (`(flag id, value)`,
+/// the id being the field name: `"eval_every"`) for the flags [`CommonArgs`] leaves to
+/// the recipe; `--help` shows them.
+pub fn parse_args<T: clap::Parser>(defaults: &[(&'static str, &'static str)]) -> T {
+    let mut command = T::command();
+    for &(id, value) in defaults {
+        command = command.mut_arg(id, |a| a.default_value(value).required(false));
+    }
+    let matches = command.get_matches();
+    T::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+}
+
 impl CommonArgs {
-    /// `--steps`, or the recipe's default.
-    pub fn steps_or(&self, default: usize) -> usize {
-        self.steps.unwrap_or(default)
-    }
-
-    /// `--lr`, or the recipe's default.
-    pub fn lr_or(&self, default: f64) -> f64 {
-        self.lr.unwrap_or(default)
-    }
-
     /// The LoRA config of agent `i` (its own adapter seed).
     pub fn lora(&self, i: usize) -> LoraConfig {
         LoraConfig {
@@ -105,48 +135,59 @@ pub struct Connection {
     pub endpoint: String,
     /// The base model's context length, when the server says.
     pub max_context: Option<usize>,
+    #[cfg(feature = "embedded")]
     _server: Option<RunningServer>,
 }
 
-/// Connects to `LATHE_BASE_URL`/`TINKER_BASE_URL`, or starts a server in-process on
-/// `args.model` with its data under `out/server-data`.
-pub async fn connect(args: &CommonArgs, out: &Path) -> anyhow::Result<Connection> {
-    let remote = ["LATHE_BASE_URL", "TINKER_BASE_URL"]
+/// Whether `LATHE_BASE_URL` or `TINKER_BASE_URL` names a server.
+fn remote_url() -> Option<String> {
+    ["LATHE_BASE_URL", "TINKER_BASE_URL"]
         .iter()
-        .any(|v| std::env::var(v).is_ok_and(|s| !s.is_empty()));
-    let (service, server) = if remote {
-        (ServiceClient::new().await?, None)
-    } else {
-        let (spec, precision) = (args.model.clone(), args.precision);
-        let model = tokio::task::spawn_blocking(move || {
-            lathe_server::embedded::load_model_in(&spec, precision)
-        })
-        .await??;
-        let config = ServerConfig {
-            port: 0,
-            data_dir: out.join("server-data"),
-            engine: lathe_server::engine::EngineConfig {
-                max_sessions: args.max_sessions.max(1),
+        .filter_map(|v| std::env::var(v).ok())
+        .find(|s| !s.is_empty())
+}
+
+/// Connects to `LATHE_BASE_URL`/`TINKER_BASE_URL`, or (with the `embedded` feature)
+/// starts a server in-process on `args.model` with its data under `out/server-data`.
+pub async fn connect(args: &CommonArgs, out: &Path) -> anyhow::Result<Connection> {
+    #[cfg(feature = "embedded")]
+    let (service, server, endpoint) = match remote_url() {
+        Some(url) => (ServiceClient::new().await?, None, url),
+        None => {
+            let (spec, precision) = (args.model.clone(), args.precision);
+            let model = tokio::task::spawn_blocking(move || {
+                lathe_server::embedded::load_model_in(&spec, precision)
+            })
+            .await??;
+            let config = ServerConfig {
+                port: 0,
+                data_dir: out.join("server-data"),
+                engine: lathe_server::engine::EngineConfig {
+                    max_sessions: args.max_sessions.max(1),
+                    ..Default::default()
+                },
                 ..Default::default()
-            },
-            ..Default::default()
-        };
-        let server = lathe_server::server::start(model, config).await?;
-        let service = ServiceClient::builder()
-            .base_url(server.base_url())
-            .api_key(&server.api_keys[0])
-            .build()
-            .await?;
-        (service, Some(server))
+            };
+            let server = lathe_server::server::start(model, config).await?;
+            let service = ServiceClient::builder()
+                .base_url(server.base_url())
+                .api_key(&server.api_keys[0])
+                .build()
+                .await?;
+            let endpoint = format!("{} (in-process)", server.base_url());
+            (service, Some(server), endpoint)
+        }
     };
-    let endpoint = server.as_ref().map_or_else(
-        || {
-            std::env::var("LATHE_BASE_URL")
-                .or_else(|_| std::env::var("TINKER_BASE_URL"))
-                .unwrap_or_default()
-        },
-        |s| format!("{} (in-process)", s.base_url()),
-    );
+    #[cfg(not(feature = "embedded"))]
+    let (service, endpoint) = {
+        let _ = (args, out);
+        let url = remote_url().ok_or_else(|| {
+            anyhow::anyhow!(
+                "set TINKER_BASE_URL (or LATHE_BASE_URL) to a server: this build has no embedded server (feature `embedded`)"
+            )
+        })?;
+        (ServiceClient::new().await?, url)
+    };
     let caps = service.get_server_capabilities().await?;
     let model = caps
         .supported_models
@@ -158,6 +199,7 @@ pub async fn connect(args: &CommonArgs, out: &Path) -> anyhow::Result<Connection
         base_model,
         endpoint,
         max_context,
+        #[cfg(feature = "embedded")]
         _server: server,
     })
 }
@@ -240,6 +282,24 @@ impl AgentSessions {
                 }
             }
         })
+    }
+
+    /// Sessions resumed from checkpoints: one per role, or one playing all `roles`
+    /// (`fallback_reason` says why).
+    pub fn from_trainers(
+        trainers: Vec<TrainingClient>,
+        roles: usize,
+        fallback_reason: Option<String>,
+    ) -> Self {
+        let trainers = if trainers.len() == 1 {
+            vec![trainers[0].clone(); roles.max(1)]
+        } else {
+            trainers
+        };
+        Self {
+            trainers,
+            fallback_reason,
+        }
     }
 
     /// The session that plays `role`.

@@ -61,7 +61,9 @@ use lathe_recipes::rollout::{
     ratio_mean, sample_prompts, trajectory_data, Generation, Sample, StepOutcome,
 };
 use lathe_recipes::run::{mean, mean_of, progress, Curves};
-use lathe_recipes::setup::{init_tracing, save_final, start, AgentSessions, CommonArgs, Start};
+use lathe_recipes::setup::{
+    init_tracing, parse_args, save_final, start, AgentSessions, CommonArgs, Start,
+};
 use queue::{locked_step, patient_loop, Drills, QueueItem, StepLock};
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, watch};
@@ -76,19 +78,9 @@ static GLOBAL: lathe_server::memory::MiMalloc = lathe_server::memory::MiMalloc;
 struct Args {
     #[command(flatten)]
     common: CommonArgs,
-    /// Use one session for both roles even if two could be created.
-    #[arg(long)]
-    force_fallback: bool,
     /// What each doctor turn's reward-to-go is compared with.
     #[arg(long, value_enum, default_value_t = Baseline::Batch)]
     baseline: Baseline,
-    /// Cases per doctor step. Eight cases of four dialogues, rather than MrlX's groups
-    /// of eight: under the batch baseline the group does not set the baseline, and a
-    /// step that sees more complaints pulls less toward one diagnosis. Measured, 50
-    /// steps each (one run, with the patient's evasion fix in the second only): 4 × 8
-    /// held-out diagnosis 0.22 -> 0.28, 8 × 4 0.22 -> 0.50.
-    #[arg(long, default_value_t = 8)]
-    batch: usize,
     /// Dialogues per case (the doctor's RL group; MrlX samples 8 per prompt).
     #[arg(long, default_value_t = 4)]
     group: usize,
@@ -105,18 +97,6 @@ struct Args {
     /// Dialogues sampled more than this many patient updates ago are dropped.
     #[arg(long, default_value_t = 2)]
     max_staleness: u64,
-    /// Evaluate on held-out cases every this many doctor steps.
-    #[arg(long, default_value_t = 5)]
-    eval_every: usize,
-    /// Held-out cases, of the table's 168 (`recipes.md` asks for at least 64).
-    #[arg(long, default_value_t = 64)]
-    eval_size: usize,
-    /// Sampling temperature of the doctor's training dialogues (MrlX's 1.0: at 0.7 the
-    /// doctor collapsed to one diagnosis for every patient, held-out 0.22 -> 0.06 in 8
-    /// steps, at `--lr 1e-4` too, since a group whose samples all agree carries no
-    /// signal back).
-    #[arg(long, default_value_t = 1.0)]
-    temperature: f64,
     /// Temperature of the patient's replies (MrlX's patient tool samples at 0.6).
     #[arg(long, default_value_t = 0.6)]
     patient_temperature: f64,
@@ -138,12 +118,6 @@ struct Args {
     patient_lr: Option<f64>,
 }
 
-/// Doctor steps when `--steps` is not given: `recipes.md` gives the doctor 50 steps to
-/// gain 0.2 in held-out accuracy.
-const DEFAULT_STEPS: usize = 50;
-/// Adam learning rate when `--lr` is not given: at 5e-4 the doctor collapsed to one
-/// diagnosis for every patient within four steps.
-const DEFAULT_LR: f64 = 2e-4;
 const DOCTOR: usize = 0;
 const PATIENT: usize = 1;
 /// Held-out dialogues written to `samples.jsonl` per evaluation.
@@ -374,19 +348,28 @@ fn score(
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     init_tracing();
-    let args = Args::parse();
+    // 50 doctor steps: `recipes.md` gives the doctor 50 steps to gain 0.2 held-out; the
+    // rest: `recipes/doctor_patient_queue.md`.
+    let args: Args = parse_args(&[
+        ("steps", "50"),
+        ("lr", "2e-4"),
+        ("batch", "8"),
+        ("temperature", "1.0"),
+        ("eval_every", "5"),
+        ("eval_size", "64"),
+    ]);
     let c = &args.common;
-    let steps = c.steps_or(DEFAULT_STEPS);
+    let steps = c.steps;
     let Start { mut run, conn, tok } = start("doctor_patient_queue", c).await?;
     // Shared with the patient loop, which samples its drills.
     let tok = Arc::new(tok);
-    let sessions = AgentSessions::open(&conn, 2, args.force_fallback, |i| c.lora(i)).await?;
+    let sessions = AgentSessions::open(&conn, 2, c.force_fallback, |i| c.lora(i)).await?;
     let mode = sessions.mode();
     let doctor = sessions.trainer(DOCTOR).clone();
     let patient = sessions.trainer(PATIENT).clone();
-    let (train, held_out) = cases(c.seed, args.eval_size);
+    let (train, held_out) = cases(c.seed, c.eval_size);
     let adam = AdamParams {
-        learning_rate: c.lr_or(DEFAULT_LR),
+        learning_rate: c.lr,
         ..Default::default()
     };
 
@@ -418,7 +401,7 @@ async fn main() -> anyhow::Result<()> {
         queue_rx,
         publish,
         records_tx,
-        args.patient_batch.unwrap_or(args.batch * args.group).max(1),
+        args.patient_batch.unwrap_or(c.batch * args.group).max(1),
         args.max_staleness,
         AdamParams {
             learning_rate: args.patient_lr.unwrap_or(adam.learning_rate),
@@ -446,7 +429,7 @@ async fn main() -> anyhow::Result<()> {
         let doctor_sampler = doctor.save_weights_and_get_sampling_client().await?;
         let patient_version = latest_patient.borrow().0;
         // The last point is taken after the patient has drained the queue, below.
-        if step % args.eval_every.max(1) == 0 && step < steps {
+        if step % c.eval_every.max(1) == 0 && step < steps {
             let e = exam.evaluate(&doctor_sampler, step, &mut curves).await?;
             run.log(
                 &json!({"step": step, "patient_version": patient_version, "eval": e.to_json()}),
@@ -464,10 +447,9 @@ async fn main() -> anyhow::Result<()> {
         if step == steps {
             break;
         }
-        let batch: Vec<Case> = batch_at(&train, step, args.batch);
-        let doctor_generation =
-            Generation::sampled(TURN_TOKENS, args.temperature, c.step_seed(step))
-                .within(conn.max_context);
+        let batch: Vec<Case> = batch_at(&train, step, c.batch);
+        let doctor_generation = Generation::sampled(TURN_TOKENS, c.temperature, c.step_seed(step))
+            .within(conn.max_context);
         let patient_generation = Generation {
             temperature: args.patient_temperature,
             top_p: args.patient_top_p,
@@ -617,7 +599,10 @@ async fn main() -> anyhow::Result<()> {
     run.summary(&summary)?;
     let plotted = curves.plot(&run, &format!("doctor_patient_queue ({mode})"), "held-out")?;
     println!("mode: {mode}");
-    curves.report(&run, plotted, &checkpoints);
+    curves.report(&run, plotted);
+    for (role, ck) in &checkpoints {
+        println!("checkpoint {role}: {}", ck["state"].as_str().unwrap_or(""));
+    }
     if c.check && !passed {
         anyhow::bail!("criterion not met: {criterion}");
     }
