@@ -266,7 +266,11 @@ pub async fn run<R: Recipe>(recipe: &R, args: &CommonArgs) -> anyhow::Result<Sum
     let bar = progress(steps);
     bar.set_prefix(mode.clone());
     bar.set_position(start as u64);
+    // What the log and the curves hold before the last evaluation: the final state
+    // ends there, so a resume (which evaluates at its first step) repeats nothing.
+    let mut before_eval = (run.metrics_bytes(), curves.points());
     for step in start..=steps {
+        before_eval = (run.metrics_bytes(), curves.points());
         let samplers = publish(&team).await?;
         let policy = |role: usize, sampling: Sampling| Policy {
             sampler: samplers[team.of_role[role]].clone(),
@@ -346,7 +350,8 @@ pub async fn run<R: Recipe>(recipe: &R, args: &CommonArgs) -> anyhow::Result<Sum
     }
     bar.finish();
 
-    // The final state: `--resume` with a larger `--steps` trains further.
+    // The final state: `--resume` with a larger `--steps` trains further (and evaluates
+    // step `steps` again, as a straight run would have only if it was due).
     let uris = save_states(&team, recipe.name(), &tag, attempt, steps).await?;
     let mut checkpoints = BTreeMap::new();
     for (s, (label, state_uri)) in uris.iter().enumerate() {
@@ -372,8 +377,8 @@ pub async fn run<R: Recipe>(recipe: &R, args: &CommonArgs) -> anyhow::Result<Sum
         completed_steps: steps,
         settings: settings(recipe, args),
         checkpoints: uris,
-        curves: curves.points(),
-        metrics_bytes: run.metrics_bytes(),
+        curves: before_eval.1,
+        metrics_bytes: before_eval.0,
     }
     .write(&run.path)?;
 
