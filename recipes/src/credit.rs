@@ -101,24 +101,53 @@ pub fn advantages(groups: &[Vec<Episode>], credit: &Credit) -> Vec<f64> {
     }
 }
 
+/// How a reference completion becomes tokens (the tokenizer's `encode`).
+pub type Encode<'a> = &'a dyn Fn(&str) -> anyhow::Result<Vec<i64>>;
+
+/// [`Encode`] with `tok`.
+pub fn encoder(tok: &Tokenizer) -> impl Fn(&str) -> anyhow::Result<Vec<i64>> + '_ {
+    move |text| Ok(tok.encode(text)?)
+}
+
 /// Per role (of `roles`): the datums of `groups` under `objective`. RL datums carry the
 /// sampler's logprobs and the advantage on the reply's tokens; an episode's turns of one
 /// role that extend each other merge into one datum ([`trajectory_data`]). Supervised
-/// datums train each transition's prompt on its reference completion.
+/// datums train each transition's prompt on its reference completion, encoded by
+/// `encode`.
 pub fn role_data(
     groups: &[Vec<Episode>],
     objective: &Objective,
     roles: usize,
-    tok: &Tokenizer,
+    encode: Encode,
 ) -> anyhow::Result<Vec<Vec<Datum>>> {
     let mut out = vec![Vec::new(); roles];
+    for episode in episode_data(groups, objective, roles, encode)? {
+        for (role, data) in episode.into_iter().enumerate() {
+            out[role].extend(data);
+        }
+    }
+    Ok(out)
+}
+
+/// [`role_data`] per episode (in order: group, episode), then per role.
+pub fn episode_data(
+    groups: &[Vec<Episode>],
+    objective: &Objective,
+    roles: usize,
+    encode: Encode,
+) -> anyhow::Result<Vec<Vec<Vec<Datum>>>> {
+    let mut out = Vec::new();
     match objective {
         Objective::Supervised => {
-            for t in groups.iter().flatten().flat_map(|e| &e.transitions) {
-                if let Some(reference) = &t.reference {
-                    let completion = tok.encode(reference)?;
-                    out[t.role].push(Datum::supervised(&t.reply.prompt, &completion));
+            for e in groups.iter().flatten() {
+                let mut per_role = vec![Vec::new(); roles];
+                for t in &e.transitions {
+                    if let Some(reference) = &t.reference {
+                        let completion = encode(reference)?;
+                        per_role[t.role].push(Datum::supervised(&t.reply.prompt, &completion));
+                    }
                 }
+                out.push(per_role);
             }
         }
         Objective::Rl(_, credit) => {
@@ -131,9 +160,7 @@ pub fn role_data(
                         turns[t.role].push((&t.reply.prompt, &t.reply.sample, adv));
                     }
                 }
-                for (role, turns) in turns.iter().enumerate() {
-                    out[role].extend(trajectory_data(turns));
-                }
+                out.push(turns.iter().map(|t| trajectory_data(t)).collect());
             }
         }
     }
@@ -162,7 +189,7 @@ mod tests {
     fn episode(ts: Vec<Transition>) -> Episode {
         Episode {
             transitions: ts,
-            metrics: Default::default(),
+            ..Default::default()
         }
     }
 

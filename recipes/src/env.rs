@@ -108,6 +108,10 @@ pub struct Episode {
     pub transitions: Vec<Transition>,
     /// Named numbers for the logs and the held-out curves.
     pub metrics: Metrics,
+    /// What the environment was built from, as an index the recipe understands (the
+    /// case of a dialogue): a queued role's learner gets these back
+    /// ([`crate::rl::Recipe::learner_envs`]).
+    pub source: Option<usize>,
 }
 
 /// One episode of a recipe: a problem, a chain of agents, a dialogue.
@@ -157,8 +161,8 @@ mod tests {
     #[test]
     fn metrics_average_over_the_episodes_that_report_them() {
         let e = |pairs: &[(&str, f64)]| Episode {
-            transitions: Vec::new(),
             metrics: pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            ..Default::default()
         };
         let m = mean_metrics(&[e(&[("a", 1.0), ("b", 2.0)]), e(&[("a", 0.0)])]);
         assert_eq!(m["a"], 0.5);

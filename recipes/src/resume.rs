@@ -37,6 +37,10 @@ pub struct RunState {
     /// Bytes of `metrics.jsonl` written up to this state (lines after it are dropped on
     /// resume: they belong to steps that will run again).
     pub metrics_bytes: u64,
+    /// Per queued role: its learner's updates so far (its queue was drained before the
+    /// save, so no reply was lost).
+    #[serde(default)]
+    pub updates: Vec<(String, u64)>,
 }
 
 impl RunState {
@@ -188,6 +192,7 @@ mod tests {
             checkpoints: vec![("A".into(), "tinker://x/weights/y".into())],
             curves: vec![("acc".into(), vec![(0, 0.25)])],
             metrics_bytes: 10,
+            updates: vec![("patient".into(), 3)],
         };
         state.write(&dir).unwrap();
         assert_eq!(RunState::read(&dir).unwrap(), state);

@@ -26,15 +26,7 @@ impl RunDir {
     /// `metrics.jsonl` is kept up to its first `n` bytes, the lines of the saved steps,
     /// and appended to.
     pub fn open(recipe: &str, out: Option<&Path>, keep: Option<u64>) -> anyhow::Result<Self> {
-        let path = match out {
-            Some(p) => p.to_path_buf(),
-            None => {
-                let secs = std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)?
-                    .as_secs();
-                PathBuf::from("runs").join(format!("{recipe}-{secs}"))
-            }
-        };
+        let path = Self::path_for(recipe, out)?;
         std::fs::create_dir_all(&path)?;
         let file = std::fs::OpenOptions::new()
             .create(true)
@@ -54,6 +46,19 @@ impl RunDir {
             path,
             metrics: BufWriter::new(file),
             metrics_bytes: keep,
+        })
+    }
+
+    /// `out`, or `runs/<recipe>-<unix seconds>/`.
+    pub fn path_for(recipe: &str, out: Option<&Path>) -> anyhow::Result<PathBuf> {
+        Ok(match out {
+            Some(p) => p.to_path_buf(),
+            None => {
+                let secs = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)?
+                    .as_secs();
+                PathBuf::from("runs").join(format!("{recipe}-{secs}"))
+            }
         })
     }
 

@@ -144,7 +144,7 @@ fn doctor_patient_queue_terminates_cleanly_in_both_modes() {
         let patient_lines: Vec<serde_json::Value> = metrics
             .lines()
             .map(|l| serde_json::from_str(l).unwrap())
-            .filter(|v: &serde_json::Value| v.get("patient_update").is_some())
+            .filter(|v: &serde_json::Value| v.get("update").is_some() && v["role"] == "patient")
             .collect();
         assert!(
             !patient_lines.is_empty(),
@@ -154,11 +154,15 @@ fn doctor_patient_queue_terminates_cleanly_in_both_modes() {
             .iter()
             .map(|v| v["queue/received"].as_u64().unwrap())
             .sum();
-        assert_eq!(received, s["patient_dialogues_sent"].as_u64().unwrap());
+        assert_eq!(received, s["queues"]["patient"]["sent"].as_u64().unwrap());
+        assert_eq!(
+            received,
+            s["queues"]["patient"]["received"].as_u64().unwrap()
+        );
         for v in &patient_lines {
             assert!(v["queue/depth"].as_u64().unwrap() <= v["queue/capacity"].as_u64().unwrap());
             // Every update drills each of its cases: three questions, four replies each.
-            let drills = v["agents"]["patient"]["drills"].as_u64().unwrap();
+            let drills = v["agents"]["patient"]["learner_replies"].as_u64().unwrap();
             assert!(drills > 0 && drills % 12 == 0, "{v}");
         }
     }

@@ -79,7 +79,11 @@ fn final_adapters(out: &Path, steps: usize) -> BTreeMap<String, Vec<f32>> {
             }
         }
     }
-    assert!(!found.is_empty(), "no final adapter under {}", out.display());
+    assert!(
+        !found.is_empty(),
+        "no final adapter under {}",
+        out.display()
+    );
     found
 }
 
@@ -113,7 +117,11 @@ fn half_a_run_resumed_equals_the_whole_run() {
     }
     // A different run would not pass: the seed changes the weights.
     let other = root.join("other");
-    run(recipe(&model, 4, &["--out", other.to_str().unwrap(), "--seed", "1"]));
+    run(recipe(
+        &model,
+        4,
+        &["--out", other.to_str().unwrap(), "--seed", "1"],
+    ));
     assert_ne!(final_adapters(&other, 4), a);
 
     // Resuming from a checkpoint URI finds the run's other sessions by name.
@@ -122,7 +130,11 @@ fn half_a_run_resumed_equals_the_whole_run() {
         .unwrap()
         .to_string();
     let from_uri = root.join("straight");
-    run(recipe(&model, 5, &["--resume", &uri, "--out", from_uri.to_str().unwrap()]));
+    run(recipe(
+        &model,
+        5,
+        &["--resume", &uri, "--out", from_uri.to_str().unwrap()],
+    ));
     assert_eq!(state(&from_uri)["completed_steps"], 5);
     let _ = std::fs::remove_dir_all(root);
 }
@@ -133,13 +145,21 @@ fn a_killed_run_resumes_from_its_last_saved_step() {
     let model = tiny_model(&root.join("model"));
     let steps = 8;
     let (straight, killed) = (root.join("straight"), root.join("killed"));
-    run(recipe(&model, steps, &["--out", straight.to_str().unwrap(), "--force-fallback"]));
+    run(recipe(
+        &model,
+        steps,
+        &["--out", straight.to_str().unwrap(), "--force-fallback"],
+    ));
 
-    let mut child = recipe(&model, steps, &["--out", killed.to_str().unwrap(), "--force-fallback"])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = recipe(
+        &model,
+        steps,
+        &["--out", killed.to_str().unwrap(), "--force-fallback"],
+    )
+    .stdout(std::process::Stdio::null())
+    .stderr(std::process::Stdio::null())
+    .spawn()
+    .unwrap();
     let deadline = Instant::now() + Duration::from_secs(120);
     let saved = loop {
         let done = std::fs::read_to_string(killed.join("state.json"))
@@ -158,8 +178,67 @@ fn a_killed_run_resumes_from_its_last_saved_step() {
         (saved as usize) < steps,
         "the run finished before it could be killed"
     );
-    run(recipe(&model, steps, &["--resume", killed.to_str().unwrap(), "--force-fallback"]));
+    run(recipe(
+        &model,
+        steps,
+        &["--resume", killed.to_str().unwrap(), "--force-fallback"],
+    ));
     assert_eq!(metrics(&killed), metrics(&straight));
-    assert_eq!(final_adapters(&killed, steps), final_adapters(&straight, steps));
+    assert_eq!(
+        final_adapters(&killed, steps),
+        final_adapters(&straight, steps)
+    );
+    let _ = std::fs::remove_dir_all(root);
+}
+
+#[test]
+fn a_run_with_a_queued_learner_resumes_with_its_queue_drained() {
+    let root = std::env::temp_dir().join(format!("lathe-resume-q-{}", std::process::id()));
+    let model = tiny_model(&root.join("model"));
+    let out = root.join("run");
+    let dpq = |steps: &str, extra: &[&str]| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_doctor_patient_queue"));
+        cmd.args(["--model", model.to_str().unwrap(), "--steps", steps])
+            .args(["--batch", "2", "--group", "2", "--max-turns", "2"])
+            .args([
+                "--patient-batch",
+                "3",
+                "--eval-size",
+                "2",
+                "--eval-every",
+                "1",
+            ])
+            .args(["--save-every", "1"])
+            .args(extra)
+            .env_remove("TINKER_BASE_URL")
+            .env_remove("LATHE_BASE_URL");
+        cmd
+    };
+    run(dpq("2", &["--out", out.to_str().unwrap()]));
+    let saved = state(&out);
+    // Saving drained the queue: every consultation sent was trained on or dropped.
+    // (A random tiny model's replies all earn the same reward, so its learner may have
+    // nothing to train on; the count is kept either way.)
+    let updates = saved["updates"][0][1].as_u64().unwrap();
+    assert_eq!(saved["updates"][0][0], "patient");
+    run(dpq("3", &["--resume", out.to_str().unwrap()]));
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["resumed_from_step"], 2);
+    let q = &summary["queues"]["patient"];
+    assert_eq!(q["sent"], q["received"]);
+    // The resumed learner counts on from the saved updates.
+    assert!(q["updates"].as_u64().unwrap() >= updates, "{summary}");
+    let lines: Vec<serde_json::Value> = metrics(&out)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(
+        lines.iter().any(|v| v["role"] == "patient"),
+        "the learner logged nothing"
+    );
+    let steps: Vec<u64> = lines.iter().filter_map(|v| v["step"].as_u64()).collect();
+    // Steps 1..3 logged once each; the evaluations at 0, 1, 2 and 3 once each.
+    assert_eq!(steps, vec![0, 1, 1, 2, 2, 3, 3], "{lines:?}");
     let _ = std::fs::remove_dir_all(root);
 }

@@ -1,11 +1,12 @@
-//! The doctor/patient dialogue: both roles' prompts, the transcript, and [`play`], which
-//! runs a batch of dialogues against the doctor's sampler and the patient's newest one.
+//! The doctor/patient environments: both roles' prompts, the consultation, and single
+//! questions put to the patient (its held-out exam and its drills).
 
-use lathe::{SamplingClient, Tokenizer};
-use lathe_recipes::clinic::SORRY;
+use lathe_recipes::clinic::{diagnosis_correct, doctor_rewards, full_marks, patient_reward, SORRY};
 use lathe_recipes::data::{Case, DISEASES};
-use lathe_recipes::rollout::{sample_prompts, Generation, Sample};
-use tokio::sync::watch;
+use lathe_recipes::env::{rate, Env, Episode, Observation, Reply, Transition};
+use lathe_recipes::run::mean_of;
+
+use crate::{DOCTOR, PATIENT};
 
 /// New tokens per turn, either role.
 pub(crate) const TURN_TOKENS: usize = 16;
@@ -13,9 +14,8 @@ pub(crate) const TURN_TOKENS: usize = 16;
 /// The doctor's instructions. A 32B doctor knows medicine; a 135M one knows none of the
 /// synthetic table, so the header gives it the table as its textbook, indexed by symptom
 /// ("fever: flu or strep throat."): a small model finds the complaint's line and copies
-/// what follows it more readily than it finds the disease whose list holds the complaint.
-/// Measured on the base model over all 24 disease × complaint openings, greedy: 0.38 of
-/// first-turn diagnoses right with the index, 0.25 with the table by disease.
+/// what follows it more readily than it finds the disease whose list holds the complaint
+/// (the measurement is in `recipes/doctor_patient_queue.md`).
 fn doctor_header() -> String {
     let mut symptoms: Vec<&str> = Vec::new();
     for d in DISEASES {
@@ -56,11 +56,6 @@ pub(crate) struct Dialogue {
     pub(crate) turns: Vec<(String, String)>,
     /// The diagnosis line, once given.
     pub(crate) diagnosis: Option<String>,
-    /// The doctor's samples with their prompts, one per turn.
-    pub(crate) doctor_samples: Vec<(Vec<i64>, Sample)>,
-    /// The patient's samples with their prompts and the patient update that sampled
-    /// them, one per reply.
-    pub(crate) patient_samples: Vec<(Vec<i64>, Sample, u64)>,
 }
 
 impl Dialogue {
@@ -105,104 +100,183 @@ pub(crate) fn one_line(text: &str, other: &str) -> String {
     text.trim().trim_end_matches(other).trim().to_string()
 }
 
-/// The patient's newest sampler and its update count, published by the patient loop.
-pub(crate) type LatestPatient = watch::Receiver<(u64, SamplingClient)>;
+/// A doctor's turn: a line, cut where a small model starts writing the patient's.
+fn doctor_turn(prompt: String) -> Observation {
+    Observation::line(DOCTOR, prompt, TURN_TOKENS).stop_at(&["\n", "Patient:"])
+}
 
-/// Plays `group` dialogues of every case: doctor turns with `doctor`, replies with
-/// `patient`; every stage samples all open dialogues at once.
-#[allow(clippy::too_many_arguments)]
-pub(crate) async fn play(
-    doctor: &SamplingClient,
-    patient: &LatestPatient,
-    tok: &Tokenizer,
-    cases: &[Case],
-    group: usize,
-    max_turns: usize,
-    doctor_generation: &Generation,
-    patient_generation: &Generation,
-) -> anyhow::Result<Vec<(usize, Dialogue)>> {
-    let mut dialogues: Vec<(usize, Dialogue)> = (0..cases.len())
-        .flat_map(|c| (0..group).map(move |_| (c, Dialogue::default())))
-        .collect();
-    for turn in 0..max_turns.max(1) {
-        let last = turn + 1 == max_turns.max(1);
-        let open: Vec<usize> = (0..dialogues.len())
-            .filter(|&i| dialogues[i].1.diagnosis.is_none())
-            .collect();
-        if open.is_empty() {
-            break;
-        }
-        // A line ends a turn; a small model that writes the patient's line too is cut
-        // there.
-        let doctor_gen = Generation {
-            max_tokens: TURN_TOKENS,
-            seed: doctor_generation.seed.wrapping_add(turn as u64 * 31),
-            ..doctor_generation.clone()
-        }
-        .stop_at(&["\n", "Patient:"]);
-        // The first turn's prompt is the same for a case's whole group: one request with
-        // `group` samples, so the server prefills it once.
-        let lines: Vec<(Vec<i64>, Sample)> = if turn == 0 {
-            let prompts: Vec<String> = cases
-                .iter()
-                .map(|case| Dialogue::default().doctor_prompt(case, last))
-                .collect();
-            sample_prompts(doctor, tok, &prompts, group, &doctor_gen)
-                .await?
-                .into_iter()
-                .flat_map(|r| {
-                    let prompt = r.prompt;
-                    r.samples.into_iter().map(move |s| (prompt.clone(), s))
-                })
-                .collect()
-        } else {
-            let prompts: Vec<String> = open
-                .iter()
-                .map(|&i| dialogues[i].1.doctor_prompt(&cases[dialogues[i].0], last))
-                .collect();
-            sample_prompts(doctor, tok, &prompts, 1, &doctor_gen)
-                .await?
-                .into_iter()
-                .map(|r| (r.prompt, r.samples.into_iter().next().unwrap_or_default()))
-                .collect()
-        };
-        let mut questions = Vec::new();
-        for (&i, (prompt, sample)) in open.iter().zip(lines) {
-            let line = one_line(&sample.text, "Patient:");
-            let d = &mut dialogues[i].1;
-            d.doctor_samples.push((prompt, sample));
-            if last {
-                d.diagnosis = Some(line);
-            } else if let Some(at) = line.find("Diagnosis:") {
-                d.diagnosis = Some(line[at + "Diagnosis:".len()..].to_string());
-            } else {
-                questions.push((i, line));
-            }
-        }
-        if questions.is_empty() {
-            continue;
-        }
-        let prompts: Vec<String> = questions
-            .iter()
-            .map(|(i, q)| dialogues[*i].1.patient_prompt(&cases[dialogues[*i].0], q))
-            .collect();
-        let patient_gen = Generation {
-            max_tokens: TURN_TOKENS,
-            seed: doctor_gen.seed.wrapping_add(17),
-            ..patient_generation.clone()
-        }
-        .stop_at(&["\n", "Doctor:"]);
-        // The patient's newest weights, as MrlX's doctor queries the patient's router.
-        let (version, sampler) = patient.borrow().clone();
-        let replies = sample_prompts(&sampler, tok, &prompts, 1, &patient_gen).await?;
-        for ((i, q), r) in questions.into_iter().zip(replies) {
-            let sample = r.samples.into_iter().next().unwrap_or_default();
-            let d = &mut dialogues[i].1;
-            d.turns.push((q, one_line(&sample.text, "Doctor:")));
-            d.patient_samples.push((r.prompt, sample, version));
+/// A patient's reply: a line, cut where it starts writing the doctor's.
+fn patient_turn(prompt: String) -> Observation {
+    Observation::line(PATIENT, prompt, TURN_TOKENS).stop_at(&["\n", "Doctor:"])
+}
+
+/// One consultation: the doctor asks one question per turn or diagnoses; at the turn cap
+/// it must diagnose. Each doctor turn is credited with its reward-to-go
+/// ([`lathe_recipes::clinic::DoctorRewards::returns`]); each patient reply with [`patient_reward`].
+pub(crate) struct Consultation {
+    pub(crate) case: Case,
+    /// The case's index in its set: the patient's learner drills it.
+    pub(crate) source: usize,
+    pub(crate) max_turns: usize,
+    pub(crate) dialogue: Dialogue,
+    doctor: Vec<Reply>,
+    patient: Vec<Reply>,
+    /// The question awaiting the patient's reply.
+    asked: Option<String>,
+}
+
+impl Consultation {
+    pub(crate) fn new(case: Case, source: usize, max_turns: usize) -> Self {
+        Self {
+            case,
+            source,
+            max_turns: max_turns.max(1),
+            dialogue: Dialogue::default(),
+            doctor: Vec::new(),
+            patient: Vec::new(),
+            asked: None,
         }
     }
-    Ok(dialogues)
+
+    fn next_doctor_turn(&self) -> Observation {
+        let last = self.doctor.len() + 1 == self.max_turns;
+        doctor_turn(self.dialogue.doctor_prompt(&self.case, last))
+    }
+}
+
+impl Env for Consultation {
+    fn initial_observations(&mut self) -> Vec<Observation> {
+        vec![self.next_doctor_turn()]
+    }
+
+    fn step(&mut self, replies: Vec<Reply>) -> Vec<Observation> {
+        let Some(reply) = replies.into_iter().next() else {
+            return Vec::new();
+        };
+        if let Some(question) = self.asked.take() {
+            let answer = one_line(&reply.sample.text, "Doctor:");
+            self.dialogue.turns.push((question, answer));
+            self.patient.push(reply);
+            return vec![self.next_doctor_turn()];
+        }
+        let line = one_line(&reply.sample.text, "Patient:");
+        let last = self.doctor.len() + 1 == self.max_turns;
+        self.doctor.push(reply);
+        if last {
+            self.dialogue.diagnosis = Some(line);
+            Vec::new()
+        } else if let Some(at) = line.find("Diagnosis:") {
+            self.dialogue.diagnosis = Some(line[at + "Diagnosis:".len()..].to_string());
+            Vec::new()
+        } else {
+            let prompt = self.dialogue.patient_prompt(&self.case, &line);
+            self.asked = Some(line);
+            vec![patient_turn(prompt)]
+        }
+    }
+
+    fn finish(self: Box<Self>) -> Episode {
+        let Self {
+            case,
+            source,
+            dialogue,
+            doctor,
+            patient,
+            ..
+        } = *self;
+        let rewards = doctor_rewards(
+            dialogue.diagnosis.as_deref(),
+            dialogue.turns.iter().map(|(q, a)| (q.as_str(), a.as_str())),
+            &case,
+        );
+        let patient_rewards: Vec<f64> = dialogue
+            .turns
+            .iter()
+            .map(|(q, a)| patient_reward(q, a, &case))
+            .collect();
+        let mut e = Episode {
+            source: Some(source),
+            ..Default::default()
+        };
+        let correct = dialogue
+            .diagnosis
+            .as_deref()
+            .is_some_and(|d| diagnosis_correct(d, &case));
+        e.metrics.insert("diagnosis_accuracy".into(), rate(correct));
+        e.metrics.insert("doctor_reward".into(), rewards.total());
+        e.metrics.insert("doctor_turns".into(), doctor.len() as f64);
+        if let Some(m) = mean_of(&patient_rewards) {
+            e.metrics.insert("patient_reward".into(), m);
+        }
+        for (position, (reply, r)) in doctor.into_iter().zip(rewards.returns()).enumerate() {
+            e.transitions
+                .push(Transition::new(DOCTOR, reply, r, position));
+        }
+        for (position, (reply, r)) in patient.into_iter().zip(patient_rewards).enumerate() {
+            e.transitions
+                .push(Transition::new(PATIENT, reply, r, position));
+        }
+        e
+    }
+}
+
+/// One question put to a patient outside a dialogue, `samples` replies: the held-out
+/// exam (`metric` "exam") and the learner's drills ("drill").
+pub(crate) struct Question {
+    pub(crate) case: Case,
+    pub(crate) question: String,
+    pub(crate) samples: usize,
+    pub(crate) metric: &'static str,
+    replies: Vec<Reply>,
+}
+
+impl Question {
+    pub(crate) fn new(case: Case, question: String, samples: usize, metric: &'static str) -> Self {
+        Self {
+            case,
+            question,
+            samples,
+            metric,
+            replies: Vec::new(),
+        }
+    }
+}
+
+impl Env for Question {
+    fn initial_observations(&mut self) -> Vec<Observation> {
+        let prompt = Dialogue::default().patient_prompt(&self.case, &self.question);
+        vec![patient_turn(prompt); self.samples.max(1)]
+    }
+
+    fn step(&mut self, replies: Vec<Reply>) -> Vec<Observation> {
+        self.replies = replies;
+        Vec::new()
+    }
+
+    fn finish(self: Box<Self>) -> Episode {
+        let mut e = Episode::default();
+        let rewards: Vec<f64> = self
+            .replies
+            .iter()
+            .map(|r| {
+                patient_reward(
+                    &self.question,
+                    &one_line(&r.sample.text, "Doctor:"),
+                    &self.case,
+                )
+            })
+            .collect();
+        if let Some(m) = full_marks(&rewards) {
+            e.metrics.insert(format!("{}_correct", self.metric), m);
+        }
+        if let Some(m) = mean_of(&rewards) {
+            e.metrics.insert(format!("{}_reward", self.metric), m);
+        }
+        for (reply, r) in self.replies.into_iter().zip(rewards) {
+            e.transitions.push(Transition::new(PATIENT, reply, r, 0));
+        }
+        e
+    }
 }
 
 #[cfg(test)]

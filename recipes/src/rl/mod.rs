@@ -1,0 +1,194 @@
+//! The one training loop every recipe runs ([`run`]): per step, publish each session's
+//! weights to a sampler, evaluate on held-out environments when due, play the step's
+//! environment groups, credit the replies, train every session on its roles' datums (all
+//! sessions' steps in flight together, so the server fuses them), log, and save the state
+//! every `--save-every` steps so that `--resume` continues exactly.
+//!
+//! A role may instead be *queued* ([`Recipe::queued`]): its replies go onto a bounded
+//! queue, and a learner of its own ([`learner`]) trains on them off-policy, dropping
+//! replies sampled more than a bound of its updates ago and publishing fresh weights
+//! after each update, while the loop goes on (MrlX's asynchronous co-training).
+//!
+//! A recipe is a [`Recipe`]: its roles, environments, objective and criterion. The loop
+//! owns the run directory, the sessions (one per role, one per team, or one playing every
+//! role when no more can be created), the logs, the plots, the summary and resuming.
+
+mod learner;
+mod run;
+mod sessions;
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::credit::{Credit, Objective};
+use crate::env::{Env, EnvGroup};
+use crate::play::Sampling;
+use crate::run::Curves;
+
+pub use run::run;
+pub use sessions::AgentRecord;
+
+/// A held-out curve: its label in the plot and summary, and the episode metric it
+/// follows.
+#[derive(Debug, Clone, Copy)]
+pub struct Curve {
+    /// The label.
+    pub label: &'static str,
+    /// The name of the mean episode metric plotted.
+    pub metric: &'static str,
+}
+
+impl Curve {
+    /// The curve `label` over the metric `metric`.
+    pub const fn new(label: &'static str, metric: &'static str) -> Self {
+        Self { label, metric }
+    }
+}
+
+/// What a recipe promises and whether the run kept it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Criterion {
+    /// The promise, in words.
+    pub text: String,
+    /// Whether it held.
+    pub passed: bool,
+}
+
+/// How a recipe's roles map onto training sessions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Team {
+    /// One session per role (falling back to one for all when no more can be created).
+    PerRole,
+    /// One session trained on every role's replies by design (Miles' shared policy).
+    SharedPolicy,
+}
+
+/// How a queued role learns: off-policy from a bounded queue of its replies.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Queued {
+    /// Episodes' worth of replies per update (fewer at a flush or the end).
+    pub batch: usize,
+    /// Replies sampled more than this many of the role's updates ago are dropped.
+    pub max_staleness: u64,
+    /// Queue capacity in episodes; a full queue makes the loop wait.
+    pub capacity: usize,
+    /// The role's Adam learning rate.
+    pub lr: f64,
+    /// How its replies are credited: over each update's batch.
+    pub credit: Credit,
+}
+
+/// A recipe for [`run`]: roles, environments, objective, held-out evaluation and
+/// criterion. Everything random must derive from the step number and the seed the recipe
+/// was built with, so a resumed run continues exactly.
+pub trait Recipe {
+    /// The recipe's name (run directory, checkpoint names, summary).
+    fn name(&self) -> &'static str;
+    /// The role names, in index order.
+    fn roles(&self) -> Vec<&'static str>;
+    /// How roles map onto sessions.
+    fn team(&self) -> Team {
+        Team::PerRole
+    }
+    /// What a step trains its on-policy roles on.
+    fn objective(&self) -> Objective;
+    /// Whether `role` learns from a queue instead, and how.
+    fn queued(&self, _role: usize) -> Option<Queued> {
+        None
+    }
+    /// Environments a queued role's learner plays from its newest weights before an
+    /// update and trains on with the queued replies (the patient's drills), given the
+    /// [`crate::env::Episode::source`]s of the update's queued episodes; `cursor` is the
+    /// learner's own counter, kept between updates.
+    fn learner_envs(
+        &self,
+        _role: usize,
+        _sources: &[usize],
+        _cursor: &mut usize,
+    ) -> Vec<Box<dyn Env>> {
+        Vec::new()
+    }
+    /// How `role` samples its training replies.
+    fn sampling(&self, role: usize) -> Sampling;
+    /// How a queued role's learner samples its own environments.
+    fn learner_sampling(&self, role: usize) -> Sampling {
+        self.sampling(role)
+    }
+    /// How `role` samples on held-out environments (greedy unless the recipe says).
+    fn eval_sampling(&self, _role: usize) -> Sampling {
+        Sampling::GREEDY
+    }
+    /// The sampling seed of held-out evaluations (one for all, so evaluations differ
+    /// only by the weights).
+    fn eval_seed(&self) -> u64 {
+        0
+    }
+    /// The environment groups of training step `step`.
+    fn groups(&self, step: usize) -> Vec<EnvGroup>;
+    /// The held-out environments.
+    fn held_out(&self) -> Vec<Box<dyn Env>>;
+    /// The held-out curves; the progress bar shows them.
+    fn curves(&self) -> Vec<Curve>;
+    /// The recipe's criterion over the finished curves.
+    fn criterion(&self, curves: &Curves) -> Criterion;
+    /// The recipe's own settings, in words (a resume with other settings is warned).
+    fn settings(&self) -> String;
+    /// Recipe-specific fields of `summary.json`.
+    fn summary_fields(&self) -> serde_json::Map<String, Value> {
+        serde_json::Map::new()
+    }
+}
+
+/// The end of a run, as written to `summary.json`.
+#[derive(Debug, Clone, Serialize)]
+pub struct Summary {
+    /// The recipe.
+    pub recipe: String,
+    /// `two-agent`, `fallback`, `shared-policy`, ...
+    pub mode: String,
+    /// Why one session plays every role, in fallback mode.
+    pub fallback_reason: Option<String>,
+    /// Training steps done.
+    pub steps: usize,
+    /// The step this run resumed from, if it did.
+    pub resumed_from_step: Option<usize>,
+    /// The base model.
+    pub base_model: String,
+    /// The held-out curves: `{label: {before, after, curve}}`.
+    pub held_out: Value,
+    /// The criterion, in words.
+    pub criterion: String,
+    /// Whether it held.
+    pub passed: bool,
+    /// Per session label: the final state and sampler URIs.
+    pub checkpoints: BTreeMap<String, Saved>,
+    /// Per queued role: its updates and the episodes it received and dropped as stale.
+    pub queues: BTreeMap<String, QueueTotals>,
+    /// Recipe-specific fields.
+    #[serde(flatten)]
+    pub recipe_fields: serde_json::Map<String, Value>,
+}
+
+/// A session's final checkpoints.
+#[derive(Debug, Clone, Serialize)]
+pub struct Saved {
+    /// Training state (with optimizer): `--resume` or `load_state_with_optimizer`.
+    pub state: String,
+    /// Sampler weights.
+    pub sampler: String,
+}
+
+/// What went through a queued role's queue in this process.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct QueueTotals {
+    /// Episodes put on the queue.
+    pub sent: u64,
+    /// Episodes its learner received (all of `sent` once the run ends cleanly).
+    pub received: u64,
+    /// Of those, dropped as stale.
+    pub dropped: u64,
+    /// The role's updates so far (a resumed run counts on from the saved number).
+    pub updates: u64,
+}

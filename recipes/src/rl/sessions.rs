@@ -1,0 +1,252 @@
+//! The sessions of a run: which plays which role, opening or resuming them, publishing
+//! their weights, saving their states, and one synchronous training step.
+
+use std::collections::BTreeMap;
+
+use lathe::types::{AdamParams, Datum, LossFn};
+use lathe::{SamplingClient, Tokenizer, TrainingClient};
+use serde::Serialize;
+use tokio::sync::Mutex;
+
+use super::{Recipe, Team};
+use crate::credit::{encoder, role_data, Objective};
+use crate::env::Episode;
+use crate::resume::{checkpoint_name, RunState};
+use crate::rollout::{ratio_mean, submit_step, Sample, Step, StepOutcome};
+use crate::setup::{AgentSessions, CommonArgs, Connection};
+
+/// The sessions of a run and which plays which role.
+pub(super) struct RoleSessions {
+    pub(super) sessions: AgentSessions,
+    /// Session index of each role.
+    pub(super) of_role: Vec<usize>,
+    /// Each session's label in checkpoint names.
+    pub(super) labels: Vec<String>,
+    /// Held while a session's step is submitted, so that a queued role's learner and
+    /// the loop never interleave their `forward_backward` / `optim_step` pairs on one
+    /// session (fallback mode): the server runs a session's requests in order.
+    locks: Vec<Mutex<()>>,
+}
+
+impl RoleSessions {
+    fn new(sessions: AgentSessions, roles: &[&'static str], team: Team) -> Self {
+        let distinct = sessions.distinct();
+        let of_role: Vec<usize> = (0..roles.len())
+            .map(|r| if distinct == 1 { 0 } else { r })
+            .collect();
+        let labels = if distinct == 1 && roles.len() > 1 {
+            vec![match team {
+                Team::SharedPolicy => "policy".to_string(),
+                Team::PerRole => "shared".to_string(),
+            }]
+        } else {
+            roles[..distinct].iter().map(|r| r.to_string()).collect()
+        };
+        let locks = labels.iter().map(|_| Mutex::new(())).collect();
+        Self {
+            sessions,
+            of_role,
+            labels,
+            locks,
+        }
+    }
+
+    pub(super) fn trainer(&self, session: usize) -> &TrainingClient {
+        self.sessions.trainer(session)
+    }
+
+    /// Submits a training step of `session` under its lock.
+    pub(super) async fn submit(
+        &self,
+        session: usize,
+        data: &[Datum],
+        loss: LossFn,
+        adam: AdamParams,
+    ) -> anyhow::Result<Option<Step>> {
+        let _guard = self.locks[session].lock().await;
+        submit_step(self.trainer(session), data, loss, adam).await
+    }
+
+    pub(super) fn count(&self) -> usize {
+        self.labels.len()
+    }
+
+    pub(super) fn mode(&self, team: Team) -> String {
+        match team {
+            Team::SharedPolicy => "shared-policy".into(),
+            Team::PerRole => self.sessions.mode().into(),
+        }
+    }
+}
+
+/// The run's sessions: resumed from `state`'s checkpoints, or new.
+pub(super) async fn open_team<R: Recipe>(
+    conn: &Connection,
+    recipe: &R,
+    args: &CommonArgs,
+    state: Option<&RunState>,
+    roles: &[&'static str],
+) -> anyhow::Result<RoleSessions> {
+    let team = recipe.team();
+    let wanted = match team {
+        Team::SharedPolicy => 1,
+        Team::PerRole => roles.len(),
+    };
+    let sessions = match state {
+        None => AgentSessions::open(conn, wanted, args.force_fallback, |i| args.lora(i)).await?,
+        Some(s) => {
+            let mut trainers = Vec::with_capacity(s.checkpoints.len());
+            for (label, uri) in &s.checkpoints {
+                eprintln!("loading {label} from {uri}");
+                trainers.push(
+                    conn.service
+                        .create_training_client_from_state_with_optimizer(
+                            &uri.parse()
+                                .map_err(|e: String| anyhow::anyhow!("{uri}: {e}"))?,
+                        )
+                        .await?,
+                );
+            }
+            let fallback = (trainers.len() == 1 && wanted > 1)
+                .then(|| "the resumed run had one session for every role".to_string());
+            anyhow::ensure!(
+                trainers.len() == 1 || trainers.len() == wanted,
+                "the run saved {} sessions; {} has {wanted}",
+                trainers.len(),
+                recipe.name()
+            );
+            AgentSessions::from_trainers(trainers, wanted, fallback)
+        }
+    };
+    Ok(RoleSessions::new(sessions, roles, team))
+}
+
+/// A sampler on each session's current weights.
+pub(super) async fn publish(team: &RoleSessions) -> anyhow::Result<Vec<SamplingClient>> {
+    let mut out = Vec::with_capacity(team.count());
+    for s in 0..team.count() {
+        out.push(
+            team.trainer(s)
+                .save_weights_and_get_sampling_client()
+                .await?,
+        );
+    }
+    Ok(out)
+}
+
+/// One role's numbers of a training step.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct AgentRecord {
+    /// Mean reward of its replies (`null` without replies).
+    pub reward_mean: Option<f64>,
+    /// Its session's loss per datum (`null` when the session trained on nothing).
+    pub loss: Option<f64>,
+    /// Datums it trained on.
+    pub datums: usize,
+    /// Mean `exp(train logprob − sampler logprob)` over its sampled tokens: 1.0 when
+    /// trainer and sampler agree (`null` without sampled tokens).
+    pub ratio_mean: Option<f64>,
+    /// For a queued role: its episodes put on the queue this step (it trains in its own
+    /// learner, which logs its updates).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub queued: Option<usize>,
+}
+
+/// Which datums of a session's step are which role's: `(role, index range)`.
+type RoleRanges = Vec<(usize, std::ops::Range<usize>)>;
+
+/// Credits the step's replies, trains every session on its on-policy roles' datums and
+/// measures the trainer/sampler agreement per role; `queued[r]` marks the roles left to
+/// their learners.
+pub(super) async fn train_step(
+    team: &RoleSessions,
+    groups: &[Vec<Episode>],
+    objective: &Objective,
+    roles: &[&'static str],
+    queued: &[bool],
+    adam: AdamParams,
+    tok: &Tokenizer,
+) -> anyhow::Result<BTreeMap<String, AgentRecord>> {
+    let mut per_role = role_data(groups, objective, roles.len(), &encoder(tok))?;
+    for (data, _) in per_role.iter_mut().zip(queued).filter(|(_, q)| **q) {
+        data.clear();
+    }
+    let mut records: Vec<AgentRecord> = (0..roles.len())
+        .map(|r| {
+            let rewards: Vec<f64> = groups
+                .iter()
+                .flatten()
+                .flat_map(|e| &e.transitions)
+                .filter(|t| t.role == r)
+                .map(|t| t.reward)
+                .collect();
+            AgentRecord {
+                reward_mean: crate::run::mean_of(&rewards),
+                datums: per_role[r].len(),
+                ..Default::default()
+            }
+        })
+        .collect();
+    // A role whose datums hold no sampled tokens (none at all, or supervised ones) is
+    // checked with a forward pass over a few of its replies, before any update; the
+    // others from their own training pass.
+    let own_pass = matches!(objective, Objective::Rl(..));
+    for (r, record) in records.iter_mut().enumerate() {
+        if !queued[r] && (record.datums == 0 || !own_pass) {
+            let replies: Vec<(&[i64], &Sample)> = groups
+                .iter()
+                .flatten()
+                .flat_map(|e| &e.transitions)
+                .filter(|t| t.role == r && !t.reply.sample.tokens.is_empty())
+                .take(16)
+                .map(|t| (&t.reply.prompt[..], &t.reply.sample))
+                .collect();
+            record.ratio_mean = ratio_mean(team.trainer(team.of_role[r]), &replies).await?;
+        }
+    }
+    // Each session's datums: its roles' in role order, with each role's index range.
+    let mut pending: Vec<(RoleRanges, Step)> = Vec::new();
+    for s in 0..team.count() {
+        let mut data: Vec<Datum> = Vec::new();
+        let mut ranges = Vec::new();
+        for (r, role_data) in per_role.iter().enumerate() {
+            if team.of_role[r] == s {
+                ranges.push((r, data.len()..data.len() + role_data.len()));
+                data.extend(role_data.iter().cloned());
+            }
+        }
+        if let Some(step) = team.submit(s, &data, objective.loss_fn(), adam).await? {
+            pending.push((ranges, step));
+        }
+    }
+    for (ranges, step) in pending {
+        let outcome: StepOutcome = step.finish().await?;
+        for (r, range) in ranges {
+            records[r].loss = Some(outcome.loss);
+            if records[r].datums > 0 && own_pass {
+                records[r].ratio_mean = outcome.ratio_mean_where(|i| range.contains(&i));
+            }
+        }
+    }
+    Ok(roles.iter().map(|r| r.to_string()).zip(records).collect())
+}
+
+/// Saves every session's training state as step `done`; returns `(label, URI)` pairs.
+pub(super) async fn save_states(
+    team: &RoleSessions,
+    recipe: &str,
+    tag: &str,
+    attempt: u32,
+    done: usize,
+) -> anyhow::Result<Vec<(String, String)>> {
+    let mut pending = Vec::new();
+    for (s, label) in team.labels.iter().enumerate() {
+        let name = checkpoint_name(recipe, tag, attempt, done, label);
+        pending.push((label.clone(), team.trainer(s).save_state(&name).await?));
+    }
+    let mut out = Vec::new();
+    for (label, future) in pending {
+        out.push((label, future.result().await?.to_string()));
+    }
+    Ok(out)
+}
