@@ -108,7 +108,7 @@ impl DoctorRewards {
 /// "sorry" still costs 2.
 /// Without the relevance rule the doctor learned to ask every patient about a sore
 /// throat, a sure +1, and then to diagnose strep throat, the disease whose index line
-/// follows it (held-out accuracy 0.22 -> 0.06 at step 12). MrlX's capable patient
+/// follows it (`recipes/doctor_patient_queue.md`). MrlX's capable patient
 /// refuses questions off its case; a 135M patient answers them, and the doctor learned,
 /// in turn, to ask anything ("What is your name?") and to re-ask the complaint ("Do you
 /// have nausea?" to a patient who opened with nausea) for +1 a turn — and the patient,

@@ -34,20 +34,6 @@ fn font_ready() -> bool {
 /// Named series of `(step, value)` points.
 pub type Series<'a> = [(&'a str, &'a [(usize, f64)])];
 
-/// Draws one line per named series of `(step, value)` points into `path`, on a 0..1
-/// axis. Returns `Ok(false)` when no font is available and nothing was drawn.
-pub fn curves(path: &Path, title: &str, y_label: &str, series: &Series) -> anyhow::Result<bool> {
-    if !font_ready() {
-        eprintln!("no TrueType font found; skipping {}", path.display());
-        return Ok(false);
-    }
-    let root = BitMapBackend::new(path, (800, 500)).into_drawing_area();
-    root.fill(&WHITE)?;
-    panel(&root, title, y_label, series, Some((0.0, 1.0)))?;
-    root.present()?;
-    Ok(true)
-}
-
 /// A run's plot: the held-out curves on top, then each agent's training reward and its
 /// loss per datum, on axes fitted to them. `Ok(false)` when no font is available.
 pub fn run_curves(
@@ -156,18 +142,12 @@ mod tests {
     fn draws_a_png_when_a_font_exists() {
         let path = std::env::temp_dir().join(format!("lathe-curves-{}.png", std::process::id()));
         let pts = [(0, 0.1), (4, 0.5), (8, 0.7)];
-        let drawn = curves(&path, "test", "accuracy", &[("A", &pts), ("B", &pts[..2])]).unwrap();
-        if drawn {
-            let bytes = std::fs::read(&path).unwrap();
-            assert_eq!(&bytes[1..4], b"PNG");
-            std::fs::remove_file(&path).unwrap();
-        }
         let training = vec![
             ("A reward".to_string(), vec![(1, 0.5), (2, 1.5)]),
             ("A loss".to_string(), vec![(1, 2.0), (2, f64::NAN)]),
         ];
-        let path = path.with_extension("run.png");
-        if run_curves(&path, "run", &[("acc", &pts)], &training).unwrap() {
+        let held_out = [("A", &pts[..]), ("B", &pts[..2])];
+        if run_curves(&path, "run", &held_out, &training).unwrap() {
             assert_eq!(&std::fs::read(&path).unwrap()[1..4], b"PNG");
             std::fs::remove_file(path).unwrap();
         }

@@ -1,13 +1,11 @@
-//! Rollout helpers over the SDK: sample many prompts at once, turn samples into RL
-//! datums, check that trainer and sampler agree, and run one training step.
+//! Samples and the SDK calls around them: RL datums from sampled completions (merging a
+//! trajectory's turns), the trainer/sampler agreement check, and one training step.
 
 use std::collections::BTreeMap;
 
 use anyhow::Context;
-use lathe::types::{
-    AdamParams, Datum, LossFn, ModelInput, SamplingParams, StopCondition, TensorData,
-};
-use lathe::{SamplingClient, Tokenizer, TrainingClient};
+use lathe::types::{AdamParams, Datum, LossFn, ModelInput, TensorData};
+use lathe::TrainingClient;
 
 /// One sampled completion.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -18,143 +16,6 @@ pub struct Sample {
     pub logprobs: Vec<f64>,
     /// The decoded text.
     pub text: String,
-}
-
-/// The samples of one prompt.
-#[derive(Debug, Clone)]
-pub struct Rollout {
-    /// The encoded prompt.
-    pub prompt: Vec<i64>,
-    /// One entry per requested sample.
-    pub samples: Vec<Sample>,
-}
-
-impl Rollout {
-    /// The prompt with the first sample: the pair a one-sample request trains on, and the
-    /// one the agreement check reads.
-    pub fn first(&self) -> (&[i64], &Sample) {
-        (&self.prompt, &self.samples[0])
-    }
-}
-
-/// How to generate.
-#[derive(Debug, Clone)]
-pub struct Generation {
-    /// New tokens at most.
-    pub max_tokens: usize,
-    /// Softmax temperature (0 = greedy).
-    pub temperature: f64,
-    /// Nucleus sampling: only the most likely tokens whose probabilities sum to `top_p`
-    /// are drawn from (1 = all).
-    pub top_p: f64,
-    /// Stop strings.
-    pub stop: Vec<String>,
-    /// Seed of the first prompt; prompt `i` uses a seed derived from it and `i`, so a
-    /// rerun samples the same.
-    pub seed: u64,
-    /// The model's context length: `max_tokens` shrinks to fit each prompt, and a prompt
-    /// that leaves no room gets empty samples instead of an error (as Miles skips it).
-    pub context_limit: Option<usize>,
-}
-
-impl Generation {
-    /// Greedy decoding that stops at a newline.
-    pub fn greedy(max_tokens: usize) -> Self {
-        Self {
-            max_tokens,
-            temperature: 0.0,
-            top_p: 1.0,
-            stop: vec!["\n".into()],
-            seed: 0,
-            context_limit: None,
-        }
-    }
-
-    /// Sampling at `temperature`, stopping at a newline.
-    pub fn sampled(max_tokens: usize, temperature: f64, seed: u64) -> Self {
-        Self {
-            max_tokens,
-            temperature,
-            top_p: 1.0,
-            stop: vec!["\n".into()],
-            seed,
-            context_limit: None,
-        }
-    }
-
-    /// The same settings within a context of `limit` tokens (`None`: unknown).
-    pub fn within(mut self, limit: Option<usize>) -> Self {
-        self.context_limit = limit;
-        self
-    }
-
-    /// New tokens allowed after a prompt of `prompt_len` tokens (0: no room).
-    fn room(&self, prompt_len: usize) -> usize {
-        self.context_limit.map_or(self.max_tokens, |limit| {
-            self.max_tokens.min(limit.saturating_sub(prompt_len))
-        })
-    }
-
-    /// The same settings with other stop strings.
-    pub fn stop_at(mut self, stop: &[&str]) -> Self {
-        self.stop = stop.iter().map(|s| s.to_string()).collect();
-        self
-    }
-}
-
-/// Samples `n` completions of every prompt; all requests are in flight together, so the
-/// server decodes them in one batch.
-pub async fn sample_prompts(
-    sampler: &SamplingClient,
-    tok: &Tokenizer,
-    prompts: &[String],
-    n: usize,
-    generation: &Generation,
-) -> anyhow::Result<Vec<Rollout>> {
-    let mut pending = Vec::with_capacity(prompts.len());
-    for (i, text) in prompts.iter().enumerate() {
-        let ids = tok.encode(text)?;
-        let room = generation.room(ids.len());
-        if room == 0 {
-            pending.push((None, ids));
-            continue;
-        }
-        let params = SamplingParams {
-            max_tokens: Some(room),
-            seed: Some(generation.seed.wrapping_add(i as u64 * 7919)),
-            stop: (!generation.stop.is_empty())
-                .then(|| StopCondition::Texts(generation.stop.clone())),
-            temperature: generation.temperature,
-            top_p: generation.top_p,
-            ..Default::default()
-        };
-        let future = sampler
-            .sample(&ModelInput::from_ints(ids.clone()), n, &params)
-            .await?;
-        pending.push((Some(future), ids));
-    }
-    let mut out = Vec::with_capacity(pending.len());
-    for (future, prompt) in pending {
-        let Some(future) = future else {
-            out.push(Rollout {
-                prompt,
-                samples: vec![Sample::default(); n],
-            });
-            continue;
-        };
-        let response = future.result().await?;
-        let samples = response
-            .sequences
-            .into_iter()
-            .map(|s| Sample {
-                text: tok.decode(&s.tokens).unwrap_or_default(),
-                logprobs: s.logprobs.unwrap_or_default(),
-                tokens: s.tokens,
-            })
-            .collect();
-        out.push(Rollout { prompt, samples });
-    }
-    Ok(out)
 }
 
 /// An RL datum for one sampled completion: the sampler's logprobs and `advantage` on the
@@ -477,17 +338,6 @@ mod tests {
         let data = trajectory_data(&[(&[1, 2, 3], &first, 2.0), (&[1, 2, 9, 4, 5], &second, 2.0)]);
         assert_eq!(data.len(), 2);
         assert_eq!(data[1], rl_datum(&[1, 2, 9, 4, 5], &second, 2.0));
-    }
-
-    #[test]
-    fn max_tokens_shrink_to_fit_the_context() {
-        let g = Generation::greedy(16);
-        assert_eq!(g.room(1000), 16);
-        let g = g.within(Some(100));
-        assert_eq!(
-            (g.room(50), g.room(90), g.room(100), g.room(120)),
-            (16, 10, 0, 0)
-        );
     }
 
     #[test]

@@ -17,14 +17,9 @@ pub struct RunDir {
 }
 
 impl RunDir {
-    /// Creates `out`, or `runs/<recipe>-<unix seconds>/`, with an empty `metrics.jsonl`.
-    pub fn create(recipe: &str, out: Option<&Path>) -> anyhow::Result<Self> {
-        Self::open(recipe, out, None)
-    }
-
-    /// As [`RunDir::create`]; with `keep = Some(n)` (a resumed run) the existing
-    /// `metrics.jsonl` is kept up to its first `n` bytes, the lines of the saved steps,
-    /// and appended to.
+    /// Creates `out`, or `runs/<recipe>-<unix seconds>/`, with an empty `metrics.jsonl`;
+    /// with `keep = Some(n)` (a resumed run) the existing `metrics.jsonl` is kept up to
+    /// its first `n` bytes, the lines of the saved steps, and appended to.
     pub fn open(recipe: &str, out: Option<&Path>, keep: Option<u64>) -> anyhow::Result<Self> {
         let path = Self::path_for(recipe, out)?;
         std::fs::create_dir_all(&path)?;
@@ -179,16 +174,6 @@ impl Curves {
             })
             .collect();
         Value::Object(map)
-    }
-
-    /// Draws `curves.png` into the run directory; false when no font was found.
-    pub fn plot(&self, run: &RunDir, title: &str, y_label: &str) -> anyhow::Result<bool> {
-        let series: Vec<(&str, &[(usize, f64)])> = self
-            .series
-            .iter()
-            .map(|(n, p)| (n.as_str(), p.as_slice()))
-            .collect();
-        crate::plot::curves(&run.path.join("curves.png"), title, y_label, &series)
     }
 
     /// Prints the before/after table and where the outputs are.

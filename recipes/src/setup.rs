@@ -97,32 +97,6 @@ impl CommonArgs {
         }
     }
 
-    /// The sampling seed of training step `step`.
-    pub fn step_seed(&self, step: usize) -> u64 {
-        self.seed * 1_000_003 + step as u64 * 101
-    }
-}
-
-/// What every recipe starts with: its output directory, the connection and the base
-/// model's tokenizer.
-pub struct Start {
-    /// Where the run writes.
-    pub run: crate::run::RunDir,
-    /// The service.
-    pub conn: Connection,
-    /// The base model's tokenizer.
-    pub tok: lathe::Tokenizer,
-}
-
-/// Creates the run directory, connects (or embeds a server) and fetches the tokenizer,
-/// saying where each is on stderr.
-pub async fn start(recipe: &str, args: &CommonArgs) -> anyhow::Result<Start> {
-    let run = crate::run::RunDir::create(recipe, args.out.as_deref())?;
-    eprintln!("{recipe}: output in {}", run.path.display());
-    let conn = connect(args, &run.path).await?;
-    eprintln!("endpoint {}, base model {}", conn.endpoint, conn.base_model);
-    let tok = conn.service.get_tokenizer(&conn.base_model).await?;
-    Ok(Start { run, conn, tok })
 }
 
 /// A connection and the embedded server behind it, if any.
@@ -325,17 +299,6 @@ impl AgentSessions {
             _ => "multi-agent",
         }
     }
-}
-
-/// Saves `trainer`'s state and sampler weights as `name`; returns both URIs as JSON.
-pub async fn save_final(trainer: &TrainingClient, name: &str) -> anyhow::Result<serde_json::Value> {
-    let state = trainer.save_state(name).await?.result().await?;
-    let sampler = trainer
-        .save_weights_for_sampler(name)
-        .await?
-        .result()
-        .await?;
-    Ok(serde_json::json!({"state": state.to_string(), "sampler": sampler.to_string()}))
 }
 
 /// Logs to stderr at `RUST_LOG` (default `warn`), so progress bars stay readable.
