@@ -1,10 +1,14 @@
 //! Group-relative advantages.
 
 /// Rewards minus their group's mean (GRPO without the std division, as the Tinker
-/// cookbook does). A group whose rewards are all equal gets zeros: it carries no signal.
+/// cookbook does). A group whose rewards are all equal gets zeros, exactly (not the
+/// rounding residue of `0.1 - mean(0.1, 0.1, 0.1)`): it carries no signal.
 pub fn group_centred(rewards: &[f64]) -> Vec<f64> {
     if rewards.is_empty() {
         return Vec::new();
+    }
+    if rewards.iter().all(|&r| r == rewards[0]) {
+        return vec![0.0; rewards.len()];
     }
     let mean = rewards.iter().sum::<f64>() / rewards.len() as f64;
     rewards.iter().map(|r| r - mean).collect()
@@ -72,6 +76,7 @@ mod tests {
             [0.625, -0.625, -0.625, 0.625]
         );
         assert_eq!(group_centred(&[1.0, 1.0]), [0.0, 0.0]);
+        assert_eq!(group_centred(&[0.1, 0.1, 0.1]), [0.0, 0.0, 0.0]);
         assert!(group_centred(&[]).is_empty());
     }
 

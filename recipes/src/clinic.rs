@@ -175,14 +175,13 @@ pub fn patient_reward(question: &str, reply: &str, case: &Case) -> f64 {
     let yes = lower.contains(" yes ");
     let no = lower.contains(" no ") || lower.contains(" not ") || lower.contains(" don t ");
     // A bare reply that says both ("Yes, no. No.") answers nothing: it neither confirms
-    // nor denies. A 50-step run learned it, since it dodged both penalties either way.
+    // nor denies (a patient learned it: it dodged both penalties either way).
     let hedged = yes && no && said.is_empty();
     let (yes, no) = if hedged { (false, false) } else { (yes, no) };
     // Evading a symptom question, by hedging or by the refusal the prompt keeps for
     // questions off the case, misses the fact and contradicts the case, which answers it.
-    // Scored as a miss alone, evasion (0.93) matched a patient that guesses (1 or 0.87)
-    // and beat it on questions off the case, and a 50-step run learned to say "sorry" to
-    // every question, which then cost every doctor question 2.
+    // Scored as a miss alone, evasion paid what a guess pays and more off the case, and a
+    // patient learned to refuse every question (`recipes/doctor_patient_queue.md`).
     let evaded = !asked.is_empty() && (hedged || is_sorry(reply));
     let volunteered = said
         .iter()

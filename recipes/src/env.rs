@@ -22,7 +22,7 @@ use crate::rollout::Sample;
 pub type Metrics = BTreeMap<String, f64>;
 
 /// A prompt for one role.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Observation {
     /// Index of the role that answers (into the recipe's role names).
     pub role: usize,

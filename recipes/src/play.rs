@@ -3,6 +3,8 @@
 //! identical prompts of a round (a group's shared first prompt) go as one request with
 //! several samples, so the server prefills them once.
 
+use std::collections::HashMap;
+
 use anyhow::Context;
 use lathe::types::{ModelInput, SamplingParams, StopCondition};
 use lathe::{SamplingClient, Tokenizer};
@@ -97,17 +99,21 @@ pub async fn play(
     while !open.is_empty() {
         anyhow::ensure!(
             (round as usize) < MAX_ROUNDS,
-            "an environment asked for more than {MAX_ROUNDS} rounds of replies"
+            "an environment asked for more than {MAX_ROUNDS} rounds of replies (a turn limit that high, or an environment that never finishes)"
         );
         let mut requests: Vec<Request> = Vec::new();
+        let mut index: HashMap<&Observation, usize> = HashMap::new();
         for (e, observations) in &open {
             for (o, observation) in observations.iter().enumerate() {
-                match requests.iter_mut().find(|r| r.observation == *observation) {
-                    Some(r) => r.askers.push((*e, o)),
-                    None => requests.push(Request {
-                        observation: observation.clone(),
-                        askers: vec![(*e, o)],
-                    }),
+                match index.get(observation) {
+                    Some(&i) => requests[i].askers.push((*e, o)),
+                    None => {
+                        index.insert(observation, requests.len());
+                        requests.push(Request {
+                            observation: observation.clone(),
+                            askers: vec![(*e, o)],
+                        });
+                    }
                 }
             }
         }

@@ -13,6 +13,8 @@ use lathe::types::{CheckpointKind, CheckpointUri};
 use lathe::ServiceClient;
 use serde::{Deserialize, Serialize};
 
+use crate::run::LogLengths;
+
 /// The file in a run directory.
 pub const STATE_FILE: &str = "state.json";
 
@@ -37,10 +39,34 @@ pub struct RunState {
     /// Bytes of `metrics.jsonl` written up to this state (lines after it are dropped on
     /// resume: they belong to steps that will run again).
     pub metrics_bytes: u64,
-    /// Per queued role: its learner's updates so far (its queue was drained before the
-    /// save, so no reply was lost).
+    /// Bytes of `samples.jsonl` written up to this state.
     #[serde(default)]
-    pub updates: Vec<(String, u64)>,
+    pub samples_bytes: u64,
+    /// Per queued role: its learner's counters (its queue was drained before the save, so
+    /// no reply was lost).
+    #[serde(default)]
+    pub learners: Vec<LearnerState>,
+}
+
+/// A queued role's learner, as saved.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LearnerState {
+    /// The role.
+    pub role: String,
+    /// Its updates so far.
+    pub updates: u64,
+    /// Its position in its own environments' sequence ([`crate::rl::Recipe::learner_envs`]).
+    pub cursor: usize,
+}
+
+impl RunState {
+    /// The saved logs' lengths.
+    pub fn log_lengths(&self) -> LogLengths {
+        LogLengths {
+            metrics: self.metrics_bytes,
+            samples: self.samples_bytes,
+        }
+    }
 }
 
 impl RunState {
@@ -142,8 +168,16 @@ pub async fn sibling_states(
     found.dedup();
     anyhow::ensure!(
         found.iter().any(|(_, u)| *u == uri.to_string()),
-        "{uri} is not among your checkpoints"
+        "{uri} is not among your checkpoints (with the embedded server, pass the run's directory as --out: its checkpoints live there)"
     );
+    if let Some(w) = found.windows(2).find(|w| w[0].0 == w[1].0) {
+        anyhow::bail!(
+            "two checkpoints of {uri}'s run and step are labelled {}: {} and {}; resume from the run directory instead",
+            w[0].0,
+            w[0].1,
+            w[1].1
+        );
+    }
     Ok((step, found))
 }
 
@@ -192,7 +226,12 @@ mod tests {
             checkpoints: vec![("A".into(), "tinker://x/weights/y".into())],
             curves: vec![("acc".into(), vec![(0, 0.25)])],
             metrics_bytes: 10,
-            updates: vec![("patient".into(), 3)],
+            samples_bytes: 20,
+            learners: vec![LearnerState {
+                role: "patient".into(),
+                updates: 3,
+                cursor: 7,
+            }],
         };
         state.write(&dir).unwrap();
         assert_eq!(RunState::read(&dir).unwrap(), state);

@@ -1,5 +1,5 @@
-//! Run bookkeeping: the output directory, per-step metrics as JSON lines, the summary,
-//! a progress bar.
+//! Run bookkeeping: the output directory, per-step metrics and example episodes as JSON
+//! lines, the summary, the held-out curves, a progress bar.
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -12,35 +12,69 @@ use serde_json::Value;
 pub struct RunDir {
     /// The directory.
     pub path: PathBuf,
-    metrics: BufWriter<File>,
-    metrics_bytes: u64,
+    metrics: Appender,
+    samples: Appender,
 }
 
-impl RunDir {
-    /// Creates `out`, or `runs/<recipe>-<unix seconds>/`, with an empty `metrics.jsonl`;
-    /// with `keep = Some(n)` (a resumed run) the existing `metrics.jsonl` is kept up to
-    /// its first `n` bytes, the lines of the saved steps, and appended to.
-    pub fn open(recipe: &str, out: Option<&Path>, keep: Option<u64>) -> anyhow::Result<Self> {
-        let path = Self::path_for(recipe, out)?;
-        std::fs::create_dir_all(&path)?;
-        let file = std::fs::OpenOptions::new()
+/// How much of a run's two logs belongs to a saved state.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LogLengths {
+    /// Bytes of `metrics.jsonl`.
+    pub metrics: u64,
+    /// Bytes of `samples.jsonl`.
+    pub samples: u64,
+}
+
+/// A JSON-lines file appended to and flushed line by line, counting its bytes.
+struct Appender {
+    file: BufWriter<File>,
+    bytes: u64,
+}
+
+impl Appender {
+    /// Opens `path` cut to its first `keep` bytes (created empty when missing).
+    fn open(path: &Path, keep: u64) -> anyhow::Result<Self> {
+        let mut file = std::fs::OpenOptions::new()
             .create(true)
             .write(true)
             .truncate(false)
-            .open(path.join("metrics.jsonl"))?;
+            .open(path)?;
         let len = file.metadata()?.len();
-        let keep = keep.unwrap_or(0);
         anyhow::ensure!(
             keep <= len,
-            "metrics.jsonl is shorter ({len} bytes) than the saved state says ({keep})"
+            "{} is shorter ({len} bytes) than the saved state says ({keep})",
+            path.display()
         );
         file.set_len(keep)?;
-        let mut file = file;
         std::io::Seek::seek(&mut file, std::io::SeekFrom::Start(keep))?;
         Ok(Self {
-            path,
-            metrics: BufWriter::new(file),
-            metrics_bytes: keep,
+            file: BufWriter::new(file),
+            bytes: keep,
+        })
+    }
+
+    /// Appends one JSON line, flushed so a crash keeps it.
+    fn line(&mut self, record: &Value) -> anyhow::Result<()> {
+        let mut line = serde_json::to_vec(record)?;
+        line.push(b'\n');
+        self.file.write_all(&line)?;
+        self.file.flush()?;
+        self.bytes += line.len() as u64;
+        Ok(())
+    }
+}
+
+impl RunDir {
+    /// Opens the run directory `path` (created when missing) with empty logs, or, with
+    /// `keep` (a resumed run), its logs cut back to the saved state's lengths and
+    /// appended to.
+    pub fn open(path: &Path, keep: Option<LogLengths>) -> anyhow::Result<Self> {
+        std::fs::create_dir_all(path)?;
+        let keep = keep.unwrap_or_default();
+        Ok(Self {
+            path: path.to_path_buf(),
+            metrics: Appender::open(&path.join("metrics.jsonl"), keep.metrics)?,
+            samples: Appender::open(&path.join("samples.jsonl"), keep.samples)?,
         })
     }
 
@@ -57,31 +91,23 @@ impl RunDir {
         })
     }
 
-    /// Bytes of `metrics.jsonl` written so far (flushed).
-    pub fn metrics_bytes(&self) -> u64 {
-        self.metrics_bytes
+    /// The logs' lengths so far (everything written is flushed).
+    pub fn lengths(&self) -> LogLengths {
+        LogLengths {
+            metrics: self.metrics.bytes,
+            samples: self.samples.bytes,
+        }
     }
 
-    /// Appends one JSON line to `metrics.jsonl` (flushed, so a crash keeps it).
+    /// Appends one JSON line to `metrics.jsonl`.
     pub fn log(&mut self, record: &Value) -> anyhow::Result<()> {
-        let mut line = serde_json::to_vec(record)?;
-        line.push(b'\n');
-        self.metrics.write_all(&line)?;
-        self.metrics.flush()?;
-        self.metrics_bytes += line.len() as u64;
-        Ok(())
+        self.metrics.line(record)
     }
 
-    /// Appends one JSON line to `samples.jsonl`: example rollouts, for reading what the
+    /// Appends one JSON line to `samples.jsonl`: example episodes, for reading what the
     /// agents actually say.
-    pub fn sample(&self, record: &Value) -> anyhow::Result<()> {
-        let mut f = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.path.join("samples.jsonl"))?;
-        serde_json::to_writer(&mut f, record)?;
-        f.write_all(b"\n")?;
-        Ok(())
+    pub fn sample(&mut self, record: &Value) -> anyhow::Result<()> {
+        self.samples.line(record)
     }
 
     /// Writes `summary.json`.
@@ -119,11 +145,16 @@ impl Curves {
         }
     }
 
-    /// Curves with the points of `points` (as [`Curves::points`] returns them).
-    pub fn from_points(points: &[(String, Vec<(usize, f64)>)]) -> Self {
-        Self {
-            series: points.to_vec(),
+    /// Curves named `names` holding the points `saved` has for them (as
+    /// [`Curves::points`] returned them).
+    pub fn with_points(names: &[&str], saved: &[(String, Vec<(usize, f64)>)]) -> Self {
+        let mut curves = Self::new(names);
+        for (name, pts) in saved {
+            for &(step, v) in pts {
+                curves.push(name, step, v);
+            }
         }
+        curves
     }
 
     /// Every series with its points.

@@ -96,7 +96,6 @@ impl CommonArgs {
             ..Default::default()
         }
     }
-
 }
 
 /// A connection and the embedded server behind it, if any.

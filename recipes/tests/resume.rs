@@ -35,8 +35,7 @@ fn recipe(model: &Path, steps: usize, extra: &[&str]) -> Command {
     let mut cmd = Command::new(BIN);
     cmd.args(["--model", model.to_str().unwrap()])
         .args(["--steps", &steps.to_string()])
-        .args(["--batch", "2"])
-        .args(["--eval-size", "4", "--eval-every", "1", "--save-every", "1"])
+        .args(["--batch", "2", "--eval-size", "4", "--eval-every", "1"])
         .args(extra)
         .env_remove("TINKER_BASE_URL")
         .env_remove("LATHE_BASE_URL");
@@ -102,6 +101,11 @@ fn half_a_run_resumed_equals_the_whole_run() {
     let (straight, halves) = (root.join("straight"), root.join("halves"));
     run(recipe(&model, 4, &["--out", straight.to_str().unwrap()]));
     run(recipe(&model, 2, &["--out", halves.to_str().unwrap()]));
+    // A fresh run never overwrites a run's directory.
+    let again = recipe(&model, 4, &["--out", straight.to_str().unwrap()])
+        .status()
+        .unwrap();
+    assert!(!again.success(), "a fresh run overwrote a finished one");
     assert_eq!(state(&halves)["completed_steps"], 2);
     run(recipe(&model, 4, &["--resume", halves.to_str().unwrap()]));
     assert_eq!(state(&halves)["attempt"], 1);
@@ -124,18 +128,19 @@ fn half_a_run_resumed_equals_the_whole_run() {
     ));
     assert_ne!(final_adapters(&other, 4), a);
 
-    // Resuming from a checkpoint URI finds the run's other sessions by name.
+    // Resuming from a checkpoint URI finds the run's other sessions by name, and goes on
+    // exactly too.
     let uri = state(&straight)["checkpoints"][0][1]
         .as_str()
         .unwrap()
         .to_string();
-    let from_uri = root.join("straight");
-    run(recipe(
-        &model,
-        5,
-        &["--resume", &uri, "--out", from_uri.to_str().unwrap()],
-    ));
-    assert_eq!(state(&from_uri)["completed_steps"], 5);
+    let s = straight.to_str().unwrap();
+    run(recipe(&model, 5, &["--resume", &uri, "--out", s]));
+    assert_eq!(state(&straight)["completed_steps"], 5);
+    let five = root.join("five");
+    run(recipe(&model, 5, &["--out", five.to_str().unwrap()]));
+    assert_eq!(metrics(&straight), metrics(&five));
+    assert_eq!(final_adapters(&straight, 5), final_adapters(&five, 5));
     let _ = std::fs::remove_dir_all(root);
 }
 
@@ -145,28 +150,23 @@ fn a_killed_run_resumes_from_its_last_saved_step() {
     let model = tiny_model(&root.join("model"));
     let steps = 8;
     let (straight, killed) = (root.join("straight"), root.join("killed"));
-    run(recipe(
-        &model,
-        steps,
-        &["--out", straight.to_str().unwrap(), "--force-fallback"],
-    ));
+    // Saves every 3 steps of 8: at 3, 6 and the end.
+    let (s, k) = (straight.to_str().unwrap(), killed.to_str().unwrap());
+    let every = ["--force-fallback", "--save-every", "3"];
+    run(recipe(&model, steps, &[&["--out", s][..], &every].concat()));
 
-    let mut child = recipe(
-        &model,
-        steps,
-        &["--out", killed.to_str().unwrap(), "--force-fallback"],
-    )
-    .stdout(std::process::Stdio::null())
-    .stderr(std::process::Stdio::null())
-    .spawn()
-    .unwrap();
+    let mut child = recipe(&model, steps, &[&["--out", k][..], &every].concat())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
     let deadline = Instant::now() + Duration::from_secs(120);
     let saved = loop {
         let done = std::fs::read_to_string(killed.join("state.json"))
             .ok()
             .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
             .and_then(|s| s["completed_steps"].as_u64());
-        if let Some(done) = done.filter(|&d| d >= 2) {
+        if let Some(done) = done.filter(|&d| d >= 3) {
             break done;
         }
         assert!(Instant::now() < deadline, "no state saved within 2 minutes");
@@ -181,7 +181,7 @@ fn a_killed_run_resumes_from_its_last_saved_step() {
     run(recipe(
         &model,
         steps,
-        &["--resume", killed.to_str().unwrap(), "--force-fallback"],
+        &[&["--resume", k][..], &every].concat(),
     ));
     assert_eq!(metrics(&killed), metrics(&straight));
     assert_eq!(
@@ -219,8 +219,8 @@ fn a_run_with_a_queued_learner_resumes_with_its_queue_drained() {
     // Saving drained the queue: every consultation sent was trained on or dropped.
     // (A random tiny model's replies all earn the same reward, so its learner may have
     // nothing to train on; the count is kept either way.)
-    let updates = saved["updates"][0][1].as_u64().unwrap();
-    assert_eq!(saved["updates"][0][0], "patient");
+    let updates = saved["learners"][0]["updates"].as_u64().unwrap();
+    assert_eq!(saved["learners"][0]["role"], "patient");
     run(dpq("3", &["--resume", out.to_str().unwrap()]));
     let summary: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
@@ -233,10 +233,17 @@ fn a_run_with_a_queued_learner_resumes_with_its_queue_drained() {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    assert!(
-        lines.iter().any(|v| v["role"] == "patient"),
-        "the learner logged nothing"
-    );
+    // Every consultation sent, before and after the resume, reached the learner's log.
+    let received: u64 = lines
+        .iter()
+        .filter(|v| v["role"] == "patient")
+        .map(|v| v["queue/received"].as_u64().unwrap())
+        .sum();
+    let sent: u64 = lines
+        .iter()
+        .filter_map(|v| v["agents"]["patient"]["queued"].as_u64())
+        .sum();
+    assert_eq!((received, sent), (12, 12), "{lines:?}");
     let steps: Vec<u64> = lines.iter().filter_map(|v| v["step"].as_u64()).collect();
     // Steps 1..3 logged once each; the evaluations at 0, 1, 2 and 3 once each.
     assert_eq!(steps, vec![0, 1, 1, 2, 2, 3, 3], "{lines:?}");

@@ -186,6 +186,7 @@ impl Env for Chain {
 }
 
 struct ActorVerifier {
+    max_operand: u32,
     verify: bool,
     group: usize,
     batch: usize,
@@ -283,8 +284,8 @@ impl Recipe for ActorVerifier {
 
     fn settings(&self) -> String {
         format!(
-            "verify={} group={} loss={:?} keep_zero_adv={}",
-            self.verify, self.group, self.loss, self.keep_zero_adv
+            "verify={} group={} loss={:?} keep_zero_adv={} max_operand={}",
+            self.verify, self.group, self.loss, self.keep_zero_adv, self.max_operand
         )
     }
 }
@@ -304,6 +305,7 @@ async fn main() -> anyhow::Result<()> {
     let c = &args.common;
     let (train, held_out) = addition(1, args.max_operand, c.seed, c.eval_size);
     let recipe = ActorVerifier {
+        max_operand: args.max_operand,
         verify: !args.single_agent,
         group: args.group,
         batch: c.batch,

@@ -213,6 +213,7 @@ impl Env for Pipeline {
 }
 
 struct SolveRewriteSelect {
+    max_operand: u32,
     n: usize,
     batch: usize,
     temperature: f64,
@@ -303,7 +304,7 @@ impl Recipe for SolveRewriteSelect {
     }
 
     fn settings(&self) -> String {
-        format!("num_parallel={}", self.n)
+        format!("num_parallel={} max_operand={}", self.n, self.max_operand)
     }
 
     fn summary_fields(&self) -> serde_json::Map<String, Value> {
@@ -325,6 +326,7 @@ async fn main() -> anyhow::Result<()> {
     let c = &args.common;
     let (train, held_out) = addition(1, args.max_operand, c.seed, c.eval_size);
     let recipe = SolveRewriteSelect {
+        max_operand: args.max_operand,
         n: args.num_parallel.max(1),
         batch: c.batch,
         temperature: c.temperature,

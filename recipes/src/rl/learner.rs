@@ -37,10 +37,12 @@ pub(super) struct QueuedEpisode {
 
 /// The loop's end of a queue.
 pub(super) struct QueueHandle {
-    tx: mpsc::Sender<Message>,
+    /// `None` once closed.
+    tx: Option<mpsc::Sender<Message>>,
     /// The role's newest weights and their update count.
     pub(super) latest: watch::Receiver<(u64, SamplingClient)>,
-    consumed: watch::Receiver<u64>,
+    /// Episodes the learner has received, and its environments' cursor.
+    consumed: watch::Receiver<(u64, usize)>,
     /// Episodes sent so far.
     pub(super) sent: u64,
 }
@@ -49,17 +51,22 @@ pub(super) struct QueueHandle {
 pub(super) struct LearnerEnds {
     rx: mpsc::Receiver<Message>,
     publish: watch::Sender<(u64, SamplingClient)>,
-    consumed: watch::Sender<u64>,
+    consumed: watch::Sender<(u64, usize)>,
 }
 
-/// A queue of `capacity` episodes whose role starts at update `first` with `sampler`.
-pub(super) fn queue(capacity: usize, first: (u64, SamplingClient)) -> (QueueHandle, LearnerEnds) {
+/// A queue of `capacity` episodes whose role starts at update `first` with `sampler`,
+/// its learner's environments at `cursor`.
+pub(super) fn queue(
+    capacity: usize,
+    first: (u64, SamplingClient),
+    cursor: usize,
+) -> (QueueHandle, LearnerEnds) {
     let (tx, rx) = mpsc::channel(capacity.max(1));
     let (publish, latest) = watch::channel(first);
-    let (consumed_tx, consumed) = watch::channel(0);
+    let (consumed_tx, consumed) = watch::channel((0, cursor));
     (
         QueueHandle {
-            tx,
+            tx: Some(tx),
             latest,
             consumed,
             sent: 0,
@@ -75,7 +82,7 @@ pub(super) fn queue(capacity: usize, first: (u64, SamplingClient)) -> (QueueHand
 impl QueueHandle {
     /// Puts an episode on the queue (waiting while it is full).
     pub(super) async fn send(&mut self, episode: QueuedEpisode) -> anyhow::Result<()> {
-        self.tx
+        self.sender()?
             .send(Message::Episode(episode))
             .await
             .map_err(|_| anyhow::anyhow!("the learner stopped early"))?;
@@ -86,17 +93,42 @@ impl QueueHandle {
     /// Waits until the learner has trained on (or dropped) everything sent: the state
     /// saved then is the whole run's.
     pub(super) async fn drain(&mut self) -> anyhow::Result<()> {
-        self.tx
+        self.sender()?
             .send(Message::Flush)
             .await
             .map_err(|_| anyhow::anyhow!("the learner stopped early"))?;
         let sent = self.sent;
         self.consumed
-            .wait_for(|&c| c >= sent)
+            .wait_for(|&(c, _)| c >= sent)
             .await
             .map_err(|_| anyhow::anyhow!("the learner stopped before draining its queue"))?;
         Ok(())
     }
+
+    /// Closes the queue: the learner trains on what is left and stops. The newest
+    /// weights and the counters stay readable.
+    pub(super) fn close(&mut self) {
+        self.tx = None;
+    }
+
+    fn sender(&self) -> anyhow::Result<&mpsc::Sender<Message>> {
+        self.tx
+            .as_ref()
+            .ok_or_else(|| anyhow::anyhow!("the queue is closed"))
+    }
+
+    /// The learner's position in its environments' sequence, as of its last update.
+    pub(super) fn cursor(&self) -> usize {
+        self.consumed.borrow().1
+    }
+}
+
+/// Keeps the episodes sampled at most `max_staleness` updates before `version`; returns
+/// how many were dropped.
+fn drop_stale(items: &mut Vec<QueuedEpisode>, version: u64, max_staleness: u64) -> usize {
+    let before = items.len();
+    items.retain(|e| version.saturating_sub(e.version) <= max_staleness);
+    before - items.len()
 }
 
 /// A queued role's learner.
@@ -124,7 +156,7 @@ impl<R: Recipe> Learner<'_, R> {
             updates: ends.publish.borrow().0,
             ..Default::default()
         };
-        let mut cursor = 0usize;
+        let mut cursor = ends.consumed.borrow().1;
         loop {
             let mut items = Vec::with_capacity(q.batch);
             let mut closed = false;
@@ -139,7 +171,7 @@ impl<R: Recipe> Learner<'_, R> {
                 }
             }
             if items.is_empty() {
-                ends.consumed.send_replace(totals.received);
+                ends.consumed.send_replace((totals.received, cursor));
                 if closed {
                     return Ok(totals);
                 }
@@ -152,8 +184,7 @@ impl<R: Recipe> Learner<'_, R> {
                 .iter()
                 .map(|e| version.saturating_sub(e.version) as f64)
                 .collect();
-            items.retain(|e| version.saturating_sub(e.version) <= q.max_staleness);
-            let dropped = received - items.len();
+            let dropped = drop_stale(&mut items, version, q.max_staleness);
 
             // The learner's own environments, from its newest weights.
             let newest = ends.publish.borrow().1.clone();
@@ -248,7 +279,7 @@ impl<R: Recipe> Learner<'_, R> {
             };
             totals.received += received as u64;
             totals.dropped += dropped as u64;
-            ends.consumed.send_replace(totals.received);
+            ends.consumed.send_replace((totals.received, cursor));
             let ratio = outcome
                 .as_ref()
                 .and_then(|o| o.ratio_mean_where(|i| fresh[i]))
@@ -277,5 +308,25 @@ impl<R: Recipe> Learner<'_, R> {
             }
             let _ = self.records.send(line);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stale_episodes_are_dropped() {
+        let episode = |version| QueuedEpisode {
+            transitions: Vec::new(),
+            source: None,
+            version,
+        };
+        let mut items = vec![episode(0), episode(3), episode(5), episode(6)];
+        // At update 5 with a bound of 2: sampled at 3 and 5 stay; 0 goes; 6 (newer than
+        // the learner, as after a resume) stays.
+        assert_eq!(drop_stale(&mut items, 5, 2), 1);
+        let kept: Vec<u64> = items.iter().map(|e| e.version).collect();
+        assert_eq!(kept, vec![3, 5, 6]);
     }
 }

@@ -1,20 +1,24 @@
 //! [`run`]: the loop itself, its logs and its state.
 
 use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 
 use indicatif::ProgressBar;
 use lathe::types::{AdamParams, CheckpointUri};
 use lathe::{SamplingClient, Tokenizer};
 use serde_json::{json, Value};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::mpsc;
 
 use super::learner::{queue, Learner, QueueHandle, QueuedEpisode};
-use super::sessions::{open_team, publish, save_states, train_step, RoleSessions};
+use super::sessions::{open_team, save_states, train_step, RoleSessions};
 use super::{Curve, QueueTotals, Recipe, Saved, Summary};
 use crate::env::{mean_metrics, Episode};
 use crate::play::{mix_seed, play, Policy};
-use crate::resume::{checkpoint_name, parse_checkpoint_name, sibling_states, ResumeFrom, RunState};
-use crate::run::{progress, Curves, RunDir};
+use crate::resume::{
+    checkpoint_name, parse_checkpoint_name, sibling_states, LearnerState, ResumeFrom, RunState,
+    STATE_FILE,
+};
+use crate::run::{progress, Curves, LogLengths, RunDir};
 use crate::setup::{connect, CommonArgs, Connection};
 
 /// Held-out episodes written to `samples.jsonl` per evaluation.
@@ -24,33 +28,39 @@ const EXAMPLES: usize = 4;
 /// fails when `--check` is given and the criterion does not hold.
 pub async fn run<R: Recipe>(recipe: &R, args: &CommonArgs) -> anyhow::Result<Summary> {
     let roles = recipe.roles();
-    let (run, conn, state) = start(recipe, args).await?;
+    let Begun {
+        path,
+        conn,
+        state,
+        keep,
+    } = begin(recipe, args).await?;
     let tok = conn.service.get_tokenizer(&conn.base_model).await?;
     let team = open_team(&conn, recipe, args, state.as_ref(), &roles).await?;
     let mode = team.mode(recipe.team());
     let steps = args.steps;
     let start = state.as_ref().map_or(0, |s| s.completed_steps);
-    anyhow::ensure!(
-        start <= steps,
-        "the run has done {start} steps already; pass --steps {start} or more"
-    );
+    let tag = state.as_ref().map_or_else(new_tag, |s| s.tag.clone());
+    let attempt = state.as_ref().map_or(0, |s| s.attempt + 1);
+    // Only now, with the sessions loaded, is the log cut back to the saved state; the
+    // state is written again with this attempt's number at once, so a kill before the
+    // first save never lets a later attempt reuse this one's checkpoint names.
+    let run = RunDir::open(&path, keep)?;
     if let Some(s) = &state {
-        eprintln!(
-            "resuming at step {start} of {steps} (attempt {})",
-            s.attempt + 1
-        );
+        eprintln!("resuming at step {start} of {steps} (attempt {attempt})");
+        RunState {
+            attempt,
+            ..s.clone()
+        }
+        .write(&path)?;
     }
     let curve_specs = recipe.curves();
-    let curves = match &state {
-        Some(s) => Curves::from_points(&s.curves),
-        None => Curves::new(&curve_specs.iter().map(|c| c.label).collect::<Vec<_>>()),
-    };
+    let labels: Vec<&str> = curve_specs.iter().map(|c| c.label).collect();
+    let curves = Curves::with_points(&labels, state.as_ref().map_or(&[][..], |s| &s.curves));
     let bar = progress(steps);
     bar.set_prefix(mode.clone());
     bar.set_position(start as u64);
     let (records_tx, records) = mpsc::unbounded_channel();
     let mut log = Log {
-        before_eval: (run.metrics_bytes(), curves.points()),
         run,
         curves,
         training: Vec::new(),
@@ -58,7 +68,7 @@ pub async fn run<R: Recipe>(recipe: &R, args: &CommonArgs) -> anyhow::Result<Sum
         bar,
     };
 
-    // Queued roles: a queue and a learner each, starting from their saved update count.
+    // Queued roles: a queue and a learner each, starting from their saved counters.
     let mut queues: Vec<Option<QueueHandle>> = Vec::new();
     let mut learners = Vec::new();
     for (r, name) in roles.iter().enumerate() {
@@ -66,15 +76,18 @@ pub async fn run<R: Recipe>(recipe: &R, args: &CommonArgs) -> anyhow::Result<Sum
             queues.push(None);
             continue;
         };
-        let updates = state
+        let saved = state
             .as_ref()
-            .and_then(|s| s.updates.iter().find(|(n, _)| n == name).map(|u| u.1))
-            .unwrap_or(0);
+            .and_then(|s| s.learners.iter().find(|l| l.role == *name));
         let sampler = team
             .trainer(team.of_role[r])
             .save_weights_and_get_sampling_client()
             .await?;
-        let (handle, ends) = queue(q.capacity, (updates, sampler));
+        let (handle, ends) = queue(
+            q.capacity,
+            (saved.map_or(0, |l| l.updates), sampler),
+            saved.map_or(0, |l| l.cursor),
+        );
         queues.push(Some(handle));
         let learner = Learner {
             recipe,
@@ -89,10 +102,6 @@ pub async fn run<R: Recipe>(recipe: &R, args: &CommonArgs) -> anyhow::Result<Sum
         learners.push(learner.run(ends));
     }
     drop(records_tx);
-    let latest: Vec<Option<watch::Receiver<(u64, SamplingClient)>>> = queues
-        .iter()
-        .map(|q| q.as_ref().map(|h| h.latest.clone()))
-        .collect();
     let lp = Loop {
         recipe,
         args,
@@ -102,38 +111,43 @@ pub async fn run<R: Recipe>(recipe: &R, args: &CommonArgs) -> anyhow::Result<Sum
         roles: &roles,
         curves: &curve_specs,
         mode: &mode,
-        tag: state.as_ref().map_or_else(new_tag, |s| s.tag.clone()),
-        attempt: state.as_ref().map_or(0, |s| s.attempt + 1),
-        run_path: log.run.path.clone(),
+        tag,
+        attempt,
+        run_path: path.clone(),
     };
 
     // The steps, and the learners beside them; closing the queues at the end lets the
     // learners drain them and stop.
     let training = async {
         for step in start..steps {
-            lp.step(step, &mut log, &mut queues, &latest).await?;
+            lp.step(step, &mut log, &mut queues).await?;
         }
-        let sent: Vec<u64> = queues.iter().flatten().map(|q| q.sent).collect();
-        drop(queues);
-        Ok::<_, anyhow::Error>(sent)
+        for q in queues.iter_mut().flatten() {
+            q.close();
+        }
+        Ok::<_, anyhow::Error>(queues)
     };
-    let (sent, totals) = tokio::try_join!(training, futures::future::try_join_all(learners))?;
+    let (queues, totals) = tokio::try_join!(training, futures::future::try_join_all(learners))?;
     log.bar.finish();
 
-    // The final evaluation, with every role's final weights.
-    log.before_eval = (log.run.metrics_bytes(), log.curves.points());
-    lp.evaluate(steps, &mut log, &latest).await?;
+    // The final state, before the final evaluation: `--resume` with a larger `--steps`
+    // trains further (and evaluates at this step only if it is due, as a straight run).
     log.drain_records()?;
+    let uris = lp.save(steps, &log, &queues).await?;
+    let sent: Vec<u64> = queues.iter().flatten().map(|q| q.sent).collect();
     let queue_totals: BTreeMap<String, QueueTotals> = roles
         .iter()
-        .zip(&latest)
-        .filter(|(_, l)| l.is_some())
+        .zip(&queues)
+        .filter(|(_, q)| q.is_some())
         .map(|(name, _)| name.to_string())
         .zip(totals)
         .zip(sent)
         .map(|((name, t), sent)| (name, QueueTotals { sent, ..t }))
         .collect();
-    let checkpoints = lp.save_final(steps, &mut log, &latest).await?;
+    // The final evaluation, with every role's final weights.
+    let samplers = lp.samplers(&queues).await?;
+    lp.evaluate(steps, &mut log, &samplers, &queues).await?;
+    let checkpoints = lp.save_samplers(steps, uris).await?;
 
     let criterion = recipe.criterion(&log.curves);
     let summary = Summary {
@@ -173,12 +187,18 @@ pub async fn run<R: Recipe>(recipe: &R, args: &CommonArgs) -> anyhow::Result<Sum
     Ok(summary)
 }
 
-/// Opens the run directory (a resumed run's own, its log cut back to the saved state),
-/// connects, and finds the state to continue from.
-async fn start<R: Recipe>(
-    recipe: &R,
-    args: &CommonArgs,
-) -> anyhow::Result<(RunDir, Connection, Option<RunState>)> {
+/// A run about to start: its directory, the connection, the state to continue from and
+/// how much of the logs to keep.
+struct Begun {
+    path: PathBuf,
+    conn: Connection,
+    state: Option<RunState>,
+    keep: Option<LogLengths>,
+}
+
+/// Finds the run directory and the state to continue from, checks them, and connects.
+/// Nothing in the directory is changed yet.
+async fn begin<R: Recipe>(recipe: &R, args: &CommonArgs) -> anyhow::Result<Begun> {
     let resume = args.resume.clone();
     let out = match &resume {
         Some(ResumeFrom::Dir(dir)) => {
@@ -193,33 +213,61 @@ async fn start<R: Recipe>(
         }
         _ => args.out.clone(),
     };
-    let prior = match &resume {
-        Some(ResumeFrom::Dir(dir)) => Some(RunState::read(dir)?),
-        Some(ResumeFrom::Uri(_)) => out.as_deref().and_then(|o| RunState::read(o).ok()),
-        None => None,
-    };
     let path = RunDir::path_for(recipe.name(), out.as_deref())?;
+    let local = path
+        .join(STATE_FILE)
+        .exists()
+        .then(|| RunState::read(&path))
+        .transpose()?;
+    if let (None, Some(s)) = (&resume, &local) {
+        anyhow::bail!(
+            "{} holds a {} run at step {}: continue it with --resume {}, or choose another --out",
+            path.display(),
+            s.recipe,
+            s.completed_steps,
+            path.display()
+        );
+    }
+    if let Some(ResumeFrom::Dir(_)) = &resume {
+        anyhow::ensure!(
+            local.is_some(),
+            "cannot resume: no {}",
+            path.join(STATE_FILE).display()
+        );
+    }
     std::fs::create_dir_all(&path)?;
     eprintln!("{}: output in {}", recipe.name(), path.display());
     let conn = connect(args, &path).await?;
     eprintln!("endpoint {}, base model {}", conn.endpoint, conn.base_model);
-    let state = match &resume {
-        None => None,
-        Some(ResumeFrom::Dir(_)) => prior,
-        Some(ResumeFrom::Uri(uri)) => Some(state_from_uri(&conn, uri, recipe, prior).await?),
+    let (state, keep) = match &resume {
+        None => (None, None),
+        Some(ResumeFrom::Dir(_)) => {
+            let keep = local.as_ref().map(RunState::log_lengths);
+            (local, keep)
+        }
+        Some(ResumeFrom::Uri(uri)) => {
+            let (state, same_run) = state_from_uri(&conn, uri, recipe, local).await?;
+            let keep = if same_run {
+                Some(state.log_lengths())
+            } else {
+                set_logs_aside(&path, &state)?;
+                None
+            };
+            (Some(state), keep)
+        }
     };
-    // A resumed run keeps its log up to the saved state.
-    let run = RunDir::open(
-        recipe.name(),
-        Some(&path),
-        state.as_ref().map(|s| s.metrics_bytes),
-    )?;
     if let Some(s) = &state {
         anyhow::ensure!(
             s.recipe == recipe.name(),
             "that run is {}, not {}",
             s.recipe,
             recipe.name()
+        );
+        anyhow::ensure!(
+            s.completed_steps <= args.steps,
+            "the run has done {} steps already; pass --steps {} or more",
+            s.completed_steps,
+            s.completed_steps
         );
         let now = settings(recipe, args);
         if !s.settings.is_empty() && s.settings != now {
@@ -229,11 +277,35 @@ async fn start<R: Recipe>(
             );
         }
     }
-    Ok((run, conn, state))
+    Ok(Begun {
+        path,
+        conn,
+        state,
+        keep,
+    })
 }
 
-/// Named series of `(step, value)` points.
-type Points = Vec<(String, Vec<(usize, f64)>)>;
+/// Moves `metrics.jsonl` and `samples.jsonl` of `path` aside (a URI resume into a
+/// directory whose logs belong to another point of the run): nothing is deleted.
+fn set_logs_aside(path: &Path, state: &RunState) -> anyhow::Result<()> {
+    for name in ["metrics", "samples"] {
+        let log = path.join(format!("{name}.jsonl"));
+        if log.metadata().is_ok_and(|m| m.len() > 0) {
+            let aside = path.join(format!(
+                "{name}.before-a{}-s{}.jsonl",
+                state.attempt + 1,
+                state.completed_steps
+            ));
+            eprintln!(
+                "keeping the earlier {} as {}",
+                log.display(),
+                aside.display()
+            );
+            std::fs::rename(&log, &aside)?;
+        }
+    }
+    Ok(())
+}
 
 /// What the loop writes as it goes.
 struct Log {
@@ -244,9 +316,6 @@ struct Log {
     /// The learners' lines.
     records: mpsc::UnboundedReceiver<Value>,
     bar: ProgressBar,
-    /// The log's length and the curves before the latest evaluation: the final state
-    /// ends there, so a resume (which evaluates at its first step) repeats nothing.
-    before_eval: (u64, Points),
 }
 
 impl Log {
@@ -258,6 +327,9 @@ impl Log {
         Ok(())
     }
 }
+
+/// Each role's queue, `None` for an on-policy role.
+type Queues = [Option<QueueHandle>];
 
 /// What every step of a run shares.
 struct Loop<'a, R: Recipe> {
@@ -271,7 +343,7 @@ struct Loop<'a, R: Recipe> {
     mode: &'a str,
     tag: String,
     attempt: u32,
-    run_path: std::path::PathBuf,
+    run_path: PathBuf,
 }
 
 impl<R: Recipe> Loop<'_, R> {
@@ -281,7 +353,7 @@ impl<R: Recipe> Loop<'_, R> {
         &self,
         role: usize,
         samplers: &[Option<SamplingClient>],
-        latest: &[Option<watch::Receiver<(u64, SamplingClient)>>],
+        queues: &Queues,
         eval: bool,
     ) -> Policy {
         let sampling = if eval {
@@ -289,8 +361,8 @@ impl<R: Recipe> Loop<'_, R> {
         } else {
             self.recipe.sampling(role)
         };
-        let (version, sampler) = match &latest[role] {
-            Some(l) => l.borrow().clone(),
+        let (version, sampler) = match &queues[role] {
+            Some(q) => q.latest.borrow().clone(),
             None => (
                 0,
                 samplers[self.team.of_role[role]]
@@ -305,21 +377,25 @@ impl<R: Recipe> Loop<'_, R> {
         }
     }
 
-    /// Samplers on the weights of the sessions that on-policy roles train.
-    async fn samplers(
-        &self,
-        latest: &[Option<watch::Receiver<(u64, SamplingClient)>>],
-    ) -> anyhow::Result<Vec<Option<SamplingClient>>> {
-        let all = publish(self.team).await?;
-        Ok(all
-            .into_iter()
-            .enumerate()
-            .map(|(s, sampler)| {
-                (0..self.roles.len())
-                    .any(|r| self.team.of_role[r] == s && latest[r].is_none())
-                    .then_some(sampler)
-            })
-            .collect())
+    /// Samplers on the current weights of the sessions that on-policy roles sample from
+    /// (`None` for a session only queued roles use: their learners publish).
+    async fn samplers(&self, queues: &Queues) -> anyhow::Result<Vec<Option<SamplingClient>>> {
+        let mut out = Vec::with_capacity(self.team.count());
+        for s in 0..self.team.count() {
+            let used =
+                (0..self.roles.len()).any(|r| self.team.of_role[r] == s && queues[r].is_none());
+            out.push(if used {
+                Some(
+                    self.team
+                        .trainer(s)
+                        .save_weights_and_get_sampling_client()
+                        .await?,
+                )
+            } else {
+                None
+            });
+        }
+        Ok(out)
     }
 
     /// Plays the held-out environments and logs the evaluation at `step`.
@@ -327,12 +403,12 @@ impl<R: Recipe> Loop<'_, R> {
         &self,
         step: usize,
         log: &mut Log,
-        latest: &[Option<watch::Receiver<(u64, SamplingClient)>>],
+        samplers: &[Option<SamplingClient>],
+        queues: &Queues,
     ) -> anyhow::Result<()> {
-        let samplers = self.samplers(latest).await?;
         let episodes = play(
             self.recipe.held_out(),
-            &|r| self.policy(r, &samplers, latest, true),
+            &|r| self.policy(r, samplers, queues, true),
             self.tok,
             self.context,
             self.recipe.eval_seed(),
@@ -365,23 +441,16 @@ impl<R: Recipe> Loop<'_, R> {
 
     /// Training step `step`: evaluate when due, play, queue the queued roles' replies,
     /// train the others, log, save when due.
-    async fn step(
-        &self,
-        step: usize,
-        log: &mut Log,
-        queues: &mut [Option<QueueHandle>],
-        latest: &[Option<watch::Receiver<(u64, SamplingClient)>>],
-    ) -> anyhow::Result<()> {
-        log.before_eval = (log.run.metrics_bytes(), log.curves.points());
+    async fn step(&self, step: usize, log: &mut Log, queues: &mut Queues) -> anyhow::Result<()> {
+        let samplers = self.samplers(queues).await?;
         if step.is_multiple_of(self.args.eval_every.max(1)) {
-            self.evaluate(step, log, latest).await?;
+            self.evaluate(step, log, &samplers, queues).await?;
         }
-        let samplers = self.samplers(latest).await?;
         let groups = self.recipe.groups(step);
         let sizes: Vec<usize> = groups.iter().map(Vec::len).collect();
         let episodes = play(
             groups.into_iter().flatten().collect(),
-            &|r| self.policy(r, &samplers, latest, false),
+            &|r| self.policy(r, &samplers, queues, false),
             self.tok,
             self.context,
             mix_seed(self.args.seed, &[step as u64]),
@@ -444,28 +513,28 @@ impl<R: Recipe> Loop<'_, R> {
         log.run.log(&line)?;
         log.bar.inc(1);
         let done = step + 1;
-        if self.args.save_every > 0 && done.is_multiple_of(self.args.save_every) && done < self.args.steps {
+        let every = self.args.save_every;
+        if every > 0 && done.is_multiple_of(every) && done < self.args.steps {
             for q in queues.iter_mut().flatten() {
                 q.drain().await?;
             }
             log.drain_records()?;
-            let bytes = log.run.metrics_bytes();
-            let curves = log.curves.points();
-            self.save(done, bytes, curves, latest).await?;
+            self.save(done, log, queues).await?;
         }
         Ok(())
     }
 
-    /// Saves every session's state as step `done` and writes `state.json`.
+    /// Saves every session's state as step `done` and writes `state.json` with the logs
+    /// as they are now; returns the `(label, URI)` pairs. Queues must be drained.
     async fn save(
         &self,
         done: usize,
-        metrics_bytes: u64,
-        curves: Vec<(String, Vec<(usize, f64)>)>,
-        latest: &[Option<watch::Receiver<(u64, SamplingClient)>>],
+        log: &Log,
+        queues: &Queues,
     ) -> anyhow::Result<Vec<(String, String)>> {
         let uris =
             save_states(self.team, self.recipe.name(), &self.tag, self.attempt, done).await?;
+        let lengths = log.run.lengths();
         RunState {
             recipe: self.recipe.name().into(),
             tag: self.tag.clone(),
@@ -473,29 +542,32 @@ impl<R: Recipe> Loop<'_, R> {
             completed_steps: done,
             settings: settings(self.recipe, self.args),
             checkpoints: uris.clone(),
-            curves,
-            metrics_bytes,
-            updates: self
+            curves: log.curves.points(),
+            metrics_bytes: lengths.metrics,
+            samples_bytes: lengths.samples,
+            learners: self
                 .roles
                 .iter()
-                .zip(latest)
-                .filter_map(|(name, l)| l.as_ref().map(|l| (name.to_string(), l.borrow().0)))
+                .zip(queues)
+                .filter_map(|(name, q)| {
+                    q.as_ref().map(|q| LearnerState {
+                        role: name.to_string(),
+                        updates: q.latest.borrow().0,
+                        cursor: q.cursor(),
+                    })
+                })
                 .collect(),
         }
         .write(&self.run_path)?;
         Ok(uris)
     }
 
-    /// The final state (so `--resume` with a larger `--steps` trains further) and
-    /// sampler weights of every session.
-    async fn save_final(
+    /// Sampler weights of every session beside its final state `uris`.
+    async fn save_samplers(
         &self,
         steps: usize,
-        log: &mut Log,
-        latest: &[Option<watch::Receiver<(u64, SamplingClient)>>],
+        uris: Vec<(String, String)>,
     ) -> anyhow::Result<BTreeMap<String, Saved>> {
-        let (bytes, curves) = log.before_eval.clone();
-        let uris = self.save(steps, bytes, curves, latest).await?;
         let mut checkpoints = BTreeMap::new();
         for (s, (label, state)) in uris.into_iter().enumerate() {
             let name = checkpoint_name(self.recipe.name(), &self.tag, self.attempt, steps, &label);
@@ -519,16 +591,23 @@ impl<R: Recipe> Loop<'_, R> {
 }
 
 /// What the resume check compares: the recipe's settings and the common flags that
-/// change what a step does.
+/// change what a step does or what the log holds.
 fn settings<R: Recipe>(recipe: &R, args: &CommonArgs) -> String {
+    let a = args;
+    #[cfg(feature = "embedded")]
+    let server = format!(" model={} precision={:?}", a.model, a.precision);
+    #[cfg(not(feature = "embedded"))]
+    let server = String::new();
     format!(
-        "{} seed={} rank={} lr={} batch={} temperature={}",
+        "{} seed={} rank={} lr={} batch={} temperature={} eval_size={} eval_every={}{server}",
         recipe.settings(),
-        args.seed,
-        args.rank,
-        args.lr,
-        args.batch,
-        args.temperature
+        a.seed,
+        a.rank,
+        a.lr,
+        a.batch,
+        a.temperature,
+        a.eval_size,
+        a.eval_every
     )
 }
 
@@ -540,15 +619,16 @@ fn new_tag() -> String {
     format!("{secs:x}{:x}", std::process::id() & 0xfff)
 }
 
-/// The state named by a `tinker://` URI: its step and its siblings' URIs, with the
-/// curves, log length and learner counts of `local` when that is the same run's state at
-/// the same step.
+/// The state named by a `tinker://` URI: its step and its siblings' URIs; with the
+/// curves, log lengths and learner counters of `local` (and `true`) when that is the same
+/// run's state at the same step. Its attempt counts on from both, so no checkpoint name
+/// repeats.
 async fn state_from_uri<R: Recipe>(
     conn: &Connection,
     uri: &CheckpointUri,
     recipe: &R,
     local: Option<RunState>,
-) -> anyhow::Result<RunState> {
+) -> anyhow::Result<(RunState, bool)> {
     let (step, checkpoints) = sibling_states(&conn.service, uri).await?;
     let (prefix, attempt, _, _) =
         parse_checkpoint_name(&uri.name).expect("sibling_states parsed it");
@@ -557,22 +637,24 @@ async fn state_from_uri<R: Recipe>(
         .and_then(|t| t.strip_prefix('-'))
         .ok_or_else(|| anyhow::anyhow!("{uri} was not saved by {}", recipe.name()))?
         .to_string();
-    let same_run = local.filter(|s| s.tag == tag && s.completed_steps == step);
-    Ok(RunState {
+    let local = local.filter(|s| s.tag == tag);
+    let attempt = local.as_ref().map_or(attempt, |s| s.attempt.max(attempt));
+    let same = local.filter(|s| s.completed_steps == step && s.checkpoints == checkpoints);
+    let state = RunState {
         recipe: recipe.name().into(),
         tag,
         attempt,
         completed_steps: step,
-        settings: same_run
+        settings: same
             .as_ref()
             .map_or_else(String::new, |s| s.settings.clone()),
         checkpoints,
-        curves: same_run
-            .as_ref()
-            .map_or_else(Vec::new, |s| s.curves.clone()),
-        metrics_bytes: same_run.as_ref().map_or(0, |s| s.metrics_bytes),
-        updates: same_run.map_or_else(Vec::new, |s| s.updates),
-    })
+        curves: same.as_ref().map_or_else(Vec::new, |s| s.curves.clone()),
+        metrics_bytes: same.as_ref().map_or(0, |s| s.metrics_bytes),
+        samples_bytes: same.as_ref().map_or(0, |s| s.samples_bytes),
+        learners: same.as_ref().map_or_else(Vec::new, |s| s.learners.clone()),
+    };
+    Ok((state, same.is_some()))
 }
 
 /// Splits a flat list of episodes back into groups of `sizes`.

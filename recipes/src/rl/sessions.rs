@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use lathe::types::{AdamParams, Datum, LossFn};
-use lathe::{SamplingClient, Tokenizer, TrainingClient};
+use lathe::{Tokenizer, TrainingClient};
 use serde::Serialize;
 use tokio::sync::Mutex;
 
@@ -93,7 +93,10 @@ pub(super) async fn open_team<R: Recipe>(
         Team::PerRole => roles.len(),
     };
     let sessions = match state {
-        None => AgentSessions::open(conn, wanted, args.force_fallback, |i| args.lora(i)).await?,
+        None => {
+            let force = args.force_fallback && wanted > 1;
+            AgentSessions::open(conn, wanted, force, |i| args.lora(i)).await?
+        }
         Some(s) => {
             let mut trainers = Vec::with_capacity(s.checkpoints.len());
             for (label, uri) in &s.checkpoints {
@@ -119,19 +122,6 @@ pub(super) async fn open_team<R: Recipe>(
         }
     };
     Ok(RoleSessions::new(sessions, roles, team))
-}
-
-/// A sampler on each session's current weights.
-pub(super) async fn publish(team: &RoleSessions) -> anyhow::Result<Vec<SamplingClient>> {
-    let mut out = Vec::with_capacity(team.count());
-    for s in 0..team.count() {
-        out.push(
-            team.trainer(s)
-                .save_weights_and_get_sampling_client()
-                .await?,
-        );
-    }
-    Ok(out)
 }
 
 /// One role's numbers of a training step.
@@ -222,8 +212,12 @@ pub(super) async fn train_step(
     for (ranges, step) in pending {
         let outcome: StepOutcome = step.finish().await?;
         for (r, range) in ranges {
+            if range.is_empty() {
+                // The session trained on other roles' datums (fallback mode).
+                continue;
+            }
             records[r].loss = Some(outcome.loss);
-            if records[r].datums > 0 && own_pass {
+            if own_pass {
                 records[r].ratio_mean = outcome.ratio_mean_where(|i| range.contains(&i));
             }
         }

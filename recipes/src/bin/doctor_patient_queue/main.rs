@@ -286,6 +286,11 @@ async fn main() -> anyhow::Result<()> {
         ("eval_every", "5"),
         ("eval_size", "64"),
     ]);
+    // Two rounds of replies per doctor turn; the library stops an episode at 256.
+    anyhow::ensure!(
+        (1..=100).contains(&args.max_turns),
+        "--max-turns must be between 1 and 100"
+    );
     let (train, held_out) = cases(args.common.seed, args.common.eval_size);
     let common = args.common.clone();
     let recipe = DoctorPatient {
