@@ -4,20 +4,9 @@
 use std::path::Path;
 use std::process::Command;
 
-use lathe_server::model::tiny::write_hf_dir;
-use lathe_server::model::Arch;
+use common::tiny_model;
 
-/// A tiny random model whose context (1024 tokens; its tokenizer is byte-level) holds the
-/// recipes' longest prompts.
-fn tiny_model(dir: &Path) -> std::path::PathBuf {
-    write_hf_dir(dir, Arch::Llama, 4).unwrap();
-    let path = dir.join("config.json");
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    config["max_position_embeddings"] = 1024.into();
-    std::fs::write(&path, config.to_string()).unwrap();
-    dir.to_path_buf()
-}
+mod common;
 
 fn run_recipe(bin: &str, model: &Path, out: &Path, extra: &[&str]) -> serde_json::Value {
     let status = Command::new(bin)

@@ -8,23 +8,14 @@
 //! its pass.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
-use lathe_server::model::tiny::write_hf_dir;
-use lathe_server::model::Arch;
+use common::tiny_model;
 
-fn tiny_model(dir: &Path) -> PathBuf {
-    write_hf_dir(dir, Arch::Llama, 4).unwrap();
-    let path = dir.join("config.json");
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    config["max_position_embeddings"] = 1024.into();
-    std::fs::write(&path, config.to_string()).unwrap();
-    dir.to_path_buf()
-}
+mod common;
 
 const BIN: &str = env!("CARGO_BIN_EXE_multi_agent_math");
 
