@@ -637,7 +637,13 @@ async fn state_from_uri<R: Recipe>(
         .and_then(|t| t.strip_prefix('-'))
         .ok_or_else(|| anyhow::anyhow!("{uri} was not saved by {}", recipe.name()))?
         .to_string();
-    let local = local.filter(|s| s.tag == tag);
+    if let Some(other) = local.as_ref().filter(|s| s.tag != tag) {
+        anyhow::bail!(
+            "--out holds another {} run (tag {}); resume {uri} into its own directory or a new one",
+            other.recipe,
+            other.tag
+        );
+    }
     let attempt = local.as_ref().map_or(attempt, |s| s.attempt.max(attempt));
     let same = local.filter(|s| s.completed_steps == step && s.checkpoints == checkpoints);
     let state = RunState {
