@@ -14,7 +14,7 @@ use clap::Parser;
 use lathe::types::LossFn;
 use lathe_recipes::credit::{Credit, Normalise, Objective, Scope};
 use lathe_recipes::data::{addition, batch_at, Problem};
-use lathe_recipes::env::{Env, EnvGroup, Episode, Observation, Reply, Transition};
+use lathe_recipes::env::{rate, Env, EnvGroup, Episode, Observation, Reply, Transition};
 use lathe_recipes::grade::{judgment, last_integer_reward};
 use lathe_recipes::play::Sampling;
 use lathe_recipes::rl::{run, Criterion, Curve, Recipe, Team};
@@ -183,8 +183,7 @@ impl Env for Pipeline {
             e.metrics
                 .insert("rewriter_accuracy".into(), mean(&rewriter));
         }
-        e.metrics
-            .insert("team_correct".into(), f64::from(u8::from(team_right)));
+        e.metrics.insert("team_correct".into(), rate(team_right));
         let Self {
             solvers,
             rewriters,

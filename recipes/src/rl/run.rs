@@ -113,7 +113,6 @@ pub async fn run<R: Recipe>(recipe: &R, args: &CommonArgs) -> anyhow::Result<Sum
         mode: &mode,
         tag,
         attempt,
-        run_path: path.clone(),
     };
 
     // The steps, and the learners beside them; closing the queues at the end lets the
@@ -343,7 +342,6 @@ struct Loop<'a, R: Recipe> {
     mode: &'a str,
     tag: String,
     attempt: u32,
-    run_path: PathBuf,
 }
 
 impl<R: Recipe> Loop<'_, R> {
@@ -558,7 +556,7 @@ impl<R: Recipe> Loop<'_, R> {
                 })
                 .collect(),
         }
-        .write(&self.run_path)?;
+        .write(&log.run.path)?;
         Ok(uris)
     }
 
