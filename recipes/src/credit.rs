@@ -2,11 +2,13 @@
 //! against a baseline) and the datums each role trains on, for any of the server's
 //! losses.
 
+use std::collections::BTreeMap;
+
 use lathe::types::{Datum, LossFn};
 use lathe::Tokenizer;
 
 use crate::advantages::{centred_within, normalised_within};
-use crate::env::Episode;
+use crate::env::{Episode, Transition};
 use crate::rollout::{trajectory_data, Sample};
 
 /// How rewards become advantages within a baseline's set.
@@ -44,6 +46,14 @@ pub struct Credit {
     /// policy-gradient losses but count in the sums); off drops them, as dynamic
     /// sampling does.
     pub keep_zero: bool,
+    /// Balance classes: a transition with a class ([`Transition::in_class`]) is compared
+    /// with its role's transitions of the same class across the step (its class, not its
+    /// problem, says what it faced), and every class present weighs the same in the
+    /// role's update whatever its share of the step. A verifier shown mostly wrong
+    /// answers then gains nothing by rejecting everything; only telling the classes apart
+    /// pays (exactly so with `Centre`; `Standardise` divides each class by its own std
+    /// estimate). Off: classes are ignored.
+    pub balance: bool,
 }
 
 impl Credit {
@@ -55,6 +65,7 @@ impl Credit {
             pool_roles: false,
             by_position: false,
             keep_zero: false,
+            balance: false,
         }
     }
 }
@@ -79,26 +90,75 @@ impl Objective {
     }
 }
 
+/// Which transitions share a baseline: `None` in a field means "any".
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct BaselineKey {
+    group: Option<usize>,
+    role: Option<usize>,
+    position: Option<usize>,
+    class: Option<usize>,
+}
+
 /// The advantage of every transition of `groups`, in order (group, episode, transition).
+/// A transition with its own baseline ([`Transition::against`]) gets `reward − baseline`;
+/// the others are centred or standardised within their baseline's set, as `credit` says.
 pub fn advantages(groups: &[Vec<Episode>], credit: &Credit) -> Vec<f64> {
-    let mut rewards = Vec::new();
-    let mut keys = Vec::new();
-    for (g, episodes) in groups.iter().enumerate() {
-        for e in episodes {
-            for t in &e.transitions {
+    let transitions: Vec<(usize, &Transition)> = groups
+        .iter()
+        .enumerate()
+        .flat_map(|(g, episodes)| {
+            episodes
+                .iter()
+                .flat_map(move |e| e.transitions.iter().map(move |t| (g, t)))
+        })
+        .collect();
+    let key = |g: usize, t: &Transition| {
+        let class = t.class.filter(|_| credit.balance);
+        BaselineKey {
+            // A class replaces the problem as what the reply is compared within.
+            group: (credit.scope == Scope::Group && class.is_none()).then_some(g),
+            role: (!credit.pool_roles).then_some(t.role),
+            position: credit.by_position.then_some(t.position),
+            class,
+        }
+    };
+    let mut out = vec![0.0; transitions.len()];
+    let (mut rewards, mut keys, mut at) = (Vec::new(), Vec::new(), Vec::new());
+    for (i, &(g, t)) in transitions.iter().enumerate() {
+        match t.baseline {
+            Some(b) => out[i] = t.reward - b,
+            None => {
                 rewards.push(t.reward);
-                keys.push((
-                    (credit.scope == Scope::Group).then_some(g),
-                    (!credit.pool_roles).then_some(t.role),
-                    credit.by_position.then_some(t.position),
-                ));
+                keys.push(key(g, t));
+                at.push(i);
             }
         }
     }
-    match credit.normalise {
+    let within = match credit.normalise {
         Normalise::Centre => centred_within(&rewards, &keys),
         Normalise::Standardise => normalised_within(&rewards, &keys),
+    };
+    for (&i, a) in at.iter().zip(within) {
+        out[i] = a;
     }
+    if credit.balance {
+        // Each class's weight: the set's size over (classes × the class's size).
+        let mut sizes: BTreeMap<BaselineKey, BTreeMap<usize, usize>> = BTreeMap::new();
+        let classed = || {
+            at.iter()
+                .zip(&keys)
+                .filter_map(|(&i, k)| k.class.map(|c| (i, BaselineKey { class: None, ..*k }, c)))
+        };
+        for (_, set, class) in classed() {
+            *sizes.entry(set).or_default().entry(class).or_default() += 1;
+        }
+        for (i, set, class) in classed() {
+            let classes = &sizes[&set];
+            let total: usize = classes.values().sum();
+            out[i] *= total as f64 / (classes.len() * classes[&class]) as f64;
+        }
+    }
+    out
 }
 
 /// How a reference completion becomes tokens (the tokenizer's `encode`).
@@ -171,7 +231,7 @@ pub fn episode_data(
 mod tests {
     use super::*;
     use crate::advantages::{group_centred, group_normalised};
-    use crate::env::{Reply, Transition};
+    use crate::env::Reply;
 
     fn transition(role: usize, reward: f64, position: usize) -> Transition {
         let reply = Reply {
@@ -229,5 +289,94 @@ mod tests {
             ..Credit::group(Normalise::Centre)
         };
         assert_eq!(advantages(&groups, &credit), vec![-1.0, 1.0, 1.0, -1.0]);
+    }
+
+    #[test]
+    fn an_own_baseline_is_subtracted_and_kept_out_of_the_group() {
+        let groups = vec![vec![
+            episode(vec![
+                transition(0, 1.0, 0),
+                transition(0, 1.0, 0).against(0.25),
+            ]),
+            episode(vec![
+                transition(0, 0.0, 0),
+                transition(0, 0.0, 0).against(0.25),
+            ]),
+        ]];
+        let credit = Credit::group(Normalise::Standardise);
+        let g = group_normalised(&[1.0, 0.0]);
+        assert_eq!(advantages(&groups, &credit), vec![g[0], 0.75, g[1], -0.25]);
+    }
+
+    #[test]
+    fn balanced_classes_remove_the_majority_class_pull() {
+        // A verifier that cannot tell right answers from wrong ones and says approve or
+        // reject at random: shown four wrong answers (class 0) and two right ones (class
+        // 1). Reward 1 when the verdict matches; `true` is a rejection.
+        let judged = |right: bool, reject: bool| {
+            let reward = if right != reject { 1.0 } else { 0.0 };
+            (
+                reject,
+                transition(1, reward, 0).in_class(usize::from(right)),
+            )
+        };
+        let verdicts = [
+            judged(false, false),
+            judged(false, false),
+            judged(false, true),
+            judged(false, true),
+            judged(true, false),
+            judged(true, true),
+        ];
+        let groups = vec![verdicts
+            .iter()
+            .map(|(_, t)| episode(vec![t.clone()]))
+            .collect::<Vec<_>>()];
+        // The sum of the advantages given to rejections: how hard the update pulls the
+        // verdict every prompt shares towards "reject".
+        let pull = |credit: &Credit| -> f64 {
+            let a = advantages(&groups, credit);
+            verdicts
+                .iter()
+                .zip(a)
+                .filter(|((reject, _), _)| *reject)
+                .map(|(_, a)| a)
+                .sum()
+        };
+        // Unbalanced, the majority class wins: rejecting is pulled up.
+        assert_eq!(pull(&Credit::group(Normalise::Centre)), 0.5);
+        // Balanced, guessing earns nothing either way.
+        let balanced = Credit {
+            balance: true,
+            ..Credit::group(Normalise::Centre)
+        };
+        assert_eq!(pull(&balanced), 0.0);
+    }
+
+    #[test]
+    fn balanced_classes_weigh_the_same_whatever_their_size() {
+        // Class 0 has three replies, class 1 one pair: within each class the replies are
+        // centred, then class 0 is scaled by 5/(2*3) and class 1 by 5/(2*2).
+        let t = |reward: f64, class: usize| episode(vec![transition(0, reward, 0).in_class(class)]);
+        let groups = vec![vec![t(1.0, 0), t(0.0, 0), t(0.0, 0), t(1.0, 1), t(0.0, 1)]];
+        let credit = Credit {
+            balance: true,
+            ..Credit::group(Normalise::Centre)
+        };
+        let a = advantages(&groups, &credit);
+        let expect = [
+            2.0 / 3.0 * 5.0 / 6.0,
+            -1.0 / 3.0 * 5.0 / 6.0,
+            -1.0 / 3.0 * 5.0 / 6.0,
+            0.5 * 5.0 / 4.0,
+            -0.5 * 5.0 / 4.0,
+        ];
+        for (a, e) in a.iter().zip(expect) {
+            assert!((a - e).abs() < 1e-12, "{a} != {e}");
+        }
+        // The classes' total weights are equal: |sum| of positive parts match per class.
+        let class0: f64 = a[..3].iter().map(|x| x.abs()).sum();
+        let class1: f64 = a[3..].iter().map(|x| x.abs()).sum();
+        assert!((class0 - 10.0 / 9.0).abs() < 1e-12 && (class1 - 1.25).abs() < 1e-12);
     }
 }

@@ -79,6 +79,15 @@ pub struct Transition {
     /// The completion a supervised objective trains on instead of the sample (the known
     /// answer); `None` when there is none.
     pub reference: Option<String>,
+    /// What the reply is compared with when the environment knows it better than the
+    /// reply's group does (a selector's pick against the expected reward of a random
+    /// pick): the advantage is then `reward − baseline`, unscaled, and the reply stays
+    /// out of its group's statistics.
+    pub baseline: Option<f64>,
+    /// The kind of situation the reply answered (a verifier's: whether the answer it
+    /// judged was right), for credit that balances classes ([`crate::credit::Credit`]'s
+    /// `balance`).
+    pub class: Option<usize>,
 }
 
 impl Transition {
@@ -90,7 +99,21 @@ impl Transition {
             reward,
             position,
             reference: None,
+            baseline: None,
+            class: None,
         }
+    }
+
+    /// The same transition compared with `baseline` instead of its group.
+    pub fn against(mut self, baseline: f64) -> Self {
+        self.baseline = Some(baseline);
+        self
+    }
+
+    /// The same transition in `class`.
+    pub fn in_class(mut self, class: usize) -> Self {
+        self.class = Some(class);
+        self
     }
 
     /// The same transition with a reference completion for supervised objectives.
