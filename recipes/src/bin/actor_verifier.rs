@@ -109,10 +109,21 @@ fn retry_context(solution: &str, review: &str) -> String {
 }
 
 /// What the verifier decided: `(approved, parsed)`. Undecidable counts as approve.
+/// Besides AstraFlow's verdicts, a first word "yes" or "no" decides: the base model
+/// answers the open `<verify>` tag that way, and a verdict it cannot yet spell would
+/// otherwise be learnt from whichever keyword it happens to sample first.
 fn decision(review: &str) -> (bool, bool) {
+    let first_word = review
+        .split(|c: char| !c.is_ascii_alphabetic())
+        .find(|w| !w.is_empty())
+        .map(str::to_ascii_lowercase);
     match verdict(&format!("<verify>{review}")) {
         Some(approved) => (approved, true),
-        None => (true, false),
+        None => match first_word.as_deref() {
+            Some("yes") => (true, true),
+            Some("no") => (false, true),
+            _ => (true, false),
+        },
     }
 }
 
@@ -372,6 +383,10 @@ mod tests {
         assert_eq!(verifier_reward("reject</verify>", 0.0), 1.0);
         assert_eq!(verifier_reward("reject", 1.0), 0.0);
         assert_eq!(verifier_reward("approve", 0.0), 0.0);
+        // A first "yes" or "no" decides.
+        assert_eq!(verifier_reward("yes</verify>", 1.0), 1.0);
+        assert_eq!(verifier_reward("No, 7</verify>", 0.0), 1.0);
+        assert_eq!(decision("nothing"), (true, false));
         // Unparsable: counts as approve, but earns nothing even when the answer is right.
         assert_eq!(decision("hmm"), (true, false));
         assert_eq!(verifier_reward("hmm", 1.0), 0.0);

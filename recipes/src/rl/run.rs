@@ -10,7 +10,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use super::learner::{queue, Learner, QueueHandle, QueuedEpisode};
-use super::sessions::{open_team, save_states, train_step, RoleSessions};
+use super::sessions::{open_team, save_states, train_step, AgentRecord, RoleSessions};
 use super::{Curve, QueueTotals, Recipe, Saved, Summary};
 use crate::env::{mean_metrics, Episode};
 use crate::play::{mix_seed, play, Policy};
@@ -404,15 +404,39 @@ impl<R: Recipe> Loop<'_, R> {
         samplers: &[Option<SamplingClient>],
         queues: &Queues,
     ) -> anyhow::Result<()> {
-        let episodes = play(
+        let episodes = self
+            .play_held_out(self.eval_policies(samplers, queues))
+            .await?;
+        self.log_evaluation(step, log, &episodes)
+    }
+
+    /// Every role's held-out policy as it is now.
+    fn eval_policies(&self, samplers: &[Option<SamplingClient>], queues: &Queues) -> Vec<Policy> {
+        (0..self.roles.len())
+            .map(|r| self.policy(r, samplers, queues, true))
+            .collect()
+    }
+
+    /// The held-out episodes under `policies` (one per role).
+    async fn play_held_out(&self, policies: Vec<Policy>) -> anyhow::Result<Vec<Episode>> {
+        play(
             self.recipe.held_out(),
-            &|r| self.policy(r, samplers, queues, true),
+            &|r| policies[r].clone(),
             self.tok,
             self.context,
             self.recipe.eval_seed(),
         )
-        .await?;
-        let metrics = mean_metrics(&episodes);
+        .await
+    }
+
+    /// Logs the held-out `episodes` as the evaluation at `step`.
+    fn log_evaluation(
+        &self,
+        step: usize,
+        log: &mut Log,
+        episodes: &[Episode],
+    ) -> anyhow::Result<()> {
+        let metrics = mean_metrics(episodes);
         for c in self.curves {
             if let Some(v) = metrics.get(c.metric) {
                 log.curves.push(c.label, step, *v);
@@ -437,18 +461,66 @@ impl<R: Recipe> Loop<'_, R> {
         Ok(())
     }
 
-    /// Training step `step`: evaluate when due, play, queue the queued roles' replies,
-    /// train the others, log, save when due.
+    /// Training step `step`: play, queue the queued roles' replies, train the others, and
+    /// beside them evaluate when due; then log, and save when due.
+    ///
+    /// The evaluation overlaps the step: it samples from the weights published at the
+    /// step's start, as the step's own play does, and the server's numbers for a sequence
+    /// do not depend on what shares its pass, so the overlap changes no number; the
+    /// server batches the two plays' sequences together.
     async fn step(&self, step: usize, log: &mut Log, queues: &mut Queues) -> anyhow::Result<()> {
         let samplers = self.samplers(queues).await?;
-        if step.is_multiple_of(self.args.eval_every.max(1)) {
-            self.evaluate(step, log, &samplers, queues).await?;
+        let due = step.is_multiple_of(self.args.eval_every.max(1));
+        let policies = due.then(|| self.eval_policies(&samplers, queues));
+        let held_out = async {
+            match policies {
+                Some(p) => self.play_held_out(p).await.map(Some),
+                None => Ok(None),
+            }
+        };
+        let (held_out, trained) = tokio::try_join!(held_out, self.train(step, &samplers, queues))?;
+        if let Some(episodes) = held_out {
+            self.log_evaluation(step, log, &episodes)?;
         }
+        let (groups, record) = trained;
+        for (name, agent) in &record {
+            for (key, value) in [("reward", agent.reward_mean), ("loss", agent.loss)] {
+                if let Some(v) = value {
+                    push_series(&mut log.training, &format!("{name} {key}"), step + 1, v);
+                }
+            }
+        }
+        let mut line = json!({"step": step + 1, "mode": self.mode, "agents": record});
+        for (k, v) in mean_metrics(groups.iter().flatten()) {
+            line[k] = json!(v);
+        }
+        log.drain_records()?;
+        log.run.log(&line)?;
+        log.bar.inc(1);
+        let done = step + 1;
+        let every = self.args.save_every;
+        if every > 0 && done.is_multiple_of(every) && done < self.args.steps {
+            for q in queues.iter_mut().flatten() {
+                q.drain().await?;
+            }
+            log.drain_records()?;
+            self.save(done, log, queues).await?;
+        }
+        Ok(())
+    }
+
+    /// Step `step`'s play and training: the episodes by group and each role's record.
+    async fn train(
+        &self,
+        step: usize,
+        samplers: &[Option<SamplingClient>],
+        queues: &mut Queues,
+    ) -> anyhow::Result<(Vec<Vec<Episode>>, BTreeMap<String, AgentRecord>)> {
         let groups = self.recipe.groups(step);
         let sizes: Vec<usize> = groups.iter().map(Vec::len).collect();
         let episodes = play(
             groups.into_iter().flatten().collect(),
-            &|r| self.policy(r, &samplers, queues, false),
+            &|r| self.policy(r, samplers, queues, false),
             self.tok,
             self.context,
             mix_seed(self.args.seed, &[step as u64]),
@@ -493,33 +565,11 @@ impl<R: Recipe> Loop<'_, R> {
         )
         .await?;
         for (r, name) in self.roles.iter().enumerate() {
-            let agent = record.get_mut(*name).expect("a record per role");
             if queued[r] {
-                agent.queued = Some(sent[r]);
-            }
-            for (key, value) in [("reward", agent.reward_mean), ("loss", agent.loss)] {
-                if let Some(v) = value {
-                    push_series(&mut log.training, &format!("{name} {key}"), step + 1, v);
-                }
+                record.get_mut(*name).expect("a record per role").queued = Some(sent[r]);
             }
         }
-        let mut line = json!({"step": step + 1, "mode": self.mode, "agents": record});
-        for (k, v) in mean_metrics(groups.iter().flatten()) {
-            line[k] = json!(v);
-        }
-        log.drain_records()?;
-        log.run.log(&line)?;
-        log.bar.inc(1);
-        let done = step + 1;
-        let every = self.args.save_every;
-        if every > 0 && done.is_multiple_of(every) && done < self.args.steps {
-            for q in queues.iter_mut().flatten() {
-                q.drain().await?;
-            }
-            log.drain_records()?;
-            self.save(done, log, queues).await?;
-        }
-        Ok(())
+        Ok((groups, record))
     }
 
     /// Saves every session's state as step `done` and writes `state.json` with the logs
