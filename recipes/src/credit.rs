@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use lathe::types::{Datum, LossFn};
 use lathe::Tokenizer;
 
-use crate::advantages::{centred_within, normalised_within};
+use crate::advantages::{group_centred, group_normalised};
 use crate::env::{Episode, Transition};
 use crate::rollout::{trajectory_data, Sample};
 
@@ -46,13 +46,12 @@ pub struct Credit {
     /// policy-gradient losses but count in the sums); off drops them, as dynamic
     /// sampling does.
     pub keep_zero: bool,
-    /// Balance classes: a transition with a class ([`Transition::in_class`]) is compared
-    /// with its role's transitions of the same class across the step (its class, not its
-    /// problem, says what it faced), and every class present weighs the same in the
-    /// role's update whatever its share of the step. A verifier shown mostly wrong
-    /// answers then gains nothing by rejecting everything; only telling the classes apart
-    /// pays (exactly so with `Centre`; `Standardise` divides each class by its own std
-    /// estimate). Off: classes are ignored.
+    /// Balance classes: transitions with a class ([`Transition::in_class`]) are compared
+    /// across the step, not within their problem's group, with the same role's classed
+    /// transitions (the team's, with `pool_roles`), by [`balanced`]: every class weighs
+    /// the same whatever its share of the step, so a verifier shown mostly wrong answers
+    /// gains nothing by rejecting everything; only telling the classes apart pays. Off:
+    /// classes are ignored.
     pub balance: bool,
 }
 
@@ -96,12 +95,14 @@ struct BaselineKey {
     group: Option<usize>,
     role: Option<usize>,
     position: Option<usize>,
-    class: Option<usize>,
 }
 
 /// The advantage of every transition of `groups`, in order (group, episode, transition).
-/// A transition with its own baseline ([`Transition::against`]) gets `reward − baseline`;
-/// the others are centred or standardised within their baseline's set, as `credit` says.
+/// A transition with its own baseline ([`Transition::against`]) gets `reward − baseline`
+/// (its class, if any, is not used); with `credit.balance`, transitions with a class
+/// are credited by [`balanced`] within their role's (or, pooled, the team's) classed
+/// transitions of the step; the others are centred or standardised within their
+/// baseline's set, as `credit` says.
 pub fn advantages(groups: &[Vec<Episode>], credit: &Credit) -> Vec<f64> {
     let transitions: Vec<(usize, &Transition)> = groups
         .iter()
@@ -112,51 +113,79 @@ pub fn advantages(groups: &[Vec<Episode>], credit: &Credit) -> Vec<f64> {
                 .flat_map(move |e| e.transitions.iter().map(move |t| (g, t)))
         })
         .collect();
-    let key = |g: usize, t: &Transition| {
-        let class = t.class.filter(|_| credit.balance);
-        BaselineKey {
+    let mut out = vec![0.0; transitions.len()];
+    let mut sets: BTreeMap<(BaselineKey, bool), Vec<usize>> = BTreeMap::new();
+    for (i, &(g, t)) in transitions.iter().enumerate() {
+        if let Some(b) = t.baseline {
+            out[i] = t.reward - b;
+            continue;
+        }
+        let classed = credit.balance && t.class.is_some();
+        let key = BaselineKey {
             // A class replaces the problem as what the reply is compared within.
-            group: (credit.scope == Scope::Group && class.is_none()).then_some(g),
+            group: (credit.scope == Scope::Group && !classed).then_some(g),
             role: (!credit.pool_roles).then_some(t.role),
             position: credit.by_position.then_some(t.position),
-            class,
-        }
-    };
-    let mut out = vec![0.0; transitions.len()];
-    let (mut rewards, mut keys, mut at) = (Vec::new(), Vec::new(), Vec::new());
-    for (i, &(g, t)) in transitions.iter().enumerate() {
-        match t.baseline {
-            Some(b) => out[i] = t.reward - b,
-            None => {
-                rewards.push(t.reward);
-                keys.push(key(g, t));
-                at.push(i);
-            }
-        }
-    }
-    let within = match credit.normalise {
-        Normalise::Centre => centred_within(&rewards, &keys),
-        Normalise::Standardise => normalised_within(&rewards, &keys),
-    };
-    for (&i, a) in at.iter().zip(within) {
-        out[i] = a;
-    }
-    if credit.balance {
-        // Each class's weight: the set's size over (classes × the class's size).
-        let mut sizes: BTreeMap<BaselineKey, BTreeMap<usize, usize>> = BTreeMap::new();
-        let classed = || {
-            at.iter()
-                .zip(&keys)
-                .filter_map(|(&i, k)| k.class.map(|c| (i, BaselineKey { class: None, ..*k }, c)))
         };
-        for (_, set, class) in classed() {
-            *sizes.entry(set).or_default().entry(class).or_default() += 1;
+        sets.entry((key, classed)).or_default().push(i);
+    }
+    for ((_, classed), members) in sets {
+        let rewards: Vec<f64> = members.iter().map(|&i| transitions[i].1.reward).collect();
+        let credited = if classed {
+            let classes: Vec<usize> = (members.iter())
+                .map(|&i| transitions[i].1.class.unwrap_or_default())
+                .collect();
+            balanced(&rewards, &classes, credit.normalise)
+        } else {
+            match credit.normalise {
+                Normalise::Centre => group_centred(&rewards),
+                Normalise::Standardise => group_normalised(&rewards),
+            }
+        };
+        for (i, a) in members.into_iter().zip(credited) {
+            out[i] = a;
         }
-        for (i, set, class) in classed() {
-            let classes = &sizes[&set];
-            let total: usize = classes.values().sum();
-            out[i] *= total as f64 / (classes.len() * classes[&class]) as f64;
+    }
+    out
+}
+
+/// Class-balanced advantages of one set of replies: each reward is centred within its
+/// class, and each class is weighted by `n / (k · (n_c − 1))` (`n` replies in the `k`
+/// classes that have at least two, `n_c` in this one). With those weights a policy that
+/// answers every class alike gains nothing in expectation, whatever the classes' sizes:
+/// a reply's own reward is part of its class's mean, which shrinks its expected
+/// advantage by `(n_c − 1) / n_c`, and the weight undoes that. A set with fewer than two
+/// such classes gets zeros: with one kind of situation only, the update could teach
+/// nothing but the verdict that suits that kind. `Standardise` then divides by the
+/// classes' pooled std (one scale for the set, so the balance holds).
+pub fn balanced(rewards: &[f64], classes: &[usize], normalise: Normalise) -> Vec<f64> {
+    assert_eq!(rewards.len(), classes.len(), "one class per reward");
+    let mut out = vec![0.0; rewards.len()];
+    let mut by_class: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+    for (i, &c) in classes.iter().enumerate() {
+        by_class.entry(c).or_default().push(i);
+    }
+    let counted: Vec<Vec<usize>> = by_class.into_values().filter(|m| m.len() >= 2).collect();
+    if counted.len() < 2 {
+        return out;
+    }
+    let n: usize = counted.iter().map(Vec::len).sum();
+    let mut squares = 0.0;
+    for members in &counted {
+        let class_rewards: Vec<f64> = members.iter().map(|&i| rewards[i]).collect();
+        let weight = n as f64 / (counted.len() * (members.len() - 1)) as f64;
+        for (&i, c) in members.iter().zip(group_centred(&class_rewards)) {
+            squares += c * c;
+            out[i] = c * weight;
         }
+    }
+    if normalise == Normalise::Standardise {
+        let var = squares / (n - counted.len()) as f64;
+        if var <= 1e-12 {
+            return vec![0.0; rewards.len()];
+        }
+        let std = var.sqrt();
+        out.iter_mut().for_each(|a| *a /= std);
     }
     out
 }
@@ -230,7 +259,6 @@ pub fn episode_data(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::advantages::{group_centred, group_normalised};
     use crate::env::Reply;
 
     fn transition(role: usize, reward: f64, position: usize) -> Transition {
@@ -308,75 +336,97 @@ mod tests {
         assert_eq!(advantages(&groups, &credit), vec![g[0], 0.75, g[1], -0.25]);
     }
 
-    #[test]
-    fn balanced_classes_remove_the_majority_class_pull() {
-        // A verifier that cannot tell right answers from wrong ones and says approve or
-        // reject at random: shown four wrong answers (class 0) and two right ones (class
-        // 1). Reward 1 when the verdict matches; `true` is a rejection.
-        let judged = |right: bool, reject: bool| {
-            let reward = if right != reject { 1.0 } else { 0.0 };
-            (
-                reject,
-                transition(1, reward, 0).in_class(usize::from(right)),
-            )
-        };
-        let verdicts = [
-            judged(false, false),
-            judged(false, false),
-            judged(false, true),
-            judged(false, true),
-            judged(true, false),
-            judged(true, true),
-        ];
-        let groups = vec![verdicts
-            .iter()
-            .map(|(_, t)| episode(vec![t.clone()]))
-            .collect::<Vec<_>>()];
-        // The sum of the advantages given to rejections: how hard the update pulls the
-        // verdict every prompt shares towards "reject".
-        let pull = |credit: &Credit| -> f64 {
-            let a = advantages(&groups, credit);
-            verdicts
-                .iter()
-                .zip(a)
-                .filter(|((reject, _), _)| *reject)
-                .map(|(_, a)| a)
-                .sum()
-        };
-        // Unbalanced, the majority class wins: rejecting is pulled up.
-        assert_eq!(pull(&Credit::group(Normalise::Centre)), 0.5);
-        // Balanced, guessing earns nothing either way.
-        let balanced = Credit {
-            balance: true,
-            ..Credit::group(Normalise::Centre)
-        };
-        assert_eq!(pull(&balanced), 0.0);
+    /// The expected pull towards "reject" of a verifier that rejects with probability `q`
+    /// whatever it is shown: `wrong` wrong answers (class 0) and `right` right ones (class
+    /// 1), reward 1 when the verdict matches; every assignment of verdicts enumerated.
+    fn expected_pull(wrong: usize, right: usize, q: f64, credit: &Credit) -> f64 {
+        let n = wrong + right;
+        let mut pull = 0.0;
+        for rejects in 0u32..(1 << n) {
+            let reject = |i: usize| rejects & (1 << i) != 0;
+            let p: f64 = (0..n)
+                .map(|i| if reject(i) { q } else { 1.0 - q })
+                .product();
+            let episodes = (0..n)
+                .map(|i| {
+                    let is_right = i >= wrong;
+                    let reward = if is_right != reject(i) { 1.0 } else { 0.0 };
+                    episode(vec![
+                        transition(1, reward, 0).in_class(usize::from(is_right))
+                    ])
+                })
+                .collect();
+            let a = advantages(&[episodes], credit);
+            pull += p * (0..n).filter(|&i| reject(i)).map(|i| a[i]).sum::<f64>();
+        }
+        pull
     }
 
     #[test]
-    fn balanced_classes_weigh_the_same_whatever_their_size() {
-        // Class 0 has three replies, class 1 one pair: within each class the replies are
-        // centred, then class 0 is scaled by 5/(2*3) and class 1 by 5/(2*2).
-        let t = |reward: f64, class: usize| episode(vec![transition(0, reward, 0).in_class(class)]);
-        let groups = vec![vec![t(1.0, 0), t(0.0, 0), t(0.0, 0), t(1.0, 1), t(0.0, 1)]];
+    fn balanced_classes_remove_the_majority_class_pull() {
+        let plain = Credit::group(Normalise::Centre);
+        let balanced = Credit {
+            balance: true,
+            ..plain
+        };
+        for (wrong, right, q) in [(5, 2, 0.3), (6, 3, 0.8), (4, 4, 0.5), (7, 2, 0.05)] {
+            // Unbalanced, a majority of wrong answers pulls towards "reject".
+            let unbalanced = expected_pull(wrong, right, q, &plain);
+            assert_eq!(
+                wrong > right,
+                unbalanced > 0.01,
+                "{wrong}/{right}: {unbalanced}"
+            );
+            // Balanced, guessing gains nothing either way, whatever the class sizes.
+            let pull = expected_pull(wrong, right, q, &balanced);
+            assert!(pull.abs() < 1e-12, "{wrong}/{right} at {q}: {pull}");
+        }
+    }
+
+    #[test]
+    fn a_class_replaces_the_group_and_needs_a_second_class() {
+        // Group 0 holds only wrong answers, group 1 only right ones: per group there is
+        // nothing to compare with, across the step each class has a right and a wrong
+        // verdict.
+        let judged =
+            |right: bool, reward: f64| transition(1, reward, 0).in_class(usize::from(right));
+        let groups = vec![
+            vec![
+                episode(vec![judged(false, 1.0)]),
+                episode(vec![judged(false, 0.0)]),
+            ],
+            vec![
+                episode(vec![judged(true, 1.0)]),
+                episode(vec![judged(true, 0.0)]),
+            ],
+        ];
         let credit = Credit {
             balance: true,
             ..Credit::group(Normalise::Centre)
         };
-        let a = advantages(&groups, &credit);
-        let expect = [
-            2.0 / 3.0 * 5.0 / 6.0,
-            -1.0 / 3.0 * 5.0 / 6.0,
-            -1.0 / 3.0 * 5.0 / 6.0,
-            0.5 * 5.0 / 4.0,
-            -0.5 * 5.0 / 4.0,
-        ];
-        for (a, e) in a.iter().zip(expect) {
-            assert!((a - e).abs() < 1e-12, "{a} != {e}");
+        // Each class centred (±0.5) and weighted 4 / (2 × 1).
+        assert_eq!(advantages(&groups, &credit), vec![1.0, -1.0, 1.0, -1.0]);
+        // One class alone teaches nothing; a class of one is left out.
+        assert_eq!(balanced_only(&[1.0, 0.0, 1.0], &[0, 0, 0]), vec![0.0; 3]);
+        assert_eq!(balanced_only(&[1.0, 0.0, 1.0], &[0, 0, 1]), vec![0.0; 3]);
+        // Standardised, one pooled std for the set: the balance between classes holds.
+        let a = balanced(
+            &[1.0, 0.0, 0.0, 1.0, 0.0],
+            &[0, 0, 0, 1, 1],
+            Normalise::Standardise,
+        );
+        let c = balanced(
+            &[1.0, 0.0, 0.0, 1.0, 0.0],
+            &[0, 0, 0, 1, 1],
+            Normalise::Centre,
+        );
+        let ratio = a[0] / c[0];
+        for (a, c) in a.iter().zip(&c) {
+            assert!((a - c * ratio).abs() < 1e-12);
         }
-        // The classes' total weights are equal: |sum| of positive parts match per class.
-        let class0: f64 = a[..3].iter().map(|x| x.abs()).sum();
-        let class1: f64 = a[3..].iter().map(|x| x.abs()).sum();
-        assert!((class0 - 10.0 / 9.0).abs() < 1e-12 && (class1 - 1.25).abs() < 1e-12);
+    }
+
+    fn balanced_only(rewards: &[f64], classes: &[usize]) -> Vec<f64> {
+        balanced(rewards, classes, Normalise::Centre)
     }
 }

@@ -13,8 +13,11 @@
 //! solver alone with the same problems, steps and group; when the second session cannot be
 //! created (or with `--force-fallback`) one session plays both roles.
 //!
-//! Adapted to a small model: prompts are raw text, answers are a line long, and the
-//! verifier's prompt ends with the opening `<verify>` tag so its verdict is its first word.
+//! Adapted to a small model: prompts are raw text, answers are a line long, the
+//! verifier's prompt ends with the opening `<verify>` tag so its verdict is its first
+//! word, and a verdict that names neither keyword but starts with "yes" or "no" counts as
+//! approve or reject (the base model answers the tag that way; AstraFlow would score it
+//! unparsed).
 
 use clap::{Parser, ValueEnum};
 use lathe::types::LossFn;
@@ -109,9 +112,9 @@ fn retry_context(solution: &str, review: &str) -> String {
 }
 
 /// What the verifier decided: `(approved, parsed)`. Undecidable counts as approve.
-/// Besides AstraFlow's verdicts, a first word "yes" or "no" decides: the base model
-/// answers the open `<verify>` tag that way, and a verdict it cannot yet spell would
-/// otherwise be learnt from whichever keyword it happens to sample first.
+/// AstraFlow's verdict decides first; failing that, a first word "yes" or "no" does, so
+/// the verifier's first reward does not hinge on which keyword it happens to sample
+/// first (see the module's adaptations).
 fn decision(review: &str) -> (bool, bool) {
     let first_word = review
         .split(|c: char| !c.is_ascii_alphabetic())

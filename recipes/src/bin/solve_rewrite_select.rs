@@ -4,14 +4,17 @@
 //! `Judgment: N`. Every sample is graded 0/1 (last integer; the `</think>` gate is off, a
 //! small model does not think); the selector earns the reward of the rewrite it picked.
 //! Team weighting: when the selector's pick is correct every reward of the problem is
-//! multiplied by 1.2, otherwise by 0.8. All solver and rewriter samples of a problem form
-//! one group for the advantages (mean / std) and go into one `importance_sampling` update.
+//! multiplied by 1.2, otherwise by 0.8. All role samples of a problem form one group for
+//! the advantages (mean / std) and go into one `importance_sampling` update. (A weight
+//! shared by a whole group cancels in its standardisation, in Miles as here: the team
+//! weighting changes what is logged, not what is learnt.)
 //!
 //! The selector departs from Miles in two ways (`--selectors 1 --pooled-selector` is
-//! Miles): it samples `--selectors` picks of each problem, and each pick is credited
-//! against what a uniformly random pick of the same rewrites would earn, not against the
-//! other roles' samples, so a pick gains only where it beats chance. With several picks
-//! the team weight is 0.8 + 0.4 × the share of right picks (its expectation with one).
+//! Miles): it samples `--selectors` picks of each problem, and each pick earns 1.2 when
+//! right and is credited against what a uniformly random pick of the same rewrites
+//! earns (1.2 × the share of right ones), outside the group, so a pick gains only where
+//! it beats chance. The solvers and rewriters form the group. With several picks the
+//! team weight is 0.8 + 0.4 × the share of right picks (its expectation with one).
 //!
 //! Adapted to a small model: prompts are raw text, answers are a line long, and the
 //! selector's prompt ends with `Judgment:` so its pick is its first word.
@@ -32,7 +35,7 @@ use serde_json::{json, Value};
 #[global_allocator]
 static GLOBAL: lathe_server::memory::MiMalloc = lathe_server::memory::MiMalloc;
 
-/// Solvers, rewriters and a selector on one policy, trained on the pooled samples.
+/// Solvers, rewriters and selectors on one policy, trained on the pooled samples.
 #[derive(Parser, Debug)]
 #[command(name = "solve_rewrite_select", about)]
 struct Args {
@@ -63,7 +66,8 @@ const TEAM_RIGHT: f64 = 1.2;
 const TEAM_WRONG: f64 = 0.8;
 /// The criterion's gain, calibrated from a measured run (`recipes/solve_rewrite_select.md`).
 const CRITERION_GAIN: f64 = 0.2;
-/// How far the selector's pick must beat a random one where a random pick leaves room:
+/// How far the selector's pick must beat a random one on contested problems (some usable
+/// rewrites right, some wrong), or half the room a random pick leaves when that is less:
 /// a selector that reads the rewrites, not one that guesses.
 const SELECTOR_MARGIN: f64 = 0.15;
 
@@ -330,15 +334,13 @@ impl Recipe for SolveRewriteSelect {
             let (before, after) = curves.before_after(name);
             after - before
         };
-        // Miles' bar for the selector: above a random pick, by SELECTOR_MARGIN where the
-        // random pick leaves that much room.
-        let (_, pick) = curves.before_after("selector pick");
-        let (_, random) = curves.before_after("random pick");
-        let selects =
-            pick > random && (pick - random >= SELECTOR_MARGIN || random > 1.0 - SELECTOR_MARGIN);
+        // Miles' bar for the selector, where the pick matters: above a random pick.
+        let (_, pick) = curves.before_after("contested: selector pick");
+        let (_, random) = curves.before_after("contested: random pick");
+        let margin = SELECTOR_MARGIN.min((1.0 - random) / 2.0);
         Criterion {
-            text: format!("held-out mean raw reward and the team's final accuracy (the selector's pick is correct) each rise by >= {CRITERION_GAIN}; the selector's pick ends above a random pick's accuracy, by >= {SELECTOR_MARGIN} where a random pick is at most {}", 1.0 - SELECTOR_MARGIN),
-            passed: gain("raw reward") >= CRITERION_GAIN && gain("team correct") >= CRITERION_GAIN && selects,
+            text: format!("held-out mean raw reward and the team's final accuracy (the selector's pick is correct) each rise by >= {CRITERION_GAIN}; on contested problems (some usable rewrites right, some wrong) the selector's pick ends above a random pick's accuracy by >= {SELECTOR_MARGIN}, or half the room a random pick leaves when that is less"),
+            passed: gain("raw reward") >= CRITERION_GAIN && gain("team correct") >= CRITERION_GAIN && pick - random >= margin,
         }
     }
 
@@ -454,12 +456,13 @@ mod tests {
 
     #[test]
     fn picks_are_credited_against_a_random_pick() {
-        // One right pick of two, among rewrites of which a random pick is right half the
-        // time: the team weight is 0.8 + 0.4 * 0.5, and each pick is measured against
-        // 1.2 * 0.5.
-        let e = episode(&[" 1", " 2"], false);
-        assert_eq!(e.metrics["team_correct"], 0.5);
-        assert_eq!(e.metrics["contested_pick_accuracy"], 0.5);
+        // One right pick of three, among rewrites of which a random pick is right half
+        // the time: the team weight is 0.8 + 0.4 / 3 on the solvers and rewriters, and
+        // each pick earns 1.2 when right, measured against 1.2 * 0.5.
+        let e = episode(&[" 1", " 2", " 2"], false);
+        let w = 0.8 + 0.4 / 3.0;
+        assert_eq!(e.metrics["team_correct"], 1.0 / 3.0);
+        assert_eq!(e.metrics["contested_pick_accuracy"], 1.0 / 3.0);
         assert_eq!(e.metrics["contested_random_accuracy"], 0.5);
         let credited: Vec<(usize, f64, Option<f64>)> = e
             .transitions
@@ -469,19 +472,17 @@ mod tests {
         assert_eq!(
             credited,
             vec![
-                (SOLVER, 1.0, None),
+                (SOLVER, w, None),
                 (SOLVER, 0.0, None),
-                (REWRITER, 1.0, None),
+                (REWRITER, w, None),
                 (REWRITER, 0.0, None),
                 (REWRITER, 0.0, None),
                 (SELECTOR, 1.2, Some(0.6)),
                 (SELECTOR, 0.0, Some(0.6)),
+                (SELECTOR, 0.0, Some(0.6)),
             ]
         );
         // The raw reward counts the picks once, as one selector.
-        assert_eq!(
-            e.metrics["raw_reward"],
-            (1.0 + 0.0 + 1.0 + 0.0 + 0.0 + 0.5) / 6.0
-        );
+        assert_eq!(e.metrics["raw_reward"], (2.0 + 1.0 / 3.0) / 6.0);
     }
 }

@@ -466,8 +466,11 @@ impl<R: Recipe> Loop<'_, R> {
     ///
     /// The evaluation overlaps the step: it samples from the weights published at the
     /// step's start, as the step's own play does, and the server's numbers for a sequence
-    /// do not depend on what shares its pass, so the overlap changes no number; the
-    /// server batches the two plays' sequences together.
+    /// do not depend on what shares its pass, so for on-policy roles the overlap changes
+    /// no number; the server batches the two plays' sequences together. A queued role is
+    /// evaluated on its learner's newest weights at the step's start, all through the
+    /// evaluation. An error in either ends the step; a resume repeats it from the last
+    /// save.
     async fn step(&self, step: usize, log: &mut Log, queues: &mut Queues) -> anyhow::Result<()> {
         let samplers = self.samplers(queues).await?;
         let due = step.is_multiple_of(self.args.eval_every.max(1));
