@@ -16,6 +16,13 @@
 //! it beats chance. The solvers and rewriters form the group. With several picks the
 //! team weight is 0.8 + 0.4 × the share of right picks (its expectation with one).
 //!
+//! Once the rewriters agree, a pick no longer matters and the selector learns nothing
+//! from the pipeline. So the selector also sits an exam (an addition to Miles): a problem
+//! with `--num-parallel` candidate solutions, some right and some wrong (the wrong ones
+//! off by 1, 2 or 10), credited like a pipeline's pick; `--select-drills` of them per
+//! problem in training, one per held-out problem in the evaluation, where a random
+//! pick always leaves room to beat it.
+//!
 //! Adapted to a small model: prompts are raw text, answers are a line long, and the
 //! selector's prompt ends with `Judgment:` so its pick is its first word.
 
@@ -23,12 +30,15 @@ use clap::Parser;
 use lathe::types::LossFn;
 use lathe_recipes::credit::{Credit, Normalise, Objective, Scope};
 use lathe_recipes::data::{addition, batch_at, Problem};
-use lathe_recipes::env::{Env, EnvGroup, Episode, Observation, Reply, Transition};
+use lathe_recipes::env::{rate, Env, EnvGroup, Episode, Observation, Reply, Transition};
 use lathe_recipes::grade::{judgment, last_integer_reward};
-use lathe_recipes::play::Sampling;
+use lathe_recipes::play::{mix_seed, Sampling};
 use lathe_recipes::rl::{run, Criterion, Curve, Recipe, Team};
 use lathe_recipes::run::{mean, Curves};
 use lathe_recipes::setup::{init_tracing, parse_args, CommonArgs};
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
 use serde_json::{json, Value};
 
 /// The embedded server's tensors are large and short-lived: see `lathe_server::memory`.
@@ -54,6 +64,9 @@ struct Args {
     /// not against a random pick.
     #[arg(long)]
     pooled_selector: bool,
+    /// Selector exams per training problem (0: the selector learns from pipelines only).
+    #[arg(long, default_value_t = 2)]
+    select_drills: usize,
 }
 
 const SOLVER: usize = 0;
@@ -66,8 +79,8 @@ const TEAM_RIGHT: f64 = 1.2;
 const TEAM_WRONG: f64 = 0.8;
 /// The criterion's gain, calibrated from a measured run (`recipes/solve_rewrite_select.md`).
 const CRITERION_GAIN: f64 = 0.2;
-/// How far the selector's pick must beat a random one on contested problems (some usable
-/// rewrites right, some wrong), or half the room a random pick leaves when that is less:
+/// How far the selector's pick must beat a random one on its exam, or half the room a
+/// random pick leaves when that is less:
 /// a selector that reads the rewrites, not one that guesses.
 const SELECTOR_MARGIN: f64 = 0.15;
 
@@ -243,11 +256,83 @@ impl Env for Pipeline {
     }
 }
 
+/// `n` candidate solutions of `p`, each `"<question's sum> = <value>"`, of which `right`
+/// (clamped to 1..n-1) say the answer and the others a value off by 1, 2 or 10; shuffled
+/// with `seed`. Returns the texts and which are right.
+fn candidates(p: &Problem, n: usize, right: usize, seed: u64) -> (Vec<String>, Vec<bool>) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let answer: i64 = p.answer.parse().unwrap_or_default();
+    let sum = p
+        .question
+        .trim_start_matches("What is ")
+        .trim_end_matches('?');
+    let right = right.clamp(1, n.saturating_sub(1).max(1));
+    let mut offsets: Vec<i64> = [-10, -2, -1, 1, 2, 10]
+        .into_iter()
+        .filter(|d| answer + d >= 0)
+        .collect();
+    offsets.shuffle(&mut rng);
+    let mut picked: Vec<(i64, bool)> = (0..n)
+        .map(|i| match i.checked_sub(right) {
+            None => (answer, true),
+            Some(k) => (answer + offsets[k % offsets.len()], false),
+        })
+        .collect();
+    picked.shuffle(&mut rng);
+    picked
+        .into_iter()
+        .map(|(v, ok)| (format!("{sum} = {v}"), ok))
+        .unzip()
+}
+
+/// The selector's exam: one problem, fixed candidates, `picks` sampled picks.
+struct SelectExam {
+    problem: Problem,
+    texts: Vec<String>,
+    right: Vec<bool>,
+    picks: usize,
+    replies: Vec<Reply>,
+}
+
+impl Env for SelectExam {
+    fn initial_observations(&mut self) -> Vec<Observation> {
+        let texts: Vec<&str> = self.texts.iter().map(String::as_str).collect();
+        let prompt = selector_prompt(&self.problem, &texts);
+        vec![Observation::line(SELECTOR, prompt, JUDGMENT_TOKENS); self.picks]
+    }
+
+    fn step(&mut self, replies: Vec<Reply>) -> Vec<Observation> {
+        self.replies = replies;
+        Vec::new()
+    }
+
+    fn finish(self: Box<Self>) -> Episode {
+        let random = self.right.iter().filter(|&&r| r).count() as f64 / self.right.len() as f64;
+        let mut e = Episode::default();
+        let mut scores = Vec::new();
+        for reply in self.replies {
+            let k =
+                judgment(&format!("Judgment:{}", reply.sample.text)).and_then(|k| k.checked_sub(1));
+            let score = rate(k.and_then(|k| self.right.get(k).copied()).unwrap_or(false));
+            scores.push(score);
+            e.transitions.push(
+                Transition::new(SELECTOR, reply, score * TEAM_RIGHT, 0)
+                    .against(random * TEAM_RIGHT),
+            );
+        }
+        e.metrics.insert("exam_pick_accuracy".into(), mean(&scores));
+        e.metrics.insert("exam_random_accuracy".into(), random);
+        e
+    }
+}
+
 struct SolveRewriteSelect {
     max_operand: u32,
     n: usize,
     selectors: usize,
     pooled_selector: bool,
+    select_drills: usize,
+    seed: u64,
     batch: usize,
     temperature: f64,
     train: Vec<Problem>,
@@ -264,6 +349,19 @@ impl SolveRewriteSelect {
             solvers: Vec::new(),
             rewriters: Vec::new(),
             picks: Vec::new(),
+        })
+    }
+
+    /// An exam on `problem` whose candidates and number of right ones derive from `seed`.
+    fn exam(&self, problem: &Problem, seed: u64) -> Box<dyn Env> {
+        let right = 1 + (seed % self.n.saturating_sub(1).max(1) as u64) as usize;
+        let (texts, right) = candidates(problem, self.n.max(2), right, seed);
+        Box::new(SelectExam {
+            problem: problem.clone(),
+            texts,
+            right,
+            picks: self.selectors,
+            replies: Vec::new(),
         })
     }
 }
@@ -307,12 +405,24 @@ impl Recipe for SolveRewriteSelect {
     fn groups(&self, step: usize) -> Vec<EnvGroup> {
         batch_at(&self.train, step, self.batch)
             .iter()
-            .map(|p| vec![self.pipeline(p)])
+            .enumerate()
+            .map(|(i, p)| {
+                let drills = (0..self.select_drills).map(|d| {
+                    let seed = mix_seed(self.seed, &[step as u64, i as u64, d as u64]);
+                    self.exam(p, seed)
+                });
+                std::iter::once(self.pipeline(p)).chain(drills).collect()
+            })
             .collect()
     }
 
+    /// A pipeline and an exam per held-out problem (the exams' candidates fixed by the
+    /// seed and the problem's place).
     fn held_out(&self) -> Vec<Box<dyn Env>> {
-        self.held_out.iter().map(|p| self.pipeline(p)).collect()
+        let pipelines = self.held_out.iter().map(|p| self.pipeline(p));
+        let exams = (self.held_out.iter().enumerate())
+            .map(|(i, p)| self.exam(p, mix_seed(self.seed, &[u64::MAX, i as u64])));
+        pipelines.chain(exams).collect()
     }
 
     fn curves(&self) -> Vec<Curve> {
@@ -323,6 +433,8 @@ impl Recipe for SolveRewriteSelect {
             ("random pick", "random_pick_accuracy"),
             ("contested: selector pick", "contested_pick_accuracy"),
             ("contested: random pick", "contested_random_accuracy"),
+            ("exam: selector pick", "exam_pick_accuracy"),
+            ("exam: random pick", "exam_random_accuracy"),
         ]
         .into_iter()
         .map(|(label, metric)| Curve { label, metric })
@@ -335,19 +447,19 @@ impl Recipe for SolveRewriteSelect {
             after - before
         };
         // Miles' bar for the selector, where the pick matters: above a random pick.
-        let (_, pick) = curves.before_after("contested: selector pick");
-        let (_, random) = curves.before_after("contested: random pick");
+        let (_, pick) = curves.before_after("exam: selector pick");
+        let (_, random) = curves.before_after("exam: random pick");
         let margin = SELECTOR_MARGIN.min((1.0 - random) / 2.0);
         Criterion {
-            text: format!("held-out mean raw reward and the team's final accuracy (the selector's pick is correct) each rise by >= {CRITERION_GAIN}; on contested problems (some usable rewrites right, some wrong) the selector's pick ends above a random pick's accuracy by >= {SELECTOR_MARGIN}, or half the room a random pick leaves when that is less"),
+            text: format!("held-out mean raw reward and the team's final accuracy (the selector's pick is correct) each rise by >= {CRITERION_GAIN}; on its exam (candidates some right, some wrong) the selector's pick ends above a random pick's accuracy by >= {SELECTOR_MARGIN}, or half the room a random pick leaves when that is less"),
             passed: gain("raw reward") >= CRITERION_GAIN && gain("team correct") >= CRITERION_GAIN && pick - random >= margin,
         }
     }
 
     fn settings(&self) -> String {
         format!(
-            "num_parallel={} selectors={} pooled_selector={} max_operand={}",
-            self.n, self.selectors, self.pooled_selector, self.max_operand
+            "num_parallel={} selectors={} pooled_selector={} select_drills={} max_operand={}",
+            self.n, self.selectors, self.pooled_selector, self.select_drills, self.max_operand
         )
     }
 
@@ -374,6 +486,8 @@ async fn main() -> anyhow::Result<()> {
         n: args.num_parallel.max(1),
         selectors: args.selectors.max(1),
         pooled_selector: args.pooled_selector,
+        select_drills: args.select_drills,
+        seed: c.seed,
         batch: c.batch,
         temperature: c.temperature,
         train,
@@ -484,5 +598,55 @@ mod tests {
         );
         // The raw reward counts the picks once, as one selector.
         assert_eq!(e.metrics["raw_reward"], (2.0 + 1.0 / 3.0) / 6.0);
+    }
+
+    #[test]
+    fn an_exam_has_right_and_wrong_candidates_and_credits_picks_against_chance() {
+        let p = Problem {
+            question: "What is 12 + 9?".into(),
+            answer: "21".into(),
+        };
+        for right in 0..7 {
+            let (texts, ok) = candidates(&p, 5, right, 7);
+            let n_right = ok.iter().filter(|&&r| r).count();
+            assert_eq!(n_right, right.clamp(1, 4));
+            for (t, r) in texts.iter().zip(&ok) {
+                assert!(t.starts_with("12 + 9 = "));
+                assert_eq!(*r, last_integer_reward(t, "21") == 1.0, "{t}");
+            }
+            let wrong: std::collections::BTreeSet<&String> = texts
+                .iter()
+                .zip(&ok)
+                .filter(|(_, r)| !**r)
+                .map(|(t, _)| t)
+                .collect();
+            assert_eq!(wrong.len(), 5 - n_right, "distinct wrong values");
+        }
+        // Candidates 1 and 2: the first right, the second wrong (2 of 5 right).
+        let (texts, ok) = candidates(&p, 5, 2, 7);
+        let first_right = ok.iter().position(|&r| r).unwrap() + 1;
+        let first_wrong = ok.iter().position(|&r| !r).unwrap() + 1;
+        let mut exam = Box::new(SelectExam {
+            problem: p,
+            texts,
+            right: ok,
+            picks: 2,
+            replies: Vec::new(),
+        });
+        assert_eq!(exam.initial_observations().len(), 2);
+        let picks = [format!(" {first_right}"), format!(" {first_wrong}")];
+        assert!(exam.step(replies(&[&picks[0], &picks[1]])).is_empty());
+        let e = exam.finish();
+        assert_eq!(e.metrics["exam_pick_accuracy"], 0.5);
+        assert_eq!(e.metrics["exam_random_accuracy"], 0.4);
+        let credited: Vec<(f64, Option<f64>)> = e
+            .transitions
+            .iter()
+            .map(|t| (t.reward, t.baseline))
+            .collect();
+        assert_eq!(
+            credited,
+            vec![(1.2, Some(0.4 * 1.2)), (0.0, Some(0.4 * 1.2))]
+        );
     }
 }
