@@ -47,6 +47,16 @@ impl Curve {
     }
 }
 
+/// A target the recipe's upstream sets for one of its roles, which the small model may
+/// not reach: measured and reported in the summary, not gated by `--check`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Bar {
+    /// The target, in words.
+    pub text: String,
+    /// Whether the run reached it.
+    pub met: bool,
+}
+
 /// What a recipe promises and whether the run kept it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Criterion {
@@ -135,6 +145,11 @@ pub trait Recipe {
     fn criterion(&self, curves: &Curves) -> Criterion;
     /// The recipe's own settings, in words (a resume with other settings is warned).
     fn settings(&self) -> String;
+    /// The upstream's targets for single roles, over the finished curves (reported, not
+    /// gated).
+    fn upstream_bars(&self, _curves: &Curves) -> Vec<Bar> {
+        Vec::new()
+    }
     /// Recipe-specific fields of `summary.json`.
     fn summary_fields(&self) -> serde_json::Map<String, Value> {
         serde_json::Map::new()
@@ -162,6 +177,8 @@ pub struct Summary {
     pub criterion: String,
     /// Whether it held.
     pub passed: bool,
+    /// The upstream's targets for single roles and whether the run reached them.
+    pub upstream_bars: Vec<Bar>,
     /// Per session label: the final state and sampler URIs.
     pub checkpoints: BTreeMap<String, Saved>,
     /// Per queued role: its updates and the episodes it received and dropped as stale.

@@ -159,6 +159,7 @@ pub async fn run<R: Recipe>(recipe: &R, args: &CommonArgs) -> anyhow::Result<Sum
         held_out: log.curves.to_json(),
         criterion: criterion.text.clone(),
         passed: criterion.passed,
+        upstream_bars: recipe.upstream_bars(&log.curves),
         checkpoints,
         queues: queue_totals,
         recipe_fields: recipe.summary_fields(),
@@ -172,6 +173,10 @@ pub async fn run<R: Recipe>(recipe: &R, args: &CommonArgs) -> anyhow::Result<Sum
     )?;
     println!("mode: {mode}");
     log.curves.report(&log.run, plotted);
+    for bar in &summary.upstream_bars {
+        let met = if bar.met { "met" } else { "not met" };
+        println!("upstream bar ({met}): {}", bar.text);
+    }
     for (label, saved) in &summary.checkpoints {
         println!("checkpoint {label}: {}", saved.state);
     }
