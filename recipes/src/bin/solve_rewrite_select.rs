@@ -16,12 +16,13 @@
 //! it beats chance. The solvers and rewriters form the group. With several picks the
 //! team weight is 0.8 + 0.4 × the share of right picks (its expectation with one).
 //!
-//! Once the rewriters agree, a pick no longer matters and the selector learns nothing
-//! from the pipeline. So the selector also sits an exam (an addition to Miles): a problem
-//! with `--num-parallel` candidate solutions, some right and some wrong (the wrong ones
-//! off by 1, 2 or 10), credited like a pipeline's pick; `--select-drills` of them per
-//! problem in training, one per held-out problem in the evaluation, where a random
-//! pick always leaves room to beat it.
+//! Once the rewriters agree, a pick no longer matters, and a held-out pipeline no longer
+//! measures the selector. So the selector also sits an exam (an addition to Miles): a
+//! problem with `--num-parallel` candidate solutions, some right and some wrong (the
+//! wrong ones off by 1, 2 or 10), where a random pick always leaves room to beat it; one
+//! per held-out problem, and `--select-drills` per training problem to train on
+//! (credited like a pipeline's pick; none by default, see
+//! `recipes/solve_rewrite_select.md`).
 //!
 //! Adapted to a small model: prompts are raw text, answers are a line long, and the
 //! selector's prompt ends with `Judgment:` so its pick is its first word.
@@ -64,8 +65,9 @@ struct Args {
     /// not against a random pick.
     #[arg(long)]
     pooled_selector: bool,
-    /// Selector exams per training problem (0: the selector learns from pipelines only).
-    #[arg(long, default_value_t = 2)]
+    /// Selector exams per training problem, trained on beside the pipelines (0: the
+    /// selector learns from pipelines only).
+    #[arg(long, default_value_t = 0)]
     select_drills: usize,
 }
 
