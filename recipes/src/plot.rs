@@ -10,6 +10,21 @@ use std::sync::OnceLock;
 
 use plotters::prelude::*;
 
+/// Ten colours told apart at a glance (Tableau 10), so a panel of up to ten curves never
+/// draws two in the same colour.
+const PALETTE: [RGBColor; 10] = [
+    RGBColor(31, 119, 180),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(127, 127, 127),
+    RGBColor(188, 189, 34),
+    RGBColor(23, 190, 207),
+];
+
 const FONT_PATHS: &[&str] = &[
     "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
     "/usr/share/fonts/dejavu/DejaVuSans.ttf",
@@ -112,9 +127,8 @@ where
         .x_desc("step")
         .y_desc(y_label)
         .draw()?;
-    let colors = [BLUE, RED, GREEN, MAGENTA, CYAN];
     for (i, (name, pts)) in series.iter().enumerate() {
-        let color = colors[i % colors.len()];
+        let color = PALETTE[i % PALETTE.len()];
         let pts: Vec<(usize, f64)> = pts.iter().copied().filter(|p| p.1.is_finite()).collect();
         chart
             .draw_series(LineSeries::new(pts.iter().copied(), color.stroke_width(2)))?

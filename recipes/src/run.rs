@@ -8,6 +8,43 @@ use std::path::{Path, PathBuf};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::Value;
 
+/// Named series of `(step, value)` points: each agent's training reward and loss.
+pub type Series = Vec<(String, Vec<(usize, f64)>)>;
+
+/// Adds the point `(step, v)` to the series `name`, creating it.
+pub fn push_series(series: &mut Series, name: &str, step: usize, v: f64) {
+    match series.iter_mut().find(|(n, _)| n == name) {
+        Some((_, pts)) => pts.push((step, v)),
+        None => series.push((name.to_string(), vec![(step, v)])),
+    }
+}
+
+/// Each agent's training reward and loss as the step lines of `metrics.jsonl` hold them
+/// (`{"step", "agents": {name: {"reward_mean", "loss"}}}`): what a resumed run plots for
+/// the steps before it. A missing file is an empty log.
+pub fn agent_series(metrics: &Path) -> anyhow::Result<Series> {
+    let mut series = Series::new();
+    let text = match std::fs::read_to_string(metrics) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(series),
+        Err(e) => return Err(e.into()),
+    };
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let v: Value = serde_json::from_str(line)?;
+        let (Some(step), Some(agents)) = (v["step"].as_u64(), v["agents"].as_object()) else {
+            continue;
+        };
+        for (name, agent) in agents {
+            for (key, field) in [("reward", "reward_mean"), ("loss", "loss")] {
+                if let Some(x) = agent[field].as_f64() {
+                    push_series(&mut series, &format!("{name} {key}"), step as usize, x);
+                }
+            }
+        }
+    }
+    Ok(series)
+}
+
 /// Where a run writes.
 pub struct RunDir {
     /// The directory.
@@ -241,5 +278,38 @@ pub fn mean(values: &[f64]) -> f64 {
         0.0
     } else {
         values.iter().sum::<f64>() / values.len() as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn agent_series_come_back_from_the_step_lines() {
+        let dir = std::env::temp_dir().join(format!("lathe-series-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("metrics.jsonl");
+        std::fs::write(
+            &path,
+            concat!(
+                r#"{"eval":{"acc":0.5},"step":0}"#, "\n",
+                r#"{"agents":{"a":{"reward_mean":0.25,"loss":1.5},"b":{"reward_mean":0.5,"loss":null}},"mode":"two-agent","step":1}"#, "\n",
+                r#"{"agents":{"b":{"reward_mean":0.75}},"role":"b","update":1}"#, "\n",
+                r#"{"agents":{"a":{"reward_mean":0.5,"loss":1.0}},"mode":"two-agent","step":2}"#, "\n",
+            ),
+        )
+        .unwrap();
+        let series = agent_series(&path).unwrap();
+        assert_eq!(
+            series,
+            vec![
+                ("a reward".to_string(), vec![(1, 0.25), (2, 0.5)]),
+                ("a loss".to_string(), vec![(1, 1.5), (2, 1.0)]),
+                ("b reward".to_string(), vec![(1, 0.5)]),
+            ]
+        );
+        assert!(agent_series(&dir.join("none.jsonl")).unwrap().is_empty());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -18,7 +18,7 @@ use crate::resume::{
     checkpoint_name, parse_checkpoint_name, sibling_states, LearnerState, ResumeFrom, RunState,
     STATE_FILE,
 };
-use crate::run::{progress, Curves, LogLengths, RunDir};
+use crate::run::{agent_series, progress, push_series, Curves, LogLengths, RunDir, Series};
 use crate::setup::{connect, CommonArgs, Connection};
 
 /// Held-out episodes written to `samples.jsonl` per evaluation.
@@ -45,6 +45,8 @@ pub async fn run<R: Recipe>(recipe: &R, args: &CommonArgs) -> anyhow::Result<Sum
     // state is written again with this attempt's number at once, so a kill before the
     // first save never lets a later attempt reuse this one's checkpoint names.
     let run = RunDir::open(&path, keep)?;
+    // A resumed run plots the steps before it too.
+    let training = agent_series(&run.path.join("metrics.jsonl"))?;
     if let Some(s) = &state {
         eprintln!("resuming at step {start} of {steps} (attempt {attempt})");
         RunState {
@@ -63,7 +65,7 @@ pub async fn run<R: Recipe>(recipe: &R, args: &CommonArgs) -> anyhow::Result<Sum
     let mut log = Log {
         run,
         curves,
-        training: Vec::new(),
+        training,
         records,
         bar,
     };
@@ -316,7 +318,7 @@ struct Log {
     run: RunDir,
     curves: Curves,
     /// Per agent: training reward and loss by step, for the plot.
-    training: Vec<(String, Vec<(usize, f64)>)>,
+    training: Series,
     /// The learners' lines.
     records: mpsc::UnboundedReceiver<Value>,
     bar: ProgressBar,
@@ -729,13 +731,6 @@ fn regroup(episodes: Vec<Episode>, sizes: &[usize]) -> Vec<Vec<Episode>> {
 }
 
 /// Appends `(step, value)` to the series `name`.
-fn push_series(series: &mut Vec<(String, Vec<(usize, f64)>)>, name: &str, step: usize, v: f64) {
-    match series.iter_mut().find(|(n, _)| n == name) {
-        Some((_, pts)) => pts.push((step, v)),
-        None => series.push((name.to_string(), vec![(step, v)])),
-    }
-}
-
 /// An episode for `samples.jsonl`: every reply's role, text and reward.
 fn example(e: &Episode, roles: &[&'static str]) -> Value {
     json!({
