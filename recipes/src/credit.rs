@@ -135,7 +135,7 @@ pub fn advantages(groups: &[Vec<Episode>], credit: &Credit) -> Vec<f64> {
             let classes: Vec<usize> = (members.iter())
                 .map(|&i| transitions[i].1.class.unwrap_or_default())
                 .collect();
-            balanced(&rewards, &classes, credit.normalise)
+            balanced(&rewards, &classes)
         } else {
             match credit.normalise {
                 Normalise::Centre => group_centred(&rewards),
@@ -156,9 +156,10 @@ pub fn advantages(groups: &[Vec<Episode>], credit: &Credit) -> Vec<f64> {
 /// a reply's own reward is part of its class's mean, which shrinks its expected
 /// advantage by `(n_c − 1) / n_c`, and the weight undoes that. A set with fewer than two
 /// such classes gets zeros: with one kind of situation only, the update could teach
-/// nothing but the verdict that suits that kind. `Standardise` then divides by the
-/// classes' pooled std (one scale for the set, so the balance holds).
-pub fn balanced(rewards: &[f64], classes: &[usize], normalise: Normalise) -> Vec<f64> {
+/// nothing but the verdict that suits that kind. The set is centred, never divided by a
+/// std, whatever the credit's `Normalise`: a scale drawn from the step's own rewards
+/// would bring a pull towards one class back.
+pub fn balanced(rewards: &[f64], classes: &[usize]) -> Vec<f64> {
     assert_eq!(rewards.len(), classes.len(), "one class per reward");
     let mut out = vec![0.0; rewards.len()];
     let mut by_class: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
@@ -170,22 +171,12 @@ pub fn balanced(rewards: &[f64], classes: &[usize], normalise: Normalise) -> Vec
         return out;
     }
     let n: usize = counted.iter().map(Vec::len).sum();
-    let mut squares = 0.0;
     for members in &counted {
         let class_rewards: Vec<f64> = members.iter().map(|&i| rewards[i]).collect();
         let weight = n as f64 / (counted.len() * (members.len() - 1)) as f64;
         for (&i, c) in members.iter().zip(group_centred(&class_rewards)) {
-            squares += c * c;
             out[i] = c * weight;
         }
-    }
-    if normalise == Normalise::Standardise {
-        let var = squares / (n - counted.len()) as f64;
-        if var <= 1e-12 {
-            return vec![0.0; rewards.len()];
-        }
-        let std = var.sqrt();
-        out.iter_mut().for_each(|a| *a /= std);
     }
     out
 }
@@ -378,8 +369,14 @@ mod tests {
                 "{wrong}/{right}: {unbalanced}"
             );
             // Balanced, guessing gains nothing either way, whatever the class sizes.
-            let pull = expected_pull(wrong, right, q, &balanced);
-            assert!(pull.abs() < 1e-12, "{wrong}/{right} at {q}: {pull}");
+            for normalise in [Normalise::Centre, Normalise::Standardise] {
+                let credit = Credit {
+                    normalise,
+                    ..balanced
+                };
+                let pull = expected_pull(wrong, right, q, &credit);
+                assert!(pull.abs() < 1e-12, "{wrong}/{right} at {q}: {pull}");
+            }
         }
     }
 
@@ -409,24 +406,18 @@ mod tests {
         // One class alone teaches nothing; a class of one is left out.
         assert_eq!(balanced_only(&[1.0, 0.0, 1.0], &[0, 0, 0]), vec![0.0; 3]);
         assert_eq!(balanced_only(&[1.0, 0.0, 1.0], &[0, 0, 1]), vec![0.0; 3]);
-        // Standardised, one pooled std for the set: the balance between classes holds.
-        let a = balanced(
-            &[1.0, 0.0, 0.0, 1.0, 0.0],
-            &[0, 0, 0, 1, 1],
-            Normalise::Standardise,
+        // Standardise does not rescale a balanced set: the expected pull stays zero.
+        let standardised = Credit {
+            normalise: Normalise::Standardise,
+            ..credit
+        };
+        assert_eq!(
+            advantages(&groups, &standardised),
+            vec![1.0, -1.0, 1.0, -1.0]
         );
-        let c = balanced(
-            &[1.0, 0.0, 0.0, 1.0, 0.0],
-            &[0, 0, 0, 1, 1],
-            Normalise::Centre,
-        );
-        let ratio = a[0] / c[0];
-        for (a, c) in a.iter().zip(&c) {
-            assert!((a - c * ratio).abs() < 1e-12);
-        }
     }
 
     fn balanced_only(rewards: &[f64], classes: &[usize]) -> Vec<f64> {
-        balanced(rewards, classes, Normalise::Centre)
+        balanced(rewards, classes)
     }
 }
