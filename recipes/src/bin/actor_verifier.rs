@@ -16,8 +16,8 @@
 //! Adapted to a small model: prompts are raw text, answers are a line long, the
 //! verifier's prompt ends with the opening `<verify>` tag so its verdict is its first
 //! word, and a verdict that names neither keyword but starts with "yes" or "no" counts as
-//! approve or reject (the base model answers the tag that way; AstraFlow would score it
-//! unparsed).
+//! approve or reject (AstraFlow would score it unparsed; why, in
+//! `recipes/actor_verifier.md`).
 
 use clap::{Parser, ValueEnum};
 use lathe::types::LossFn;

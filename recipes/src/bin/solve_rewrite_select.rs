@@ -21,8 +21,8 @@
 //! problem with `--num-parallel` candidate solutions, some right and some wrong (the
 //! wrong ones off by 1, 2 or 10), where a random pick always leaves room to beat it; one
 //! per held-out problem, and `--select-drills` per training problem to train on
-//! (credited like a pipeline's pick; none by default, see
-//! `recipes/solve_rewrite_select.md`).
+//! (each pick credited against a random pick, even with `--pooled-selector`; none by
+//! default, see `recipes/solve_rewrite_select.md`).
 //!
 //! Adapted to a small model: prompts are raw text, answers are a line long, and the
 //! selector's prompt ends with `Judgment:` so its pick is its first word.
@@ -82,8 +82,8 @@ const TEAM_WRONG: f64 = 0.8;
 /// The criterion's gain, calibrated from a measured run (`recipes/solve_rewrite_select.md`).
 const CRITERION_GAIN: f64 = 0.2;
 /// How far the selector's pick must beat a random one on its exam, or half the room a
-/// random pick leaves when that is less:
-/// a selector that reads the rewrites, not one that guesses.
+/// random pick leaves when that is less: a selector that reads the rewrites, not one
+/// that guesses.
 const SELECTOR_MARGIN: f64 = 0.15;
 
 fn solver_prompt(p: &Problem) -> String {
@@ -258,17 +258,19 @@ impl Env for Pipeline {
     }
 }
 
-/// `n` candidate solutions of `p`, each `"<question's sum> = <value>"`, of which `right`
-/// (clamped to 1..n-1) say the answer and the others a value off by 1, 2 or 10; shuffled
-/// with `seed`. Returns the texts and which are right.
+/// `n` (at least 2) candidate solutions of an addition `p`, each `"<question's sum> =
+/// <value>"`, of which `right` (clamped to 1..n-1) say the answer and the others a
+/// non-negative value off by 1, 2 or 10 (distinct while there are at most 5 wrong ones);
+/// shuffled with `seed`. Returns the texts and which are right.
 fn candidates(p: &Problem, n: usize, right: usize, seed: u64) -> (Vec<String>, Vec<bool>) {
+    assert!(n >= 2, "an exam needs a right and a wrong candidate");
     let mut rng = StdRng::seed_from_u64(seed);
-    let answer: i64 = p.answer.parse().unwrap_or_default();
+    let answer: i64 = p.answer.parse().expect("an addition's answer is a number");
     let sum = p
         .question
         .trim_start_matches("What is ")
         .trim_end_matches('?');
-    let right = right.clamp(1, n.saturating_sub(1).max(1));
+    let right = right.clamp(1, n - 1);
     let mut offsets: Vec<i64> = [-10, -2, -1, 1, 2, 10]
         .into_iter()
         .filter(|d| answer + d >= 0)
@@ -356,8 +358,9 @@ impl SolveRewriteSelect {
 
     /// An exam on `problem` whose candidates and number of right ones derive from `seed`.
     fn exam(&self, problem: &Problem, seed: u64) -> Box<dyn Env> {
-        let right = 1 + (seed % self.n.saturating_sub(1).max(1) as u64) as usize;
-        let (texts, right) = candidates(problem, self.n.max(2), right, seed);
+        let n = self.n.max(2);
+        let right_ones = 1 + (seed % (n as u64 - 1)) as usize;
+        let (texts, right) = candidates(problem, n, right_ones, seed);
         Box::new(SelectExam {
             problem: problem.clone(),
             texts,

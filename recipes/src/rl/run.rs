@@ -730,7 +730,6 @@ fn regroup(episodes: Vec<Episode>, sizes: &[usize]) -> Vec<Vec<Episode>> {
         .collect()
 }
 
-/// Appends `(step, value)` to the series `name`.
 /// An episode for `samples.jsonl`: every reply's role, text and reward.
 fn example(e: &Episode, roles: &[&'static str]) -> Value {
     json!({
