@@ -67,6 +67,9 @@ struct Args {
     /// balancing right and wrong answers across the step.
     #[arg(long)]
     no_balance: bool,
+    /// The verifier's training temperature (default: `--temperature`).
+    #[arg(long)]
+    verifier_temperature: Option<f64>,
 }
 
 const SOLVER: usize = 0;
@@ -225,6 +228,7 @@ struct ActorVerifier {
     loss: Loss,
     keep_zero_adv: bool,
     balance: bool,
+    verifier_temperature: Option<f64>,
     train: Vec<Problem>,
     held_out: Vec<Problem>,
 }
@@ -265,8 +269,11 @@ impl Recipe for ActorVerifier {
         Objective::Rl(loss, credit)
     }
 
-    fn sampling(&self, _role: usize) -> Sampling {
-        Sampling::at(self.temperature)
+    fn sampling(&self, role: usize) -> Sampling {
+        match (role, self.verifier_temperature) {
+            (VERIFIER, Some(t)) => Sampling::at(t),
+            _ => Sampling::at(self.temperature),
+        }
     }
 
     fn groups(&self, step: usize) -> Vec<EnvGroup> {
@@ -338,8 +345,8 @@ impl Recipe for ActorVerifier {
 
     fn settings(&self) -> String {
         format!(
-            "verify={} group={} loss={:?} keep_zero_adv={} balance={} max_operand={}",
-            self.verify, self.group, self.loss, self.keep_zero_adv, self.balance, self.max_operand
+            "verify={} group={} loss={:?} keep_zero_adv={} balance={} verifier_temperature={:?} max_operand={}",
+            self.verify, self.group, self.loss, self.keep_zero_adv, self.balance, self.verifier_temperature, self.max_operand
         )
     }
 }
@@ -367,6 +374,7 @@ async fn main() -> anyhow::Result<()> {
         loss: args.loss,
         keep_zero_adv: args.keep_zero_adv,
         balance: !args.no_balance,
+        verifier_temperature: args.verifier_temperature,
         train,
         held_out,
     };
@@ -477,6 +485,7 @@ mod tests {
             loss: Loss::ImportanceSampling,
             keep_zero_adv: false,
             balance: true,
+            verifier_temperature: None,
             train: Vec::new(),
             held_out: Vec::new(),
         };
