@@ -332,14 +332,16 @@ impl Recipe for ActorVerifier {
         let (_, verifier_after) = curves.before_after("verifier accuracy");
         let majority = first_after.max(1.0 - first_after);
         vec![
-            Bar {
-                text: "held-out verifier accuracy ends above the majority-class baseline (the larger of first-attempt accuracy and its complement)".into(),
-                met: verifier_after > majority,
-            },
-            Bar {
-                text: "held-out final accuracy ends above first-attempt accuracy".into(),
-                met: after > first_after,
-            },
+            Bar::on(
+                "held-out verifier accuracy ends above the majority-class baseline (the larger of first-attempt accuracy and its complement)",
+                &[verifier_after, majority],
+                || verifier_after > majority,
+            ),
+            Bar::on(
+                "held-out final accuracy ends above first-attempt accuracy",
+                &[after, first_after],
+                || after > first_after,
+            ),
         ]
     }
 
@@ -505,13 +507,21 @@ mod tests {
             }
             c
         };
-        let met =
-            |c: &Curves| -> Vec<bool> { recipe.upstream_bars(c).iter().map(|b| b.met).collect() };
+        let met = |c: &Curves| -> Vec<Option<bool>> {
+            recipe.upstream_bars(c).iter().map(|b| b.met).collect()
+        };
         // Always approving answers that are right 60% of the time is the majority class.
-        assert_eq!(met(&curves(0.6, 0.6, 0.6)), vec![false, false]);
-        assert_eq!(met(&curves(0.6, 0.65, 0.7)), vec![true, true]);
+        assert_eq!(met(&curves(0.6, 0.6, 0.6)), vec![Some(false), Some(false)]);
+        assert_eq!(met(&curves(0.6, 0.65, 0.7)), vec![Some(true), Some(true)]);
         // Mostly wrong answers: the baseline is always rejecting.
-        assert_eq!(met(&curves(0.3, 0.3, 0.65)), vec![false, false]);
+        assert_eq!(met(&curves(0.3, 0.3, 0.65)), vec![Some(false), Some(false)]);
+        // No held-out point: not measured.
+        let empty = Curves::new(&[
+            "final correct",
+            "first attempt correct",
+            "verifier accuracy",
+        ]);
+        assert_eq!(met(&empty), vec![None, None]);
         // The learning criterion is separate: +0.2 and final = first passes it.
         assert!(recipe.criterion(&curves(0.6, 0.6, 0.6)).passed);
     }

@@ -462,10 +462,11 @@ impl Recipe for SolveRewriteSelect {
         let (_, pick) = curves.before_after("exam: selector pick");
         let (_, random) = curves.before_after("exam: random pick");
         let margin = SELECTOR_MARGIN.min((1.0 - random) / 2.0);
-        vec![Bar {
-            text: format!("on its held-out exam (candidates some right, some wrong) the selector's pick ends above a random pick's accuracy by >= {SELECTOR_MARGIN}, or half the room a random pick leaves when that is less"),
-            met: pick - random >= margin,
-        }]
+        vec![Bar::on(
+            format!("on its held-out exam (candidates some right, some wrong) the selector's pick ends above a random pick's accuracy by >= {SELECTOR_MARGIN}, or half the room a random pick leaves when that is less"),
+            &[pick, random],
+            || pick - random >= margin,
+        )]
     }
 
     fn settings(&self) -> String {

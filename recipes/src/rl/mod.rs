@@ -53,8 +53,19 @@ impl Curve {
 pub struct Bar {
     /// The target, in words.
     pub text: String,
-    /// Whether the run reached it.
-    pub met: bool,
+    /// Whether the run reached it; `None` when a number it needs was not measured (no
+    /// held-out point of a curve it reads).
+    pub met: Option<bool>,
+}
+
+impl Bar {
+    /// A bar whose test reads `numbers`: unmeasured when any is NaN, else `test`'s answer.
+    pub fn on(text: impl Into<String>, numbers: &[f64], test: impl FnOnce() -> bool) -> Self {
+        Self {
+            text: text.into(),
+            met: numbers.iter().all(|x| !x.is_nan()).then(test),
+        }
+    }
 }
 
 /// What a recipe promises and whether the run kept it.

@@ -176,7 +176,11 @@ pub async fn run<R: Recipe>(recipe: &R, args: &CommonArgs) -> anyhow::Result<Sum
     println!("mode: {mode}");
     log.curves.report(&log.run, plotted);
     for bar in &summary.upstream_bars {
-        let met = if bar.met { "met" } else { "not met" };
+        let met = match bar.met {
+            Some(true) => "met",
+            Some(false) => "not met",
+            None => "not measured",
+        };
         println!("upstream bar ({met}): {}", bar.text);
     }
     for (label, saved) in &summary.checkpoints {
