@@ -68,7 +68,7 @@ struct Args {
     #[arg(long)]
     no_balance: bool,
     /// The verifier's training temperature (default: `--temperature`).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "single_agent")]
     verifier_temperature: Option<f64>,
 }
 
@@ -524,5 +524,13 @@ mod tests {
         assert_eq!(met(&empty), vec![None, None]);
         // The learning criterion is separate: +0.2 and final = first passes it.
         assert!(recipe.criterion(&curves(0.6, 0.6, 0.6)).passed);
+        // The verifier samples at its own temperature when given one.
+        assert_eq!(recipe.sampling(VERIFIER), Sampling::at(0.7));
+        let hot = ActorVerifier {
+            verifier_temperature: Some(1.0),
+            ..recipe
+        };
+        assert_eq!(hot.sampling(VERIFIER), Sampling::at(1.0));
+        assert_eq!(hot.sampling(SOLVER), Sampling::at(0.7));
     }
 }

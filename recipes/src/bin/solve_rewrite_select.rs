@@ -662,4 +662,33 @@ mod tests {
             vec![(1.2, Some(0.4 * 1.2)), (0.0, Some(0.4 * 1.2))]
         );
     }
+
+    #[test]
+    fn the_selector_bar_reads_the_exam() {
+        let recipe = SolveRewriteSelect {
+            max_operand: 30,
+            n: 5,
+            selectors: 8,
+            pooled_selector: false,
+            select_drills: 0,
+            seed: 0,
+            batch: 4,
+            temperature: 0.7,
+            train: Vec::new(),
+            held_out: Vec::new(),
+        };
+        let met = |pick: f64, random: f64| {
+            let mut c = Curves::new(&["exam: selector pick", "exam: random pick"]);
+            c.push("exam: selector pick", 12, pick);
+            c.push("exam: random pick", 12, random);
+            recipe.upstream_bars(&c)[0].met
+        };
+        assert_eq!(met(0.64, 0.49), Some(true));
+        assert_eq!(met(0.55, 0.49), Some(false));
+        // Little room left: half of it is enough.
+        assert_eq!(met(0.97, 0.9), Some(true));
+        assert_eq!(met(0.94, 0.9), Some(false));
+        let none = Curves::new(&["exam: selector pick", "exam: random pick"]);
+        assert_eq!(recipe.upstream_bars(&none)[0].met, None);
+    }
 }
