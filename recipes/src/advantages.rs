@@ -30,41 +30,6 @@ pub fn group_normalised(rewards: &[f64]) -> Vec<f64> {
     centred.iter().map(|c| c / std).collect()
 }
 
-/// Normalises `values` within each set that shares a key, as [`group_normalised`] does
-/// within one group: the key names a baseline's scope (a prompt's group, a turn of a
-/// dialogue, the whole batch). The result is in the order of `values`.
-pub fn normalised_within<K: PartialEq>(values: &[f64], keys: &[K]) -> Vec<f64> {
-    within(values, keys, group_normalised)
-}
-
-/// Centres `values` within each set that shares a key, as [`group_centred`] does within
-/// one group.
-pub fn centred_within<K: PartialEq>(values: &[f64], keys: &[K]) -> Vec<f64> {
-    within(values, keys, group_centred)
-}
-
-/// Applies `per_set` to each set of `values` that shares a key; the result is in the
-/// order of `values`.
-fn within<K: PartialEq>(values: &[f64], keys: &[K], per_set: fn(&[f64]) -> Vec<f64>) -> Vec<f64> {
-    assert_eq!(values.len(), keys.len(), "one key per value");
-    let mut out = vec![0.0; values.len()];
-    let mut done = vec![false; values.len()];
-    for first in 0..values.len() {
-        if done[first] {
-            continue;
-        }
-        let members: Vec<usize> = (first..values.len())
-            .filter(|&i| !done[i] && keys[i] == keys[first])
-            .collect();
-        let set: Vec<f64> = members.iter().map(|&i| values[i]).collect();
-        for (&i, a) in members.iter().zip(per_set(&set)) {
-            out[i] = a;
-            done[i] = true;
-        }
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -90,23 +55,5 @@ mod tests {
         }
         assert_eq!(group_normalised(&[0.7, 0.7, 0.7]), [0.0, 0.0, 0.0]);
         assert_eq!(group_normalised(&[0.7]), [0.0]);
-    }
-
-    #[test]
-    fn values_are_normalised_within_their_keys() {
-        let values = [1.0, 5.0, 0.0, 7.0, 1.0, 5.0];
-        let keys = ['a', 'b', 'a', 'b', 'a', 'c'];
-        let got = normalised_within(&values, &keys);
-        let a = group_normalised(&[1.0, 0.0, 1.0]);
-        let b = group_normalised(&[5.0, 7.0]);
-        assert_eq!(got, [a[0], b[0], a[1], b[1], a[2], 0.0]);
-        // One key for all is the batch baseline.
-        assert_eq!(
-            normalised_within(&values, &[(); 6]),
-            group_normalised(&values)
-        );
-        let c = centred_within(&values, &keys);
-        assert_eq!(c[5], 0.0);
-        assert_eq!([c[0], c[2], c[4]], group_centred(&[1.0, 0.0, 1.0])[..]);
     }
 }

@@ -148,9 +148,20 @@ impl Pipeline {
 
     /// The rewrite a selector's reply picked, as an index into `rewriters`.
     fn picked(&self, s: &Reply) -> Option<usize> {
-        let k = judgment(&format!("Judgment:{}", s.sample.text))?.checked_sub(1)?;
-        self.usable_rewrites().get(k).copied()
+        self.usable_rewrites().get(pick_index(s)?).copied()
     }
+}
+
+/// The 0-based index a selector's reply picks (its prompt ends in `Judgment:`).
+fn pick_index(s: &Reply) -> Option<usize> {
+    judgment(&format!("Judgment:{}", s.sample.text))?.checked_sub(1)
+}
+
+/// A selector's pick credited against a uniformly random pick among candidates of which
+/// `random` are right: a right pick makes the team right (weight 1.2), and so does a
+/// random one with probability `random`.
+fn against_chance(reply: Reply, right: f64, random: f64) -> Transition {
+    Transition::new(SELECTOR, reply, right * TEAM_RIGHT, 0).against(random * TEAM_RIGHT)
 }
 
 impl Env for Pipeline {
@@ -244,14 +255,10 @@ impl Env for Pipeline {
                 .push(Transition::new(role, reply, reward * weight, 0));
         }
         for (reply, pick) in selectors.into_iter().zip(picks) {
-            let t = Transition::new(SELECTOR, reply, pick * weight, 0);
             e.transitions.push(if pooled_selector {
-                t
+                Transition::new(SELECTOR, reply, pick * weight, 0)
             } else {
-                // A right pick makes the team right (weight 1.2); so does a random one
-                // with probability `random`.
-                Transition::new(SELECTOR, t.reply, pick * TEAM_RIGHT, 0)
-                    .against(random * TEAM_RIGHT)
+                against_chance(reply, pick, random)
             });
         }
         e
@@ -315,14 +322,10 @@ impl Env for SelectExam {
         let mut e = Episode::default();
         let mut scores = Vec::new();
         for reply in self.replies {
-            let k =
-                judgment(&format!("Judgment:{}", reply.sample.text)).and_then(|k| k.checked_sub(1));
-            let score = rate(k.and_then(|k| self.right.get(k).copied()).unwrap_or(false));
+            let right = pick_index(&reply).and_then(|k| self.right.get(k).copied());
+            let score = rate(right.unwrap_or(false));
             scores.push(score);
-            e.transitions.push(
-                Transition::new(SELECTOR, reply, score * TEAM_RIGHT, 0)
-                    .against(random * TEAM_RIGHT),
-            );
+            e.transitions.push(against_chance(reply, score, random));
         }
         e.metrics.insert("exam_pick_accuracy".into(), mean(&scores));
         e.metrics.insert("exam_random_accuracy".into(), random);
