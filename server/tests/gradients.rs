@@ -265,6 +265,59 @@ fn assert_grads_close(got: &AdapterGrads, want: &AdapterGrads, tol: f64, what: &
     }
 }
 
+/// On a pool of several threads a pass runs as parts of whole datums side by side. The
+/// per-datum results and summed gradients equal one thread's single pass (to rounding
+/// in f64; f32 differs in product shapes and summation order only), and a pass gives
+/// the same bits every time on the same pool, whichever thread ran which part.
+#[test]
+fn a_pass_split_across_threads_equals_one_thread() {
+    let pool = |n| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build()
+            .unwrap()
+    };
+    let (one, three) = (pool(1), pool(3));
+    for (dtype, tol) in [(DType::F64, 1e-10), (DType::F32, 1e-4)] {
+        let (model, a, b) =
+            tiny_with_adapters(Arch::Qwen3, dtype, [(full_spec(4), 41), (full_spec(2), 42)]);
+        let vocab = model.transformer.config.vocab_size;
+        let jobs = vec![
+            ce_job(1, 10, vocab, 0),
+            ce_job(2, 6, vocab, 1),
+            ce_job(3, 8, vocab, 0),
+            ce_job(4, 5, vocab, 1),
+            ce_job(5, 3, vocab, 0),
+        ];
+        let adapters = [&a, &b];
+        let run = |p: &rayon::ThreadPool| {
+            p.install(|| forward_backward(&model.transformer, &adapters, &jobs, true).unwrap())
+        };
+        let (serial_out, serial_grads) = run(&one);
+        let (split_out, split_grads) = run(&three);
+        for (s, p) in serial_out.iter().zip(&split_out) {
+            assert!((s.loss - p.loss).abs() < tol * s.loss.abs().max(1.0));
+            for (x, y) in s.logprobs.iter().zip(&p.logprobs) {
+                assert!((x - y).abs() < 1e-5 * x.abs().max(1.0), "{x} vs {y}");
+            }
+        }
+        for (s, p) in serial_grads.iter().zip(&split_grads) {
+            assert_grads_close(p, s, tol, &format!("{dtype:?}"));
+        }
+        for _ in 0..3 {
+            let (again_out, again_grads) = run(&three);
+            assert_eq!(again_out, split_out, "{dtype:?}: results vary between runs");
+            for (g, h) in again_grads.iter().zip(&split_grads) {
+                for (t, (da, db)) in &g.pairs {
+                    let (ha, hb) = &h.pairs[t];
+                    assert_eq!(rel_diff(da, ha), 0.0, "{dtype:?} {t:?} dA varies");
+                    assert_eq!(rel_diff(db, hb), 0.0, "{dtype:?} {t:?} dB varies");
+                }
+            }
+        }
+    }
+}
+
 /// A batch cut into passes (a datum or two each) gives the same per-datum results and
 /// summed gradients as one pass: exactly up to rounding in f64.
 #[test]

@@ -37,7 +37,7 @@ pub use config::{Arch, ModelConfig};
 pub use kv::KvCache;
 pub use lora::{Adapter, AdapterGrads, LoraSpec, Proj, Target};
 pub use tokenizer::TextTokenizer;
-pub use transformer::{PackedBatch, Transformer};
+pub use transformer::{PackedBatch, Tape, Transformer};
 
 /// The name clients use for the default model.
 pub const DEFAULT_MODEL_NAME: &str = "HuggingFaceTB/SmolLM2-135M-Instruct";

@@ -7,6 +7,7 @@ pub mod loss;
 pub mod reverse_kl;
 
 use candle_core::Tensor;
+use rayon::prelude::*;
 
 use crate::model::pool::on_pool;
 use crate::model::{Adapter, AdapterGrads, ModelError, PackedBatch, Transformer};
@@ -259,25 +260,30 @@ impl LossBudgets {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn run_group(
+/// One part of a pass after its forward: the packed rows' target log-probabilities and,
+/// with gradients, the tape its backward needs.
+struct Forwarded {
+    lp: Vec<f64>,
+    tape: Option<crate::model::Tape>,
+    rows: usize,
+}
+
+/// The forward of datums `part` (all with `k` targets per position).
+fn forward_part(
     model: &Transformer,
     adapters: &[&Adapter],
     jobs: &[DatumJob],
-    group: &[usize],
+    part: &[usize],
     k: usize,
     with_grad: bool,
-    results: &mut [Option<DatumResult>],
-    grads: &mut [AdapterGrads],
-    losses: &mut LossBudgets,
-) -> Result<(), TrainError> {
+) -> Result<Forwarded, TrainError> {
     let dev = model.device();
-    let seqs: Vec<(&[u32], Option<usize>, usize)> = group
+    let seqs: Vec<(&[u32], Option<usize>, usize)> = part
         .iter()
         .map(|&i| (jobs[i].tokens.as_slice(), Some(jobs[i].adapter), 0))
         .collect();
     let batch = PackedBatch::new(&seqs, dev)?;
-    let targets: Vec<u32> = group
+    let targets: Vec<u32> = part
         .iter()
         .flat_map(|&i| jobs[i].targets.iter().copied())
         .collect();
@@ -294,50 +300,157 @@ fn run_group(
         .to_dtype(candle_core::DType::F64)?
         .flatten_all()?
         .to_vec1()?;
-    let mut dlp = Vec::with_capacity(lp.len());
-    let mut offset = 0;
-    for &i in group {
-        let n = jobs[i].targets.len();
-        let slice = &lp[offset..offset + n];
-        results[i] = Some(match losses.evaluate(&jobs[i], slice) {
-            Some(ev) => {
-                dlp.extend_from_slice(&ev.grad);
-                DatumResult {
-                    logprobs: slice.iter().map(|&x| x as f32).collect(),
-                    elementwise_loss: ev.elementwise,
-                    loss: ev.total,
-                    metrics: ev.metrics,
+    Ok(Forwarded { lp, tape, rows })
+}
+
+/// One pass: datums `group` (all with `k` targets per position) forward, their losses,
+/// and backward into `grads`.
+///
+/// On a CPU pool of several threads the pass runs as that many parts of whole datums,
+/// side by side ([`parts_for_threads`]): each part's products are as large as the
+/// kernels need, and the threads stay busy for a whole part instead of meeting at every
+/// operation. The losses are evaluated in datum order between the two halves, so a
+/// custom loss's budget is spent as in one pass, and the parts' gradients are added in
+/// part order, so a pass's result does not depend on which thread ran what.
+#[allow(clippy::too_many_arguments)]
+fn run_group(
+    model: &Transformer,
+    adapters: &[&Adapter],
+    jobs: &[DatumJob],
+    group: &[usize],
+    k: usize,
+    with_grad: bool,
+    results: &mut [Option<DatumResult>],
+    grads: &mut [AdapterGrads],
+    losses: &mut LossBudgets,
+) -> Result<(), TrainError> {
+    let threads = if model.device().is_cpu() {
+        rayon::current_num_threads()
+    } else {
+        1
+    };
+    let parts = parts_for_threads(group, |i| jobs[i].tokens.len(), threads);
+    let forwards: Vec<Result<Forwarded, TrainError>> = parts
+        .par_iter()
+        .map(|part| forward_part(model, adapters, jobs, part, k, with_grad))
+        .collect();
+    let mut backwards = Vec::with_capacity(parts.len());
+    for (part, forwarded) in parts.iter().zip(forwards) {
+        let Forwarded { lp, tape, rows } = forwarded?;
+        let mut dlp = Vec::with_capacity(lp.len());
+        let mut offset = 0;
+        for &i in *part {
+            let n = jobs[i].targets.len();
+            let slice = &lp[offset..offset + n];
+            results[i] = Some(match losses.evaluate(&jobs[i], slice) {
+                Some(ev) => {
+                    dlp.extend_from_slice(&ev.grad);
+                    DatumResult {
+                        logprobs: slice.iter().map(|&x| x as f32).collect(),
+                        elementwise_loss: ev.elementwise,
+                        loss: ev.total,
+                        metrics: ev.metrics,
+                    }
                 }
-            }
-            // Its adapter failed: the datum adds nothing to any gradient.
-            None => {
-                dlp.resize(dlp.len() + n, 0.0);
-                DatumResult {
-                    logprobs: Vec::new(),
-                    elementwise_loss: Vec::new(),
-                    loss: 0.0,
-                    metrics: Vec::new(),
+                // Its adapter failed: the datum adds nothing to any gradient.
+                None => {
+                    dlp.resize(dlp.len() + n, 0.0);
+                    DatumResult {
+                        logprobs: Vec::new(),
+                        elementwise_loss: Vec::new(),
+                        loss: 0.0,
+                        metrics: Vec::new(),
+                    }
                 }
-            }
-        });
-        offset += n;
+            });
+            offset += n;
+        }
+        if let Some(tape) = tape {
+            backwards.push((tape, dlp, rows));
+        }
     }
-    if let Some(tape) = tape {
-        let dlp = Tensor::from_vec(dlp, (rows, k), dev)?.to_dtype(model.weights.dtype())?;
-        for (a, g) in model
-            .backward(tape, adapters, &dlp)?
-            .into_iter()
-            .enumerate()
-        {
+    let dev = model.device();
+    let part_grads: Vec<Result<Vec<AdapterGrads>, TrainError>> = backwards
+        .into_par_iter()
+        .map(|(tape, dlp, rows)| {
+            let dlp = Tensor::from_vec(dlp, (rows, k), dev)?.to_dtype(model.weights.dtype())?;
+            Ok(model.backward(tape, adapters, &dlp)?)
+        })
+        .collect();
+    for part in part_grads {
+        for (a, g) in part?.into_iter().enumerate() {
             grads[a].merge(g)?;
         }
     }
     Ok(())
 }
 
+/// `group` cut into at most `threads` consecutive parts of whole datums with about
+/// equal tokens (`tokens(i)` being datum `i`'s), to run side by side. The cut depends
+/// only on the datums and the thread count.
+fn parts_for_threads(
+    group: &[usize],
+    tokens: impl Fn(usize) -> usize,
+    threads: usize,
+) -> Vec<&[usize]> {
+    let parts = threads.clamp(1, group.len().max(1));
+    let total: usize = group.iter().map(|&i| tokens(i)).sum();
+    let mut out = Vec::with_capacity(parts);
+    let (mut start, mut used) = (0, 0);
+    for (at, &i) in group.iter().enumerate() {
+        // Close the current part once it holds its share of the tokens so far, leaving
+        // at least one datum for each part still to come.
+        let share = total * (out.len() + 1) / parts;
+        let left = group.len() - at;
+        let parts_left = parts - out.len() - 1;
+        if at > start && parts_left > 0 && (used >= share || left == parts_left) {
+            out.push(&group[start..at]);
+            start = at;
+        }
+        used += tokens(i);
+    }
+    if start < group.len() {
+        out.push(&group[start..]);
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
-    use super::passes;
+    use super::{parts_for_threads, passes};
+
+    #[test]
+    fn parts_for_threads_split_whole_datums_evenly() {
+        let tokens = [128, 128, 128, 128];
+        let group: Vec<usize> = (0..4).collect();
+        assert_eq!(
+            parts_for_threads(&group, |i| tokens[i], 2),
+            vec![&[0, 1][..], &[2, 3]]
+        );
+        assert_eq!(
+            parts_for_threads(&group, |i| tokens[i], 1),
+            vec![&group[..]]
+        );
+        // More threads than datums: a datum a part.
+        assert_eq!(parts_for_threads(&group, |i| tokens[i], 16).len(), 4);
+        // One long datum and short ones: the long one is a part of its own.
+        let uneven = [300, 10, 10, 10, 10];
+        let group: Vec<usize> = (0..5).collect();
+        assert_eq!(
+            parts_for_threads(&group, |i| uneven[i], 2),
+            vec![&[0][..], &[1, 2, 3, 4]]
+        );
+        // Every datum lands in exactly one part, in order, and no part is empty.
+        for threads in 1..8 {
+            for n in 1..9 {
+                let group: Vec<usize> = (0..n).collect();
+                let parts = parts_for_threads(&group, |i| 1 + (i * 7) % 5, threads);
+                assert!(parts.len() <= threads && parts.iter().all(|p| !p.is_empty()));
+                assert_eq!(parts.concat(), group);
+            }
+        }
+        assert!(parts_for_threads(&[], |_| 1, 2).is_empty());
+    }
 
     #[test]
     fn passes_hold_whole_datums_within_the_budget() {
