@@ -71,6 +71,28 @@ fn cols(t: &Tensor) -> Result<usize> {
         .ok_or_else(|| candle_core::Error::Msg("scalar tensor".into()))
 }
 
+/// `a + b` for tensors of one shape (the residual adds): one pass, on rayon's pool, as
+/// the other kernels. candle's own elementwise ops hand large tensors to a pool of
+/// candle's that spins between calls, which competes for the cores with a pass's
+/// threads.
+pub fn add<T: Real>(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if a.shape() != b.shape() {
+        candle_core::bail!("add: shapes {:?} and {:?} differ", a.shape(), b.shape());
+    }
+    const CHUNK: usize = 4096;
+    let y = with::<T, _>(a, |xs| {
+        with::<T, _>(b, |zs| {
+            let mut y = xs.to_vec();
+            y.par_chunks_mut(CHUNK)
+                .zip(zs.par_chunks(CHUNK))
+                .with_min_len(grain(CHUNK))
+                .for_each(|(yc, zc)| yc.iter_mut().zip(zc).for_each(|(y, &z)| *y += z));
+            Ok(y)
+        })
+    })?;
+    out(y, a.dims())
+}
+
 /// RMSNorm over the last dim: returns `(y, rstd)` with `rstd` of shape `(rows,)`.
 pub fn rms_norm<T: Real>(x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
     let c = cols(x)?;
@@ -526,6 +548,27 @@ mod tests {
 
     fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
         max_abs_diff(a, b)
+    }
+
+    #[test]
+    fn add_matches_candle() {
+        for (rows, cols) in [(3, 5), (100, 576), (1, 1)] {
+            let (a, b) = (randn(rows, cols, 1), randn(rows, cols, 2));
+            let want = (&a + &b).unwrap();
+            assert_eq!(max_diff(&add::<f32>(&a, &b).unwrap(), &want), 0.0);
+            let (a, b) = (
+                a.to_dtype(DType::F64).unwrap(),
+                b.to_dtype(DType::F64).unwrap(),
+            );
+            let want = (&a + &b).unwrap();
+            assert_eq!(max_diff(&add::<f64>(&a, &b).unwrap(), &want), 0.0);
+        }
+        // A strided operand is made contiguous first; different shapes are refused.
+        let a = randn(4, 6, 3);
+        let at = a.t().unwrap();
+        let want = (&at + &at).unwrap();
+        assert_eq!(max_diff(&add::<f32>(&at, &at).unwrap(), &want), 0.0);
+        assert!(add::<f32>(&a, &randn(6, 4, 4)).is_err());
     }
 
     #[test]

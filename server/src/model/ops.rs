@@ -10,6 +10,17 @@ use candle_core::{DType, Device, Result, Tensor, D};
 
 use super::kernels;
 
+/// `a + b` for tensors of one shape: the fused kernel on the CPU, candle elsewhere.
+pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if kernels::supported(a) && kernels::supported(b) && a.dtype() == b.dtype() {
+        return match a.dtype() {
+            DType::F64 => kernels::add::<f64>(a, b),
+            _ => kernels::add::<f32>(a, b),
+        };
+    }
+    a + b
+}
+
 /// RMSNorm forward over the last dim: returns `y` and what the backward needs.
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<(Tensor, RmsSaved)> {
     if kernels::supported(x) {

@@ -584,12 +584,12 @@ impl Transformer {
             }
         };
         let (o, lo) = project(&attn_out, &o, dec.map(|d| &d.o))?;
-        let h2 = (h + o)?;
+        let h2 = ops::add(h, &o)?;
         let (x2, norm2) = ops::rms_norm(&h2, &w.post_attention_layernorm, cfg.rms_norm_eps)?;
         let (gate_up, lgu) = project(&x2, &gate_up, dec.map(|d| &d.gate_up))?;
         let act = ops::swiglu(&gate_up)?;
         let (down, ldown) = project(&act, &down, dec.map(|d| &d.down))?;
-        let h3 = (h2 + down)?;
+        let h3 = ops::add(&h2, &down)?;
         Ok((
             h3,
             LayerTape {
@@ -694,7 +694,10 @@ impl Transformer {
         let dact = back(&t.act, &dh, &p.down, &t.ldown, grads)?;
         let dgu = ops::swiglu_backward(&dact, &t.gate_up)?;
         let dx2 = back(&t.x2, &dgu, &p.gate_up, &t.lgu, grads)?;
-        let dh2 = (&dh + ops::rms_norm_backward(&dx2, &w.post_attention_layernorm, &t.norm2)?)?;
+        let dh2 = ops::add(
+            &dh,
+            &ops::rms_norm_backward(&dx2, &w.post_attention_layernorm, &t.norm2)?,
+        )?;
         // attention
         let dattn = back(&t.attn_out, &dh2, &p.o, &t.lo, grads)?;
         let (mut dqs, mut dks, mut dvs) = (Vec::new(), Vec::new(), Vec::new());
@@ -720,6 +723,9 @@ impl Transformer {
             1,
         )?;
         let dx1 = back(&t.x1, &dqkv, &p.qkv, &t.lqkv, grads)?;
-        Ok((dh2 + ops::rms_norm_backward(&dx1, &w.input_layernorm, &t.norm1)?)?)
+        Ok(ops::add(
+            &dh2,
+            &ops::rms_norm_backward(&dx1, &w.input_layernorm, &t.norm1)?,
+        )?)
     }
 }
