@@ -8,7 +8,7 @@ use candle_core::{DType, Device, Tensor};
 use common::*;
 use lathe_server::model::{Adapter, AdapterGrads, Arch, LoadedModel, LoraSpec, Proj, Target};
 use lathe_server::train::{
-    forward_backward, forward_backward_in_passes, DatumJob, Loss, TokenInputs,
+    forward_backward, forward_backward_in_passes, DatumJob, DatumResult, Loss, TokenInputs,
 };
 
 fn grads_of(model: &LoadedModel, adapters: &[&Adapter], jobs: &[DatumJob]) -> Vec<AdapterGrads> {
@@ -265,6 +265,42 @@ fn assert_grads_close(got: &AdapterGrads, want: &AdapterGrads, tol: f64, what: &
     }
 }
 
+/// Five datums of mixed lengths, interleaved between adapters 0 and 1.
+fn five_mixed_jobs(vocab: usize) -> Vec<DatumJob> {
+    vec![
+        ce_job(1, 10, vocab, 0),
+        ce_job(2, 6, vocab, 1),
+        ce_job(3, 8, vocab, 0),
+        ce_job(4, 5, vocab, 1),
+        ce_job(5, 3, vocab, 0),
+    ]
+}
+
+/// Two runs of the same batch agree: every datum's loss within `tol` (relative) and
+/// logprobs within 1e-5, every adapter's gradient within `tol`.
+fn assert_runs_close(
+    want: &(Vec<DatumResult>, Vec<AdapterGrads>),
+    got: &(Vec<DatumResult>, Vec<AdapterGrads>),
+    tol: f64,
+    what: &str,
+) {
+    for (w, g) in want.0.iter().zip(&got.0) {
+        assert!(
+            (w.loss - g.loss).abs() < tol * w.loss.abs().max(1.0),
+            "{what}"
+        );
+        for (x, y) in w.logprobs.iter().zip(&g.logprobs) {
+            assert!(
+                (x - y).abs() < 1e-5 * x.abs().max(1.0),
+                "{what}: {x} vs {y}"
+            );
+        }
+    }
+    for (w, g) in want.1.iter().zip(&got.1) {
+        assert_grads_close(g, w, tol, what);
+    }
+}
+
 /// On a pool of several threads a pass runs as parts of whole datums side by side. The
 /// per-datum results and summed gradients equal one thread's single pass (to rounding
 /// in f64; f32 differs in product shapes and summation order only), and a pass gives
@@ -281,29 +317,15 @@ fn a_pass_split_across_threads_equals_one_thread() {
     for (dtype, tol) in [(DType::F64, 1e-10), (DType::F32, 1e-4)] {
         let (model, a, b) =
             tiny_with_adapters(Arch::Qwen3, dtype, [(full_spec(4), 41), (full_spec(2), 42)]);
-        let vocab = model.transformer.config.vocab_size;
-        let jobs = vec![
-            ce_job(1, 10, vocab, 0),
-            ce_job(2, 6, vocab, 1),
-            ce_job(3, 8, vocab, 0),
-            ce_job(4, 5, vocab, 1),
-            ce_job(5, 3, vocab, 0),
-        ];
+        let jobs = five_mixed_jobs(model.transformer.config.vocab_size);
         let adapters = [&a, &b];
         let run = |p: &rayon::ThreadPool| {
             p.install(|| forward_backward(&model.transformer, &adapters, &jobs, true).unwrap())
         };
-        let (serial_out, serial_grads) = run(&one);
+        let serial = run(&one);
         let (split_out, split_grads) = run(&three);
-        for (s, p) in serial_out.iter().zip(&split_out) {
-            assert!((s.loss - p.loss).abs() < tol * s.loss.abs().max(1.0));
-            for (x, y) in s.logprobs.iter().zip(&p.logprobs) {
-                assert!((x - y).abs() < 1e-5 * x.abs().max(1.0), "{x} vs {y}");
-            }
-        }
-        for (s, p) in serial_grads.iter().zip(&split_grads) {
-            assert_grads_close(p, s, tol, &format!("{dtype:?}"));
-        }
+        let split = (split_out.clone(), split_grads.clone());
+        assert_runs_close(&serial, &split, tol, &format!("{dtype:?}"));
         for _ in 0..3 {
             let (again_out, again_grads) = run(&three);
             assert_eq!(again_out, split_out, "{dtype:?}: results vary between runs");
@@ -325,33 +347,21 @@ fn a_batch_run_in_passes_equals_one_pass() {
     for (dtype, tol) in [(DType::F64, 1e-10), (DType::F32, 1e-4)] {
         let (model, a, b) =
             tiny_with_adapters(Arch::Llama, dtype, [(full_spec(4), 31), (full_spec(2), 32)]);
-        let vocab = model.transformer.config.vocab_size;
-        let jobs = vec![
-            ce_job(1, 10, vocab, 0),
-            ce_job(2, 6, vocab, 1),
-            ce_job(3, 8, vocab, 0),
-            ce_job(4, 5, vocab, 1),
-            ce_job(5, 3, vocab, 0),
-        ];
+        let jobs = five_mixed_jobs(model.transformer.config.vocab_size);
         let adapters = [&a, &b];
         let whole =
             forward_backward_in_passes(&model.transformer, &adapters, &jobs, true, usize::MAX)
                 .unwrap();
-        let (whole_out, whole_grads) = (whole.results, whole.grads);
         // 12 tokens a pass: datums in adapter order (10, 8, 3 tokens for adapter 0, then
         // 6 and 5 for adapter 1) make three passes: [10], [8, 3], [6, 5].
         let cut =
             forward_backward_in_passes(&model.transformer, &adapters, &jobs, true, 12).unwrap();
-        let (cut_out, cut_grads) = (cut.results, cut.grads);
-        for (w, c) in whole_out.iter().zip(&cut_out) {
-            assert!((w.loss - c.loss).abs() < tol * w.loss.abs().max(1.0));
-            for (x, y) in w.logprobs.iter().zip(&c.logprobs) {
-                assert!((x - y).abs() < 1e-5 * x.abs().max(1.0), "{x} vs {y}");
-            }
-        }
-        for (whole, cut) in whole_grads.iter().zip(&cut_grads) {
-            assert_grads_close(cut, whole, tol, &format!("{dtype:?}"));
-        }
+        assert_runs_close(
+            &(whole.results, whole.grads),
+            &(cut.results, cut.grads),
+            tol,
+            &format!("{dtype:?}"),
+        );
     }
 }
 
