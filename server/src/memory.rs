@@ -15,11 +15,9 @@ const PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
 
 /// Keeps memory freed by mimalloc mapped, for the process's lifetime, instead of
 /// returning it to the OS after a delay. The resident size stays at its peak, and the
-/// next training pass needs that peak again anyway.
-///
-/// Measured on the default model: eight sessions' 512-token `forward_backward`, run after
-/// a few seconds of single-session work, took 2.8 s. With memory kept it took 1.75 s,
-/// the same as back-to-back passes.
+/// next training pass needs that peak again anyway: a large pass that follows a quiet
+/// spell would otherwise fault in, and zero, every page it uses (the README's
+/// `bench serve` figures show what that cost).
 ///
 /// An operator who wants memory back between bursts sets `MIMALLOC_PURGE_DELAY`
 /// (milliseconds) in the environment, and that setting is left alone. This has no effect
