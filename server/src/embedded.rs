@@ -5,9 +5,10 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use candle_core::Device;
-
-use crate::model::{default_model_path, LoadedModel, ModelError, Precision, DEFAULT_MODEL_NAME};
+use crate::model::{
+    default_model_path, DeviceError, DeviceSpec, LoadedModel, ModelError, Precision,
+    DEFAULT_MODEL_NAME,
+};
 use crate::server::{self, RunningServer, ServeError, ServerConfig};
 
 /// Errors of [`load_model`] and [`start`].
@@ -24,19 +25,52 @@ pub enum EmbedError {
         /// Why it failed.
         source: ModelError,
     },
+    /// The device asked for cannot be used.
+    #[error(transparent)]
+    Device(#[from] DeviceError),
     /// The server failed to start.
     #[error(transparent)]
     Serve(#[from] ServeError),
+}
+
+/// How to load the base model: the device it runs on and the element type of its
+/// frozen products. The default is the CPU in f32.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ModelOptions {
+    /// Where the weights live and the operations run: the CPU (with its fast paths) or
+    /// a CUDA device (candle's ops, see [`crate::model::backend`]).
+    pub device: DeviceSpec,
+    /// f32, or bf16 products for the frozen weights (CPU only).
+    pub precision: Precision,
 }
 
 fn fetch_script() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/fetch-model")
 }
 
-/// Loads `spec` (`default`, a `.gguf` file or a Hugging Face directory), running
-/// `scripts/fetch-model` first when the default model is missing and this build comes
-/// from a source checkout.
+/// Loads `spec` (`default`, a `.gguf` file or a Hugging Face directory) on the CPU in
+/// f32, running `scripts/fetch-model` first when the default model is missing and this
+/// build comes from a source checkout.
 pub fn load_model(spec: &str) -> Result<LoadedModel, EmbedError> {
+    load_model_with(spec, ModelOptions::default())
+}
+
+/// [`load_model`] on the CPU with `precision` (see [`load_model_with`]).
+pub fn load_model_in(spec: &str, precision: Precision) -> Result<LoadedModel, EmbedError> {
+    load_model_with(
+        spec,
+        ModelOptions {
+            precision,
+            ..Default::default()
+        },
+    )
+}
+
+/// [`load_model`] on `options.device` with `options.precision`. The device is opened
+/// first, so a device that is not there fails at once, naming it. A CPU without a bf16
+/// kernel keeps f32, with a warning in the log; bf16 off the CPU is an error.
+pub fn load_model_with(spec: &str, options: ModelOptions) -> Result<LoadedModel, EmbedError> {
+    let device = options.device.open()?;
     if (spec == "default" || spec == DEFAULT_MODEL_NAME) && !default_model_path().exists() {
         let script = fetch_script();
         if !script.exists() {
@@ -57,30 +91,24 @@ pub fn load_model(spec: &str) -> Result<LoadedModel, EmbedError> {
         }
     }
     let started = std::time::Instant::now();
-    let model = LoadedModel::load(spec, &Device::Cpu).map_err(|source| EmbedError::Model {
+    let model_error = |source| EmbedError::Model {
         spec: spec.to_string(),
         source,
-    })?;
+    };
+    let mut model = LoadedModel::load(spec, &device).map_err(model_error)?;
     tracing::info!(
         model = %model.name,
         params = model.transformer.weights.num_params(),
+        device = %options.device,
+        backend = ?model.transformer.backend(),
         seconds = format!("{:.2}", started.elapsed().as_secs_f64()),
         "model loaded"
     );
-    Ok(model)
-}
-
-/// [`load_model`], then sets the element type of its products ([`Precision`]). A CPU
-/// without a bf16 kernel keeps f32, with a warning in the log.
-pub fn load_model_in(spec: &str, precision: Precision) -> Result<LoadedModel, EmbedError> {
-    let mut model = load_model(spec)?;
+    let precision = options.precision;
     let got = model
         .transformer
         .set_precision(precision)
-        .map_err(|source| EmbedError::Model {
-            spec: spec.to_string(),
-            source,
-        })?;
+        .map_err(model_error)?;
     if got != precision {
         tracing::warn!("precision {precision} is not available on this CPU; using {got}");
     }

@@ -53,6 +53,8 @@ pub struct TrainArgs {
     /// Element type of the base model's products.
     #[arg(long, value_enum, default_value_t = Precision::F32)]
     precision: Precision,
+    #[command(flatten)]
+    device: super::DeviceArg,
     /// Timed iterations (after one warm-up).
     #[arg(long, default_value_t = 5)]
     iters: usize,
@@ -93,6 +95,8 @@ pub struct SampleArgs {
     /// pass that the sampled logprobs are compared with).
     #[arg(long, value_enum, default_value_t = Precision::F32)]
     precision: Precision,
+    #[command(flatten)]
+    device: super::DeviceArg,
     /// Keep only this many most likely tokens.
     #[arg(long)]
     top_k: Option<usize>,
@@ -282,12 +286,12 @@ fn random_tokens(rng: &mut StdRng, n: usize, vocab: usize) -> Vec<u32> {
 }
 
 fn bench_train(a: TrainArgs) -> anyhow::Result<serde_json::Value> {
-    let model = super::load_model_in(&a.model, a.precision)?;
+    let model = super::load_model(&a.model, a.device, a.precision)?;
     let t = &model.transformer;
     let spec = seven_projections(a.rank);
     let n_adapters = a.adapters.clamp(1, a.batch.max(1));
     let mut adapters = (0..n_adapters)
-        .map(|i| Adapter::new(&t.config, spec, i as u64, DType::F32, &Device::Cpu))
+        .map(|i| Adapter::new(&t.config, spec, i as u64, DType::F32, t.device()))
         .collect::<Result<Vec<_>, _>>()?;
     let mut states = vec![AdamState::default(); n_adapters];
     let mut rng = StdRng::seed_from_u64(0);
@@ -367,7 +371,7 @@ fn bench_sample(a: SampleArgs) -> anyhow::Result<serde_json::Value> {
         a.top_p
     );
     anyhow::ensure!(a.top_k != Some(0), "--top-k must be at least 1");
-    let model = super::load_model_in(&a.model, a.precision)?;
+    let model = super::load_model(&a.model, a.device, a.precision)?;
     let t = &model.transformer;
     let spec = seven_projections(a.rank);
     let adapters = (0..a.adapters.max(1))
@@ -521,10 +525,10 @@ fn random_b_adapter(model: &LoadedModel, spec: LoraSpec, seed: u64) -> anyhow::R
         spec,
         seed,
         DType::F32,
-        &Device::Cpu,
+        model.transformer.device(),
     )?;
     for pair in a.pairs.values_mut() {
-        pair.b = (Tensor::randn(0f32, 1.0, pair.b.dims(), &Device::Cpu)? * 0.01)?;
+        pair.b = (Tensor::randn(0f32, 1.0, pair.b.dims(), pair.b.device())? * 0.01)?;
     }
     Ok(a)
 }

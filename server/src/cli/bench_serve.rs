@@ -17,10 +17,9 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use candle_core::Device;
 use clap::Args;
 use lathe_sdk::types::AdamParams;
-use lathe_server::model::{Adapter, LoadedModel};
+use lathe_server::model::{Adapter, LoadedModel, Precision};
 use lathe_server::server::{self, ServerConfig};
 use lathe_server::train::adamw::{self, AdamState};
 use lathe_server::train::{forward_backward, DatumJob, Loss, TokenInputs};
@@ -34,6 +33,8 @@ pub struct ServeBenchArgs {
     /// `default`, a `.gguf` file or a Hugging Face directory.
     #[arg(long, default_value = "default")]
     model: String,
+    #[command(flatten)]
+    device: super::DeviceArg,
     /// Concurrent sessions.
     #[arg(long, default_value_t = 8)]
     sessions: usize,
@@ -152,9 +153,9 @@ async fn fb(http: &Http, run: &mut Run, toks: &[u32]) -> anyhow::Result<()> {
 pub fn run(a: ServeBenchArgs) -> anyhow::Result<Value> {
     let spec = seven_projections(a.rank);
     // In-process reference for the overhead measurement, on its own copy of the model.
-    let reference = super::load_model(&a.model)?;
+    let reference = super::load_model(&a.model, a.device, Precision::F32)?;
     let mut direct = Direct::new(&reference, spec)?;
-    let model = super::load_model(&a.model)?;
+    let model = super::load_model(&a.model, a.device, Precision::F32)?;
     let vocab = model.transformer.config.vocab_size;
     let data_dir = std::env::temp_dir().join(format!("lathe-bench-serve-{}", std::process::id()));
     let config = ServerConfig {
@@ -434,7 +435,7 @@ impl Direct {
         let t = &model.transformer;
         let toks = tokens(3, 17, t.config.vocab_size);
         Ok(Self {
-            adapter: Adapter::new(&t.config, spec, 0, t.weights.dtype(), &Device::Cpu)?,
+            adapter: Adapter::new(&t.config, spec, 0, t.weights.dtype(), t.device())?,
             state: AdamState::default(),
             job: DatumJob {
                 tokens: toks[..16].to_vec(),

@@ -4,9 +4,8 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::Context;
-use candle_core::Device;
 use clap::Args;
-use lathe_server::model::ChatMessage;
+use lathe_server::model::{ChatMessage, Precision};
 use lathe_server::sample::{sample, DecodeMode, Picker, SampleJob};
 use lathe_server::store::peft;
 
@@ -34,6 +33,8 @@ pub struct GenerateArgs {
     /// Feed the prompt as is, without the chat template.
     #[arg(long)]
     raw: bool,
+    #[command(flatten)]
+    device: super::DeviceArg,
 }
 
 /// Runs `lathe generate`.
@@ -41,11 +42,11 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     if !args.temperature.is_finite() || args.temperature < 0.0 {
         anyhow::bail!("--temperature must be a finite number >= 0");
     }
-    let model = super::load_model(&args.model)?;
+    let model = super::load_model(&args.model, args.device, Precision::F32)?;
     let adapter = args
         .adapter
         .as_ref()
-        .map(|dir| peft::load_adapter(dir, &model.transformer.config, &Device::Cpu))
+        .map(|dir| peft::load_adapter(dir, &model.transformer.config, model.transformer.device()))
         .transpose()
         .context("loading the adapter")?;
     let text = if args.raw {

@@ -6,14 +6,29 @@ pub mod bench_wire;
 pub mod generate;
 pub mod serve;
 
-use lathe_server::model::{LoadedModel, Precision};
+use clap::Args;
+use lathe_server::embedded::ModelOptions;
+use lathe_server::model::{DeviceSpec, LoadedModel, Precision};
 
-/// Loads `spec`, fetching the default model first if it is missing.
-pub fn load_model(spec: &str) -> anyhow::Result<LoadedModel> {
-    Ok(lathe_server::embedded::load_model(spec)?)
+/// The `--device` flag of the commands that load the model.
+#[derive(Args, Clone, Copy, Debug)]
+pub struct DeviceArg {
+    /// Where the base model runs: `cpu`, or `cuda` / `cuda:N` (a build with `--features
+    /// cuda`).
+    #[arg(long, default_value = "cpu")]
+    pub device: DeviceSpec,
 }
 
-/// [`load_model`] in `precision` (see [`lathe_server::embedded::load_model_in`]).
-pub fn load_model_in(spec: &str, precision: Precision) -> anyhow::Result<LoadedModel> {
-    Ok(lathe_server::embedded::load_model_in(spec, precision)?)
+/// Loads `spec` on `device` in `precision`, fetching the default model first if it is
+/// missing (see [`lathe_server::embedded::load_model_with`]).
+pub fn load_model(
+    spec: &str,
+    device: DeviceArg,
+    precision: Precision,
+) -> anyhow::Result<LoadedModel> {
+    let options = ModelOptions {
+        device: device.device,
+        precision,
+    };
+    Ok(lathe_server::embedded::load_model_with(spec, options)?)
 }

@@ -59,6 +59,8 @@ pub struct ServeArgs {
     /// Element type of the base model's products in training and prefill.
     #[arg(long, value_enum, default_value_t = Precision::F32)]
     precision: Precision,
+    #[command(flatten)]
+    device: super::DeviceArg,
     /// Per-key limits (what one API key may use at once).
     #[command(flatten)]
     limits: LimitArgs,
@@ -135,7 +137,7 @@ enum Mode {
 
 /// Runs `lathe serve` until SIGINT or SIGTERM.
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
-    let model = super::load_model_in(&args.model, args.precision)?;
+    let model = super::load_model(&args.model, args.device, args.precision)?;
     let name = model.name.clone();
     let config = ServerConfig {
         host: args.host,

@@ -8,8 +8,9 @@
 //! strides. Elsewhere (f64 checks, CUDA) the same maths runs as candle ops
 //! ([`lora_forward`] / [`lora_backward`]); a test holds the two paths equal.
 
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{Device, Result, Tensor};
 
+use super::backend::Backend;
 use super::bf16::{self, Bf16Ref};
 use super::gemm::{gemm, with_slices, Mat, MatMut};
 use super::input_grad;
@@ -32,6 +33,8 @@ pub struct Projection<'a> {
     /// The weight packed for bf16 products, when the model computes in bf16: then the
     /// frozen products of the CPU path (not the LoRA deltas) run in bf16.
     pub bf16: Option<Bf16Ref<'a>>,
+    /// Which implementation computes the products.
+    pub backend: Backend,
 }
 
 /// The pair and scale a segment uses for `target`, if its adapter trains it.
@@ -44,14 +47,15 @@ fn pair_of<'a>(
     adapter.pairs.get(&target).map(|p| (p, adapter.scale()))
 }
 
-/// Whether the CPU `gemm` path applies: everything involved is an f32 CPU tensor.
+/// Whether the CPU `gemm` path applies: the CPU backend, and everything involved is an
+/// f32 CPU tensor.
 fn on_host(
     tensors: &[&Tensor],
     proj: &Projection,
     segs: &[Segment],
     adapters: &[&Adapter],
 ) -> bool {
-    let host = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
+    let host = |t: &Tensor| proj.backend.host_f32(t);
     tensors.iter().all(|t| host(t))
         && host(proj.weight)
         && proj.bias.is_none_or(host)
@@ -75,12 +79,12 @@ pub fn forward(
     adapters: &[&Adapter],
 ) -> Result<(Tensor, Vec<LoraCache>)> {
     if !on_host(&[x], proj, segs, adapters) {
-        let y = matmul_t(x, proj.weight)?;
+        let y = matmul_t(proj.backend, x, proj.weight)?;
         let y = match proj.bias {
             Some(b) => y.broadcast_add(b)?,
             None => y,
         };
-        return add_deltas(x, y, proj.parts, segs, adapters);
+        return add_deltas(proj.backend, x, y, proj.parts, segs, adapters);
     }
     let (n, d_in) = x.dims2()?;
     let d_out = proj.weight.dim(0)?;
@@ -164,6 +168,7 @@ pub fn forward(
 /// Adds each part's LoRA deltas to the frozen output `y` with candle ops (the path off
 /// the CPU, and for the quantized decode weights).
 pub fn add_deltas(
+    be: Backend,
     x: &Tensor,
     y: Tensor,
     parts: &[(Target, usize)],
@@ -171,14 +176,14 @@ pub fn add_deltas(
     adapters: &[&Adapter],
 ) -> Result<(Tensor, Vec<LoraCache>)> {
     if let [(target, _)] = parts {
-        let (y, cache) = lora_forward(x, y, *target, segs, adapters)?;
+        let (y, cache) = lora_forward(be, x, y, *target, segs, adapters)?;
         return Ok((y, vec![cache]));
     }
     let mut outs = Vec::with_capacity(parts.len());
     let mut caches = Vec::with_capacity(parts.len());
     let mut col = 0;
     for &(target, width) in parts {
-        let (part, cache) = lora_forward(x, y.narrow(1, col, width)?, target, segs, adapters)?;
+        let (part, cache) = lora_forward(be, x, y.narrow(1, col, width)?, target, segs, adapters)?;
         outs.push(part);
         caches.push(cache);
         col += width;
@@ -301,6 +306,7 @@ mod tests {
     use crate::model::test_util::{max_abs_diff, uniform};
     use crate::model::tiny::tiny_config;
     use crate::model::Arch;
+    use candle_core::DType;
 
     /// An adapter on every projection with random (not zero) `B`, in f64.
     fn adapter(seed: u64) -> Adapter {
@@ -373,6 +379,7 @@ mod tests {
                 bias: Some(&b),
                 parts: &parts,
                 bf16: None,
+                backend: Backend::Cpu,
             };
             let (y, caches) = forward(&x, &proj, &segs, adapters).unwrap();
             let mut grads = vec![AdapterGrads::default(); 2];
@@ -445,6 +452,7 @@ mod tests {
                 bias: None,
                 parts: &parts,
                 bf16,
+                backend: Backend::Cpu,
             };
             let (y, caches) = forward(&x, &proj, &segs, adapters).unwrap();
             let mut grads = vec![AdapterGrads::default()];

@@ -11,6 +11,7 @@
 
 use candle_core::{DType, Tensor};
 
+use super::backend::Backend;
 use super::kernels;
 use super::quant::{QuantMatrix, BLOCK};
 use super::transformer::StackedWeights;
@@ -86,7 +87,7 @@ impl DecodeLinear {
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let y = match self.quant_for(x.dims()[0]) {
             Some(q) => q.matmul_t(x)?,
-            None => matmul_t(x, &self.f32.weight)?,
+            None => matmul_t(Backend::Cpu, x, &self.f32.weight)?,
         };
         match &self.f32.bias {
             Some(b) => y.broadcast_add(b),

@@ -21,6 +21,7 @@ use candle_core::{DType, Tensor};
 use multiversion::multiversion;
 use rayon::prelude::*;
 
+use super::backend::Backend;
 use super::decode::DecodeWeights;
 use super::kernels::dot;
 use super::kv::{self, HostQkv, KvCache};
@@ -163,9 +164,12 @@ pub struct StepRow {
 }
 
 impl<'m> HostDecoder<'m> {
-    /// Whether decode steps of `model` run on the host: the model is on the CPU in f32.
+    /// Whether decode steps of `model` run on the host: the model is on the CPU backend
+    /// in f32.
     pub fn applies(model: &Transformer) -> bool {
-        model.device().is_cpu() && model.weights.dtype() == DType::F32
+        model.backend() == Backend::Cpu
+            && model.device().is_cpu()
+            && model.weights.dtype() == DType::F32
     }
 
     /// A decoder for `model` with `adapters`, using the block-quantized decode weights when

@@ -5,10 +5,11 @@
 //! kernel calls instead of thousands of small tensor ops. Elsewhere the cache holds
 //! tensors and attention goes through [`ops::attention`], the same code training uses.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use multiversion::multiversion;
 use rayon::prelude::*;
 
+use super::backend::Backend;
 use super::kernels::dot;
 use super::ops;
 use super::transformer::SeqSpan;
@@ -59,6 +60,7 @@ impl KvCache {
 /// and returns the attention output for the new rows, `(rows, heads*hd)`.
 #[allow(clippy::too_many_arguments)]
 pub fn cached_attention(
+    be: Backend,
     index: usize,
     q: &Tensor,
     k: &Tensor,
@@ -68,7 +70,7 @@ pub fn cached_attention(
     heads: usize,
     kv_heads: usize,
 ) -> candle_core::Result<Tensor> {
-    if q.device().is_cpu() && q.dtype() == DType::F32 {
+    if be.host_f32(q) {
         return host_attention(index, q, k, v, seqs, caches, heads);
     }
     let mut outs = Vec::with_capacity(seqs.len());
@@ -86,7 +88,7 @@ pub fn cached_attention(
                 v: vs.clone(),
             }),
         }
-        let (o, _) = ops::attention(&q.narrow(0, s.start, s.len)?, &ks, &vs, heads, kv_heads)?;
+        let (o, _) = ops::attention(be, &q.narrow(0, s.start, s.len)?, &ks, &vs, heads, kv_heads)?;
         outs.push(o);
     }
     Tensor::cat(&outs, 0)

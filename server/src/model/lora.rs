@@ -10,7 +10,9 @@ use std::collections::BTreeMap;
 use candle_core::{DType, Device, Tensor};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
+use super::backend::Backend;
 use super::config::ModelConfig;
+use super::weights::matmul_t;
 use super::ModelError;
 
 /// The LoRA alpha Lathe uses for every adapter. Tinker does not send one on the wire, so
@@ -342,6 +344,7 @@ pub type LoraCache = Vec<Option<Tensor>>;
 
 /// Adds each segment's low-rank delta to `base` (the frozen projection of `x`).
 pub fn lora_forward(
+    be: Backend,
     x: &Tensor,
     base: Tensor,
     target: Target,
@@ -366,8 +369,8 @@ pub fn lora_forward(
         match pair_of(seg) {
             Some((pair, scale)) => {
                 let xs = x.narrow(0, seg.start, seg.len)?;
-                let u = super::weights::matmul_t(&xs, &pair.a)?;
-                deltas.push((super::weights::matmul_t(&u, &pair.b)? * scale)?);
+                let u = matmul_t(be, &xs, &pair.a)?;
+                deltas.push((matmul_t(be, &u, &pair.b)? * scale)?);
                 cache.push(Some(u));
             }
             None => {

@@ -2,6 +2,7 @@
 //! chat template, the decoder with its hand-written backward, and the LoRA seam.
 
 pub mod adapted;
+pub mod backend;
 pub mod batch;
 pub mod bf16;
 pub mod chat_template;
@@ -31,6 +32,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::Device;
 
+pub use backend::{Backend, DeviceError, DeviceSpec};
 pub use bf16::Precision;
 pub use chat_template::{ChatMessage, ChatTemplate};
 pub use config::{Arch, ModelConfig};

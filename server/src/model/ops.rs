@@ -8,11 +8,12 @@
 
 use candle_core::{DType, Device, Result, Tensor, D};
 
+use super::backend::Backend;
 use super::kernels;
 
 /// `a + b` for tensors of one shape: the fused kernel on the CPU, candle elsewhere.
-pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    if kernels::supported(a) && kernels::supported(b) && a.dtype() == b.dtype() {
+pub fn add(be: Backend, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if be.fused(a) && be.fused(b) && a.dtype() == b.dtype() {
         return match a.dtype() {
             DType::F64 => kernels::add::<f64>(a, b),
             _ => kernels::add::<f32>(a, b),
@@ -22,8 +23,8 @@ pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 }
 
 /// RMSNorm forward over the last dim: returns `y` and what the backward needs.
-pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<(Tensor, RmsSaved)> {
-    if kernels::supported(x) {
+pub fn rms_norm(be: Backend, x: &Tensor, weight: &Tensor, eps: f64) -> Result<(Tensor, RmsSaved)> {
+    if be.fused(x) {
         let (y, rstd) = match x.dtype() {
             DType::F64 => kernels::rms_norm::<f64>(x, weight, eps)?,
             _ => kernels::rms_norm::<f32>(x, weight, eps)?,
@@ -128,8 +129,8 @@ impl Rope {
 }
 
 /// Rotate-half RoPE on `x` of shape `(n, heads, head_dim)`, `cos`/`sin` `(n, half)`.
-pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    if kernels::supported(x) {
+pub fn rope(be: Backend, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    if be.fused(x) {
         return match x.dtype() {
             DType::F64 => kernels::rope::<f64>(x, cos, sin, 1.0),
             _ => kernels::rope::<f32>(x, cos, sin, 1.0),
@@ -151,8 +152,8 @@ pub fn rope_composite(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> 
 }
 
 /// RoPE is a rotation, so its backward is the rotation by the opposite angle.
-pub fn rope_backward(dy: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    if kernels::supported(dy) {
+pub fn rope_backward(be: Backend, dy: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    if be.fused(dy) {
         return match dy.dtype() {
             DType::F64 => kernels::rope::<f64>(dy, cos, sin, -1.0),
             _ => kernels::rope::<f32>(dy, cos, sin, -1.0),
@@ -162,8 +163,8 @@ pub fn rope_backward(dy: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> 
 }
 
 /// SwiGLU forward: `silu(gate) * up` for the stacked `gate_up = [gate | up]`, `(n, 2f)`.
-pub fn swiglu(gate_up: &Tensor) -> Result<Tensor> {
-    if kernels::supported(gate_up) {
+pub fn swiglu(be: Backend, gate_up: &Tensor) -> Result<Tensor> {
+    if be.fused(gate_up) {
         return match gate_up.dtype() {
             DType::F64 => kernels::swiglu::<f64>(gate_up),
             _ => kernels::swiglu::<f32>(gate_up),
@@ -174,8 +175,8 @@ pub fn swiglu(gate_up: &Tensor) -> Result<Tensor> {
 }
 
 /// SwiGLU backward: the gradient of the stacked `gate_up`, `[dgate | dup]`.
-pub fn swiglu_backward(dy: &Tensor, gate_up: &Tensor) -> Result<Tensor> {
-    if kernels::supported(gate_up) {
+pub fn swiglu_backward(be: Backend, dy: &Tensor, gate_up: &Tensor) -> Result<Tensor> {
+    if be.fused(gate_up) {
         return match gate_up.dtype() {
             DType::F64 => kernels::swiglu_backward::<f64>(dy, gate_up),
             _ => kernels::swiglu_backward::<f32>(dy, gate_up),
@@ -209,6 +210,7 @@ pub fn swiglu_backward_composite(dy: &Tensor, gate_up: &Tensor) -> Result<Tensor
 /// are stacked as `(kv_heads, group*tq, hd)` so each group meets its key head in one
 /// batched matmul, with no copies of k or v.
 pub fn attention(
+    be: Backend,
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
@@ -229,7 +231,7 @@ pub fn attention(
         .transpose(0, 1)?
         .contiguous()?;
     let scores = qg.matmul(&kh.t()?)?; // (KV, G*tq, tk), unscaled
-    let p = if kernels::supported(&scores) {
+    let p = if be.fused(&scores) {
         match scores.dtype() {
             DType::F64 => kernels::causal_softmax::<f64>(&scores, tq, scale)?,
             _ => kernels::causal_softmax::<f32>(&scores, tq, scale)?,
@@ -270,7 +272,11 @@ pub struct AttnSaved {
 }
 
 /// Attention backward: returns `(dq, dk, dv)` in the input layouts.
-pub fn attention_backward(dout: &Tensor, s: &AttnSaved) -> Result<(Tensor, Tensor, Tensor)> {
+pub fn attention_backward(
+    be: Backend,
+    dout: &Tensor,
+    s: &AttnSaved,
+) -> Result<(Tensor, Tensor, Tensor)> {
     let (tq, qd) = dout.dims2()?;
     let hd = qd / s.heads;
     let group = s.heads / s.kv_heads;
@@ -282,7 +288,7 @@ pub fn attention_backward(dout: &Tensor, s: &AttnSaved) -> Result<(Tensor, Tenso
         .reshape((s.kv_heads, group * tq, hd))?;
     let dv = s.p.t()?.matmul(&dog)?; // (KV, tk, hd)
     let dp = dog.matmul(&s.vh.t()?)?; // (KV, G*tq, tk)
-    let ds = if kernels::supported(&dp) {
+    let ds = if be.fused(&dp) {
         match dp.dtype() {
             DType::F64 => kernels::softmax_backward::<f64>(&s.p, &dp, s.scale)?,
             _ => kernels::softmax_backward::<f32>(&s.p, &dp, s.scale)?,
@@ -312,8 +318,8 @@ pub fn softmax_last(x: &Tensor) -> Result<Tensor> {
 }
 
 /// Log-probabilities of `targets (n, k)` under `logits (n, V)`: `(lp (n, k), lse (n,))`.
-pub fn logprobs_at(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
-    if kernels::supported(logits) {
+pub fn logprobs_at(be: Backend, logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
+    if be.fused(logits) {
         return match logits.dtype() {
             DType::F64 => kernels::logprobs_at::<f64>(logits, targets),
             _ => kernels::logprobs_at::<f32>(logits, targets),
@@ -326,12 +332,13 @@ pub fn logprobs_at(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)
 
 /// Gradient of [`logprobs_at`] w.r.t. the logits: `scatter(d) - softmax * sum_k d`.
 pub fn logprobs_at_backward(
+    be: Backend,
     logits: &Tensor,
     lse: &Tensor,
     targets: &Tensor,
     d: &Tensor,
 ) -> Result<Tensor> {
-    if kernels::supported(logits) {
+    if be.fused(logits) {
         return match logits.dtype() {
             DType::F64 => kernels::logprobs_at_backward::<f64>(logits, lse, targets, d),
             _ => kernels::logprobs_at_backward::<f32>(logits, lse, targets, d),
@@ -399,7 +406,7 @@ mod tests {
     #[test]
     fn fused_rms_norm_matches_composite() {
         let (x, w, dy) = (rand(&[5, 3, 8], 1), rand(&[8], 2), rand(&[5, 3, 8], 3));
-        let (y1, s1) = rms_norm(&x, &w, 1e-5).unwrap();
+        let (y1, s1) = rms_norm(Backend::Cpu, &x, &w, 1e-5).unwrap();
         let (y2, s2) = rms_norm_composite(&x, &w, 1e-5).unwrap();
         assert!(matches!(s1, RmsSaved::Fused { .. }));
         assert!(diff(&y1, &y2) < 1e-12);
@@ -413,11 +420,11 @@ mod tests {
         let (x, cos, sin) = (rand(&[6, 2, 8], 4), rand(&[6, 4], 5), rand(&[6, 4], 6));
         assert!(
             diff(
-                &rope(&x, &cos, &sin).unwrap(),
+                &rope(Backend::Cpu, &x, &cos, &sin).unwrap(),
                 &rope_composite(&x, &cos, &sin).unwrap()
             ) < 1e-12
         );
-        let back = rope_backward(&x, &cos, &sin).unwrap();
+        let back = rope_backward(Backend::Cpu, &x, &cos, &sin).unwrap();
         let want = rope_composite(&x, &cos, &sin.neg().unwrap()).unwrap();
         assert!(diff(&back, &want) < 1e-12);
     }
@@ -427,8 +434,8 @@ mod tests {
         let (gu, dy) = (rand(&[7, 18], 7), rand(&[7, 9], 9));
         let (g, u) = (gu.narrow(1, 0, 9).unwrap(), gu.narrow(1, 9, 9).unwrap());
         let want = (g.silu().unwrap() * &u).unwrap();
-        assert!(diff(&swiglu(&gu).unwrap(), &want) < 1e-12);
-        let fused = swiglu_backward(&dy, &gu).unwrap();
+        assert!(diff(&swiglu(Backend::Cpu, &gu).unwrap(), &want) < 1e-12);
+        let fused = swiglu_backward(Backend::Cpu, &dy, &gu).unwrap();
         let composite = swiglu_backward_composite(&dy, &gu).unwrap();
         assert_eq!(fused.dims(), &[7, 18]);
         assert!(diff(&fused, &composite) < 1e-12);
@@ -455,7 +462,7 @@ mod tests {
         let logits = rand(&[4, 11], 12);
         let targets = Tensor::new(&[[1u32, 3], [0, 0], [10, 2], [5, 9]], &Device::Cpu).unwrap();
         let d = rand(&[4, 2], 13);
-        let (lp, lse) = logprobs_at(&logits, &targets).unwrap();
+        let (lp, lse) = logprobs_at(Backend::Cpu, &logits, &targets).unwrap();
         let want_lse = logsumexp_last(&logits).unwrap();
         let want_lp = logits
             .gather(&targets, 1)
@@ -463,7 +470,7 @@ mod tests {
             .broadcast_sub(&want_lse)
             .unwrap();
         assert!(diff(&lp, &want_lp) < 1e-12);
-        let got = logprobs_at_backward(&logits, &lse, &targets, &d).unwrap();
+        let got = logprobs_at_backward(Backend::Cpu, &logits, &lse, &targets, &d).unwrap();
         let probs = logits.broadcast_sub(&want_lse).unwrap().exp().unwrap();
         let dsum = d.sum_keepdim(D::Minus1).unwrap();
         let want = (probs

@@ -8,6 +8,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::adapted::{self, Projection};
+use super::backend::Backend;
 pub use super::batch::{PackedBatch, SeqSpan};
 use super::bf16::Bf16Ref;
 use super::config::ModelConfig;
@@ -101,6 +102,8 @@ pub struct Transformer {
     fused: Vec<FusedLayer>,
     /// The frozen weights packed for bf16 products ([`Transformer::set_precision`]).
     bf16: Option<std::sync::Arc<Bf16Weights>>,
+    /// What computes the operations ([`Transformer::set_backend`]).
+    backend: Backend,
 }
 
 /// The stacked projections of one block. The separate `q_proj`, ... weights of
@@ -186,6 +189,7 @@ impl Transformer {
         config.validate()?;
         weights.check_shapes(&config)?;
         let fused = stack_projections(&config, &mut weights)?;
+        let backend = Backend::for_device(weights.device());
         let rope = Rope::new(
             config.head_dim,
             config.rope_theta,
@@ -200,6 +204,7 @@ impl Transformer {
             decode: std::sync::OnceLock::new(),
             fused,
             bf16: None,
+            backend,
         })
     }
 
@@ -226,9 +231,33 @@ impl Transformer {
         Ok(self.decode.get_or_init(|| built))
     }
 
-    /// A copy in another dtype (f64 for gradient checks).
+    /// A copy in another dtype (f64 for gradient checks), on the same backend.
     pub fn to_dtype(&self, dtype: DType) -> Result<Self, ModelError> {
-        Self::new(self.config.clone(), self.weights.to_dtype(dtype)?)
+        let mut copy = Self::new(self.config.clone(), self.weights.to_dtype(dtype)?)?;
+        copy.set_backend(self.backend)?;
+        Ok(copy)
+    }
+
+    /// The backend computing this model's operations.
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    /// Computes with `backend` from now on. The CPU backend needs the weights on the
+    /// CPU. The device backend has no bf16 tiles: choosing it returns the frozen
+    /// products to f32 (see [`Transformer::set_precision`]).
+    pub fn set_backend(&mut self, backend: Backend) -> Result<(), ModelError> {
+        if backend == Backend::Cpu && !self.device().is_cpu() {
+            return Err(ModelError::Input(format!(
+                "the CPU backend needs the weights on the CPU, not on {:?}",
+                self.device().location()
+            )));
+        }
+        if backend == Backend::Device {
+            self.bf16 = None;
+        }
+        self.backend = backend;
+        Ok(())
     }
 
     /// Block `layer`'s stacked projections (the f32 weights the trainer uses).
@@ -308,7 +337,12 @@ impl Transformer {
                 tapes.push(tape);
             }
         }
-        let (xf, norm) = ops::rms_norm(&h, &self.weights.norm, self.config.rms_norm_eps)?;
+        let (xf, norm) = ops::rms_norm(
+            self.backend,
+            &h,
+            &self.weights.norm,
+            self.config.rms_norm_eps,
+        )?;
         Ok(Hidden {
             xf,
             norm,
@@ -320,7 +354,8 @@ impl Transformer {
 
     /// Runs `batch` through the model appending to each sequence's KV cache, and returns
     /// the next-token logits of each sequence's last row, `(seqs, vocab)`. With
-    /// `quantized`, the frozen projections use the block-quantized decode weights.
+    /// `quantized`, the frozen projections use the block-quantized decode weights (a part
+    /// of the CPU backend; the device backend decodes with the model's own weights).
     pub fn forward_cached(
         &self,
         batch: &PackedBatch,
@@ -328,7 +363,7 @@ impl Transformer {
         caches: &mut [&mut KvCache],
         quantized: bool,
     ) -> Result<Tensor, ModelError> {
-        let dec = if quantized {
+        let dec = if quantized && self.backend == Backend::Cpu {
             Some(self.decode_weights()?)
         } else {
             None
@@ -365,7 +400,12 @@ impl Transformer {
     ) -> Result<(Tensor, Tensor, Vec<TopK>), ModelError> {
         let h = self.cached_hidden(batch, adapters, caches, None)?;
         let logits = self.last_row_logits(&h, batch, adapters, None)?;
-        let (xf, _) = ops::rms_norm(&h, &self.weights.norm, self.config.rms_norm_eps)?;
+        let (xf, _) = ops::rms_norm(
+            self.backend,
+            &h,
+            &self.weights.norm,
+            self.config.rms_norm_eps,
+        )?;
         let mut topk = Vec::new();
         let (lp, _) = self.head_logprobs(&xf, batch, adapters, targets, false, k, &mut topk)?;
         Ok((logits, lp, topk))
@@ -388,10 +428,15 @@ impl Transformer {
             .collect();
         let idx = Tensor::new(last.as_slice(), h.device())?;
         let h_last = h.index_select(&idx, 0)?;
-        let (xf, _) = ops::rms_norm(&h_last, &self.weights.norm, self.config.rms_norm_eps)?;
+        let (xf, _) = ops::rms_norm(
+            self.backend,
+            &h_last,
+            &self.weights.norm,
+            self.config.rms_norm_eps,
+        )?;
         let base = match dec {
             Some(d) => d.lm_head.forward(&xf)?,
-            None => matmul_t(&xf, self.weights.lm_head())?,
+            None => matmul_t(self.backend, &xf, self.weights.lm_head())?,
         };
         let mut segs: Vec<Segment> = Vec::new();
         for (i, s) in batch.seqs.iter().enumerate() {
@@ -404,7 +449,7 @@ impl Transformer {
                 }),
             }
         }
-        let (logits, _) = lora_forward(&xf, base, Target::LmHead, &segs, adapters)?;
+        let (logits, _) = lora_forward(self.backend, &xf, base, Target::LmHead, &segs, adapters)?;
         Ok(logits)
     }
 
@@ -483,24 +528,28 @@ impl Transformer {
                 bias: f.qkv_bias.as_ref(),
                 parts: &t.qkv,
                 bf16: packed(0),
+                backend: self.backend,
             },
             o: Projection {
                 weight: &w.o_proj.weight,
                 bias: w.o_proj.bias.as_ref(),
                 parts: &t.o,
                 bf16: packed(1),
+                backend: self.backend,
             },
             gate_up: Projection {
                 weight: &f.gate_up,
                 bias: None,
                 parts: &t.gate_up,
                 bf16: packed(2),
+                backend: self.backend,
             },
             down: Projection {
                 weight: &w.down_proj.weight,
                 bias: w.down_proj.bias.as_ref(),
                 parts: &t.down,
                 bf16: packed(3),
+                backend: self.backend,
             },
         }
     }
@@ -535,7 +584,9 @@ impl Transformer {
                        quantized: Option<&DecodeLinear>|
          -> candle_core::Result<(Tensor, PartCaches)> {
             match quantized.filter(|d| d.quantizes(x.dims()[0])) {
-                Some(d) => adapted::add_deltas(x, d.forward(x)?, p.parts, segs, adapters),
+                Some(d) => {
+                    adapted::add_deltas(self.backend, x, d.forward(x)?, p.parts, segs, adapters)
+                }
                 None => adapted::forward(x, p, segs, adapters),
             }
         };
@@ -545,7 +596,7 @@ impl Transformer {
             cfg.num_key_value_heads,
             cfg.head_dim,
         );
-        let (x1, norm1) = ops::rms_norm(h, &w.input_layernorm, cfg.rms_norm_eps)?;
+        let (x1, norm1) = ops::rms_norm(self.backend, h, &w.input_layernorm, cfg.rms_norm_eps)?;
         let (y, lqkv) = project(&x1, &qkv, dec.map(|d| &d.qkv))?;
         let q = y.narrow(1, 0, qd)?;
         let k = y.narrow(1, qd, kvd)?;
@@ -554,19 +605,30 @@ impl Transformer {
         let mut k = k.reshape((n, hkv, hd))?;
         let (mut q_norm, mut k_norm) = (None, None);
         if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
-            let (qq, sq) = ops::rms_norm(&q, qn, cfg.rms_norm_eps)?;
-            let (kk, sk) = ops::rms_norm(&k, kn, cfg.rms_norm_eps)?;
+            let (qq, sq) = ops::rms_norm(self.backend, &q, qn, cfg.rms_norm_eps)?;
+            let (kk, sk) = ops::rms_norm(self.backend, &k, kn, cfg.rms_norm_eps)?;
             (q, k, q_norm, k_norm) = (qq, kk, Some(sq), Some(sk));
         }
-        let q = ops::rope(&q, cos, sin)?.reshape((n, hq * hd))?;
-        let k = ops::rope(&k, cos, sin)?.reshape((n, hkv * hd))?;
+        let q = ops::rope(self.backend, &q, cos, sin)?.reshape((n, hq * hd))?;
+        let k = ops::rope(self.backend, &k, cos, sin)?.reshape((n, hkv * hd))?;
         let mut saved = Vec::new();
         let attn_out = match caches {
-            Some(caches) => kv::cached_attention(index, &q, &k, &v, &batch.seqs, caches, hq, hkv)?,
+            Some(caches) => kv::cached_attention(
+                self.backend,
+                index,
+                &q,
+                &k,
+                &v,
+                &batch.seqs,
+                caches,
+                hq,
+                hkv,
+            )?,
             None => {
                 let mut outs = Vec::with_capacity(batch.seqs.len());
                 for s in &batch.seqs {
                     let (o, sv) = ops::attention(
+                        self.backend,
                         &q.narrow(0, s.start, s.len)?,
                         &k.narrow(0, s.start, s.len)?,
                         &v.narrow(0, s.start, s.len)?,
@@ -584,12 +646,17 @@ impl Transformer {
             }
         };
         let (o, lo) = project(&attn_out, &o, dec.map(|d| &d.o))?;
-        let h2 = ops::add(h, &o)?;
-        let (x2, norm2) = ops::rms_norm(&h2, &w.post_attention_layernorm, cfg.rms_norm_eps)?;
+        let h2 = ops::add(self.backend, h, &o)?;
+        let (x2, norm2) = ops::rms_norm(
+            self.backend,
+            &h2,
+            &w.post_attention_layernorm,
+            cfg.rms_norm_eps,
+        )?;
         let (gate_up, lgu) = project(&x2, &gate_up, dec.map(|d| &d.gate_up))?;
-        let act = ops::swiglu(&gate_up)?;
+        let act = ops::swiglu(self.backend, &gate_up)?;
         let (down, ldown) = project(&act, &down, dec.map(|d| &d.down))?;
-        let h3 = ops::add(&h2, &down)?;
+        let h3 = ops::add(self.backend, &h2, &down)?;
         Ok((
             h3,
             LayerTape {
@@ -627,7 +694,13 @@ impl Transformer {
         let dlogits = |c: &HeadChunk| -> Result<Tensor, ModelError> {
             let d = dlp.narrow(0, c.start, c.len)?.contiguous()?;
             let t = tape.targets.narrow(0, c.start, c.len)?.contiguous()?;
-            Ok(ops::logprobs_at_backward(&c.logits, &c.lse, &t, &d)?)
+            Ok(ops::logprobs_at_backward(
+                self.backend,
+                &c.logits,
+                &c.lse,
+                &t,
+                &d,
+            )?)
         };
         let mut grads = vec![AdapterGrads::default(); adapters.len()];
         let dxf = self.head_backward(&tape, adapters, dlogits, &mut grads)?;
@@ -692,9 +765,10 @@ impl Transformer {
         );
         // MLP
         let dact = back(&t.act, &dh, &p.down, &t.ldown, grads)?;
-        let dgu = ops::swiglu_backward(&dact, &t.gate_up)?;
+        let dgu = ops::swiglu_backward(self.backend, &dact, &t.gate_up)?;
         let dx2 = back(&t.x2, &dgu, &p.gate_up, &t.lgu, grads)?;
         let dh2 = ops::add(
+            self.backend,
             &dh,
             &ops::rms_norm_backward(&dx2, &w.post_attention_layernorm, &t.norm2)?,
         )?;
@@ -702,7 +776,8 @@ impl Transformer {
         let dattn = back(&t.attn_out, &dh2, &p.o, &t.lo, grads)?;
         let (mut dqs, mut dks, mut dvs) = (Vec::new(), Vec::new(), Vec::new());
         for (s, saved) in seqs.iter().zip(&t.attn) {
-            let (dq, dk, dv) = ops::attention_backward(&dattn.narrow(0, s.start, s.len)?, saved)?;
+            let (dq, dk, dv) =
+                ops::attention_backward(self.backend, &dattn.narrow(0, s.start, s.len)?, saved)?;
             dqs.push(dq);
             dks.push(dk);
             dvs.push(dv);
@@ -710,8 +785,8 @@ impl Transformer {
         let dq = Tensor::cat(&dqs, 0)?.reshape((n, hq, hd))?;
         let dk = Tensor::cat(&dks, 0)?.reshape((n, hkv, hd))?;
         let dv = Tensor::cat(&dvs, 0)?;
-        let mut dq = ops::rope_backward(&dq, cos, sin)?;
-        let mut dk = ops::rope_backward(&dk, cos, sin)?;
+        let mut dq = ops::rope_backward(self.backend, &dq, cos, sin)?;
+        let mut dk = ops::rope_backward(self.backend, &dk, cos, sin)?;
         if let (Some(qn), Some(kn), Some(sq), Some(sk)) =
             (&w.q_norm, &w.k_norm, &t.q_norm, &t.k_norm)
         {
@@ -724,6 +799,7 @@ impl Transformer {
         )?;
         let dx1 = back(&t.x1, &dqkv, &p.qkv, &t.lqkv, grads)?;
         Ok(ops::add(
+            self.backend,
             &dh2,
             &ops::rms_norm_backward(&dx1, &w.input_layernorm, &t.norm1)?,
         )?)

@@ -3,27 +3,24 @@
 
 use candle_core::{DType, Device, Tensor};
 
+use super::backend::Backend;
 use super::config::ModelConfig;
 use super::kernels;
 use super::ModelError;
 
-/// `x W^T`, through the few-rows kernel when decoding on CPU in f32.
-pub fn matmul_t(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
-    if x.dims()[0] <= kernels::FEW_ROWS
-        && x.device().is_cpu()
-        && x.dtype() == DType::F32
-        && w.dtype() == DType::F32
-    {
+/// `x W^T`, through the few-rows kernel when decoding on the CPU backend in f32.
+pub fn matmul_t(be: Backend, x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+    if x.dims()[0] <= kernels::FEW_ROWS && be.host_f32(x) && w.dtype() == DType::F32 {
         return kernels::matmul_t_few_rows(x, w);
     }
     x.matmul(&w.t()?)
 }
 
 /// `dy W`, the input gradient of a frozen projection (no weight gradient: the base is
-/// frozen); through the few-rows kernel for a handful of f32 rows on the CPU.
-pub fn matmul_input_grad(dy: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+/// frozen); through the few-rows kernel for a handful of f32 rows on the CPU backend.
+pub fn matmul_input_grad(be: Backend, dy: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
     let m = dy.dim(0)?;
-    if m <= kernels::FEW_ROWS && kernels::supported(dy) && dy.dtype() == DType::F32 {
+    if m <= kernels::FEW_ROWS && be.host_f32(dy) {
         let dx = super::gemm::with_slices(&[dy], |s| super::input_grad::dy_w(s[0], m, w))?;
         return Tensor::from_vec(dx, (m, w.dim(1)?), dy.device());
     }
@@ -37,7 +34,7 @@ pub fn matmul_t_host(x: &[f32], m: usize, w: &Tensor) -> candle_core::Result<Vec
     }
     let k = x.len() / m.max(1);
     let xt = Tensor::from_slice(x, (m, k), w.device())?;
-    matmul_t(&xt, w)?.flatten_all()?.to_vec1()
+    matmul_t(Backend::Cpu, &xt, w)?.flatten_all()?.to_vec1()
 }
 
 /// One frozen projection `y = x W^T (+ b)`. It never receives a weight gradient.
@@ -58,15 +55,6 @@ impl FrozenLinear {
     /// Input width.
     pub fn in_dim(&self) -> usize {
         self.weight.dims()[1]
-    }
-
-    /// `x W^T + b` for `x` of shape `(n, in)`.
-    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let y = matmul_t(x, &self.weight)?;
-        match &self.bias {
-            Some(b) => y.broadcast_add(b),
-            None => Ok(y),
-        }
     }
 
     fn to_dtype(&self, dtype: DType) -> candle_core::Result<Self> {

@@ -324,7 +324,7 @@ fn run_group(
     grads: &mut [AdapterGrads],
     losses: &mut LossBudgets,
 ) -> Result<(), TrainError> {
-    let threads = if model.device().is_cpu() {
+    let threads = if model.backend() == crate::model::Backend::Cpu {
         rayon::current_num_threads()
     } else {
         1

@@ -55,7 +55,7 @@ impl Transformer {
     fn head_product(&self, x: &Tensor) -> Result<Tensor, ModelError> {
         match self.bf16_head() {
             Some(p) => Ok(bf16::matmul_t(x, p)?),
-            None => Ok(matmul_t(x, self.weights.lm_head())?),
+            None => Ok(matmul_t(self.backend, x, self.weights.lm_head())?),
         }
     }
 
@@ -63,7 +63,11 @@ impl Transformer {
     fn head_input_grad(&self, dlogits: &Tensor) -> Result<Tensor, ModelError> {
         match self.bf16_head() {
             Some(p) => Ok(bf16::input_grad(dlogits, p)?),
-            None => Ok(matmul_input_grad(dlogits, self.weights.lm_head())?),
+            None => Ok(matmul_input_grad(
+                self.backend,
+                dlogits,
+                self.weights.lm_head(),
+            )?),
         }
     }
 
@@ -88,8 +92,14 @@ impl Transformer {
                     len: hi - lo,
                     adapter: seg.adapter,
                 }];
-                let (logits, _) =
-                    lora_forward(&x, self.head_product(&x)?, Target::LmHead, &local, adapters)?;
+                let (logits, _) = lora_forward(
+                    self.backend,
+                    &x,
+                    self.head_product(&x)?,
+                    Target::LmHead,
+                    &local,
+                    adapters,
+                )?;
                 parts.push(logits);
             }
         }
@@ -129,10 +139,16 @@ impl Transformer {
                     len,
                     adapter: seg.adapter,
                 }];
-                let (logits, mut cache) =
-                    lora_forward(&x, self.head_product(&x)?, Target::LmHead, &local, adapters)?;
+                let (logits, mut cache) = lora_forward(
+                    self.backend,
+                    &x,
+                    self.head_product(&x)?,
+                    Target::LmHead,
+                    &local,
+                    adapters,
+                )?;
                 let t = targets.narrow(0, start, len)?.contiguous()?;
-                let (lp, lse) = ops::logprobs_at(&logits, &t)?;
+                let (lp, lse) = ops::logprobs_at(self.backend, &logits, &t)?;
                 if k > 0 {
                     let rows: Vec<Vec<f32>> = logits.to_dtype(DType::F32)?.to_vec2()?;
                     let lse: Vec<f32> = lse.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;

@@ -4,6 +4,7 @@
 use candle_core::DType;
 
 use super::Transformer;
+use crate::model::backend::Backend;
 use crate::model::bf16::{self, Bf16Ref, Precision};
 use crate::model::ModelError;
 
@@ -28,9 +29,9 @@ impl Transformer {
             self.bf16 = None;
             return Ok(Precision::F32);
         }
-        if !self.device().is_cpu() || self.weights.dtype() != DType::F32 {
+        if self.backend != Backend::Cpu || self.weights.dtype() != DType::F32 {
             return Err(ModelError::Input(
-                "bf16 precision needs the model's f32 weights on the CPU".into(),
+                "bf16 precision needs the model's f32 weights on the CPU backend".into(),
             ));
         }
         let Some(kernel) = bf16::kernel() else {
