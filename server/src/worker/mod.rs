@@ -11,5 +11,5 @@ pub use jobs::{
     SampleWork, SamplerSource,
 };
 pub use reply::{CustomTotals, DatumOutput, ForwardResult, Reply};
-pub use runner::{Worker, CANCELLED};
+pub use runner::{Worker, CANCELLED, CHECKPOINT_GONE};
 pub use thread::{spawn, WorkerHandle};

@@ -65,6 +65,23 @@ fn store_failure(e: StoreError) -> Failure {
     }
 }
 
+/// A checkpoint read that failed. The engine checked access when it dispatched the
+/// batch, but the owner may delete the checkpoint (or it may expire) while the batch
+/// waits for the worker: its version directory is then gone, which is the requester's
+/// answer ("deleted"), not a server fault, and never names the server's paths.
+fn read_failure(e: StoreError) -> Failure {
+    match &e {
+        StoreError::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+            Failure::user(CHECKPOINT_GONE)
+        }
+        _ => store_failure(e),
+    }
+}
+
+/// What a request reading a checkpoint deleted after its access check is told.
+pub const CHECKPOINT_GONE: &str =
+    "the checkpoint was deleted (or expired) while this request waited; it no longer exists";
+
 fn done(body: Reply) -> Result<Done, Failure> {
     Ok(Done { body, saved: None })
 }
@@ -315,9 +332,9 @@ impl Worker {
         let t = &self.model.transformer;
         let adapter = peft::load_adapter(dir, &t.config, t.device())
             .and_then(|a| Ok(a.to_dtype(t.weights.dtype())?))
-            .map_err(store_failure)?;
+            .map_err(read_failure)?;
         let opt = if optimizer {
-            Some(peft::load_optimizer(dir, t.device()).map_err(store_failure)?)
+            Some(peft::load_optimizer(dir, t.device()).map_err(read_failure)?)
         } else {
             None
         };
