@@ -285,7 +285,7 @@ fn too_long_requests_are_rejected() {
 
 #[test]
 fn host_decode_steps_equal_the_tensor_decode_path() {
-    use lathe_server::model::host_decode::{HostAdapter, HostDecoder, StepRow};
+    use lathe_server::model::cpu::decode_step::{HostAdapter, HostDecoder, StepRow};
     use lathe_server::model::KvCache;
     // Llama, Qwen2 (q/k/v biases) and Qwen3 (q/k norms); a batch mixing two adapters, the
     // base model and prompts of different lengths, over several steps.

@@ -3,7 +3,7 @@
 //!
 //! A projection may be stacked (q/k/v, gate/up): one weight whose output columns are
 //! split into parts, each its own LoRA target. On the CPU in f32 — training's hot path —
-//! the products go straight through `gemm` ([`super::gemm`]): each delta is accumulated
+//! the products go straight through `gemm` ([`super::cpu::gemm`]): each delta is accumulated
 //! into the frozen product in place, and each part's columns are read and written through
 //! strides. Elsewhere (f64 checks, CUDA) the same maths runs as candle ops
 //! ([`lora_forward`] / [`lora_backward`]); a test holds the two paths equal.
@@ -11,10 +11,10 @@
 use candle_core::{Device, Result, Tensor};
 
 use super::backend::Backend;
-use super::bf16::{self, Bf16Ref};
-use super::gemm::{gemm, with_slices, Mat, MatMut};
-use super::input_grad;
-use super::kernels;
+use super::cpu::bf16::{self, Bf16Ref};
+use super::cpu::gemm::{gemm, with_slices, Mat, MatMut};
+use super::cpu::input_grad;
+use super::cpu::kernels;
 use super::lora::{
     lora_backward, lora_forward, Adapter, AdapterGrads, LoraCache, LoraPair, Segment, Target,
 };

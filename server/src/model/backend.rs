@@ -4,9 +4,9 @@
 //! once (`transformer/`, [`super::ops`], [`super::adapted`]); each operation asks the
 //! model's [`Backend`] whether the CPU fast paths may run it or candle's tensor ops must.
 //!
-//! - [`Backend::Cpu`]: the fused kernels ([`super::kernels`]), `gemm` products with the
+//! - [`Backend::Cpu`]: the fused kernels ([`super::cpu::kernels`]), `gemm` products with the
 //!   LoRA deltas added in place ([`super::adapted`]), bf16 tiles, the host KV cache and
-//!   decode step ([`super::host_decode`]) and the block-quantized decode weights. They
+//!   decode step ([`super::cpu::decode_step`]) and the block-quantized decode weights. They
 //!   read candle's CPU storage directly, so they apply only to f32 and f64 CPU tensors;
 //!   anything else falls through to the candle ops.
 //! - [`Backend::Device`]: candle's ops only, on whatever device holds the weights. This is
@@ -21,7 +21,7 @@ use std::str::FromStr;
 
 use candle_core::{DType, Device, Tensor};
 
-use super::kernels;
+use super::cpu::kernels;
 
 /// Which implementation computes a model's operations. See the module docs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]

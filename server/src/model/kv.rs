@@ -10,10 +10,10 @@ use multiversion::multiversion;
 use rayon::prelude::*;
 
 use super::backend::Backend;
-use super::kernels::dot;
+use super::cpu::kernels::dot;
+use super::cpu::vector_math::exp_f32;
 use super::ops;
 use super::transformer::SeqSpan;
-use super::vector_math::exp_f32;
 
 /// Keys and values of one sequence in one layer, `(tokens, kv_dim)` each.
 #[derive(Debug, Clone)]

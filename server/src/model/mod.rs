@@ -4,25 +4,17 @@
 pub mod adapted;
 pub mod backend;
 pub mod batch;
-pub mod bf16;
 pub mod chat_template;
 pub mod config;
-pub mod decode;
-pub mod gemm;
+pub mod cpu;
 pub mod gguf;
 pub mod hf;
-pub mod host_decode;
-pub mod input_grad;
-pub mod kernels;
 pub mod kv;
 pub mod lora;
 pub mod ops;
-pub mod pool;
-pub mod quant;
 pub mod tiny;
 pub mod tokenizer;
 pub mod transformer;
-pub mod vector_math;
 pub mod weights;
 
 #[cfg(test)]
@@ -33,9 +25,9 @@ use std::path::{Path, PathBuf};
 use candle_core::Device;
 
 pub use backend::{Backend, DeviceError, DeviceSpec};
-pub use bf16::Precision;
 pub use chat_template::{ChatMessage, ChatTemplate};
 pub use config::{Arch, ModelConfig};
+pub use cpu::bf16::Precision;
 pub use kv::KvCache;
 pub use lora::{Adapter, AdapterGrads, LoraSpec, Proj, Target};
 pub use tokenizer::TextTokenizer;

@@ -9,7 +9,7 @@
 use candle_core::{DType, Device, Result, Tensor, D};
 
 use super::backend::Backend;
-use super::kernels;
+use super::cpu::kernels;
 
 /// `a + b` for tensors of one shape: the fused kernel on the CPU, candle elsewhere.
 pub fn add(be: Backend, a: &Tensor, b: &Tensor) -> Result<Tensor> {

@@ -5,7 +5,7 @@ use candle_core::{DType, Device, Tensor};
 
 use super::backend::Backend;
 use super::config::ModelConfig;
-use super::kernels;
+use super::cpu::kernels;
 use super::ModelError;
 
 /// `x W^T`, through the few-rows kernel when decoding on the CPU backend in f32.
@@ -21,7 +21,8 @@ pub fn matmul_t(be: Backend, x: &Tensor, w: &Tensor) -> candle_core::Result<Tens
 pub fn matmul_input_grad(be: Backend, dy: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
     let m = dy.dim(0)?;
     if m <= kernels::FEW_ROWS && be.host_f32(dy) {
-        let dx = super::gemm::with_slices(&[dy], |s| super::input_grad::dy_w(s[0], m, w))?;
+        let dx =
+            super::cpu::gemm::with_slices(&[dy], |s| super::cpu::input_grad::dy_w(s[0], m, w))?;
         return Tensor::from_vec(dx, (m, w.dim(1)?), dy.device());
     }
     dy.matmul(w)

@@ -2,7 +2,7 @@
 
 use rand::{rngs::StdRng, Rng};
 
-use crate::model::vector_math::{exp_f32, exp_scaled, row_max, sum, sum_exp};
+use crate::model::cpu::vector_math::{exp_f32, exp_scaled, row_max, sum, sum_exp};
 
 /// How to pick tokens.
 #[derive(Debug, Clone, PartialEq)]

@@ -1,12 +1,12 @@
 //! Sampling: token choice (temperature, top-k, top-p) and batched KV-cache decoding
 //! across adapters.
 
-pub mod decode;
+pub mod jobs;
 pub mod logits;
 pub mod progress;
 pub mod running;
 
-pub use decode::{
+pub use jobs::{
     sample, sample_timed, DecodeMode, Generated, SampleJob, SampleOutput, SampleTimings, Stop,
     DEFAULT_MAX_TOKENS,
 };

@@ -20,10 +20,10 @@ use candle_core::{DType, Tensor};
 use rand::{rngs::StdRng, SeedableRng};
 use rayon::prelude::*;
 
-use super::decode::{DecodeMode, Generated, SampleJob, SampleOutput, SampleTimings, Stop};
+use super::jobs::{DecodeMode, Generated, SampleJob, SampleOutput, SampleTimings, Stop};
 use super::logits::token_logprob;
 use super::progress::TokenProgress;
-use crate::model::host_decode::{HostAdapter, HostDecoder, StepRow};
+use crate::model::cpu::decode_step::{HostAdapter, HostDecoder, StepRow};
 use crate::model::transformer::TopK;
 use crate::model::{Adapter, KvCache, ModelError, PackedBatch, TextTokenizer, Transformer};
 

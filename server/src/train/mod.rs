@@ -9,7 +9,7 @@ pub mod reverse_kl;
 use candle_core::Tensor;
 use rayon::prelude::*;
 
-use crate::model::pool::on_pool;
+use crate::model::cpu::pool::on_pool;
 use crate::model::{Adapter, AdapterGrads, ModelError, PackedBatch, Transformer};
 pub use loss::{CustomInputs, CustomLossRef, Loss, LossEval, TokenInputs};
 

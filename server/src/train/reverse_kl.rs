@@ -17,7 +17,7 @@ use candle_core::{DType, Tensor};
 use rayon::prelude::*;
 
 use super::TrainError;
-use crate::model::pool::on_pool;
+use crate::model::cpu::pool::on_pool;
 use crate::model::{Adapter, AdapterGrads, PackedBatch, Transformer};
 
 /// Most completion tokens one reverse-KL request may hold: each is a full-vocabulary

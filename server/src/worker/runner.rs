@@ -11,7 +11,7 @@ use super::jobs::{
     Batch, BatchReport, Done, Failure, Outcome, RunOp, RunWork, SampleWork, SamplerSource,
 };
 use super::reply::{CustomTotals, DatumOutput, ForwardResult, Reply};
-use crate::model::pool::on_pool;
+use crate::model::cpu::pool::on_pool;
 use crate::model::{Adapter, AdapterGrads, LoadedModel, ModelError};
 use crate::sample::{Admission, DecodeMode, Finished, RunningDecode};
 use crate::store::checkpoints::CheckpointMeta;

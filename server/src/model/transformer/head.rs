@@ -5,7 +5,7 @@ use candle_core::{DType, Tensor};
 
 use super::{Tape, Transformer};
 use crate::model::batch::PackedBatch;
-use crate::model::bf16;
+use crate::model::cpu::bf16;
 use crate::model::lora::{lora_backward, lora_forward, Adapter, AdapterGrads, Segment, Target};
 use crate::model::ops::{self, TopK};
 use crate::model::weights::{matmul_input_grad, matmul_t};

@@ -1,11 +1,11 @@
 //! The element type of the frozen products: the base weights packed for bf16 (see
-//! [`crate::model::bf16`]) and the switch between f32 and bf16.
+//! [`crate::model::cpu::bf16`]) and the switch between f32 and bf16.
 
 use candle_core::DType;
 
 use super::Transformer;
 use crate::model::backend::Backend;
-use crate::model::bf16::{self, Bf16Ref, Precision};
+use crate::model::cpu::bf16::{self, Bf16Ref, Precision};
 use crate::model::ModelError;
 
 /// The frozen weights packed for bf16 products, and the kernel that reads them.

@@ -11,7 +11,7 @@
 //!   from.
 
 use super::*;
-use crate::model::gemm::{Mat, MatMut};
+use crate::model::cpu::gemm::{Mat, MatMut};
 
 const U: f64 = 1.0 / 256.0;
 const EPS: f64 = 1.0 / 16_777_216.0;

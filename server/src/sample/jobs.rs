@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use super::logits::Picker;
 use super::running::{Admission, Finished, RunningDecode};
-use crate::model::pool::on_pool;
+use crate::model::cpu::pool::on_pool;
 use crate::model::transformer::TopK;
 use crate::model::{Adapter, ModelError, TextTokenizer, Transformer};
 
@@ -34,11 +34,11 @@ pub enum DecodeMode {
 
 impl DecodeMode {
     /// The mode to serve with when `self` is asked for on this CPU: `Fast` needs the
-    /// vectorised block-quantized kernels ([`crate::model::quant::has_fast_kernels`]);
+    /// vectorised block-quantized kernels ([`crate::model::cpu::quant::has_fast_kernels`]);
     /// without them the f32 weights decode faster, so `Exact` is used (same reported
     /// log-probabilities; for Q4_1 models, the same tokens too).
     pub fn on_this_cpu(self) -> Self {
-        if self == DecodeMode::Fast && !crate::model::quant::has_fast_kernels() {
+        if self == DecodeMode::Fast && !crate::model::cpu::quant::has_fast_kernels() {
             DecodeMode::Exact
         } else {
             self

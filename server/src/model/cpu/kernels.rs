@@ -2,7 +2,7 @@
 //!
 //! candle runs each elementwise op as its own pass over memory with a fresh allocation;
 //! RMSNorm alone is seven passes. These kernels do each block in one or two passes over
-//! contiguous rows, in parallel over rows, for f32 and f64. [`super::ops`] calls them for
+//! contiguous rows, in parallel over rows, for f32 and f64. [`crate::model::ops`] calls them for
 //! CPU tensors and keeps the composite candle versions for other devices; tests check the
 //! two agree.
 

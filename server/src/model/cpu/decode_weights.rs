@@ -11,12 +11,12 @@
 
 use candle_core::{DType, Tensor};
 
-use super::backend::Backend;
 use super::kernels;
 use super::quant::{QuantMatrix, BLOCK};
-use super::transformer::StackedWeights;
-use super::weights::{matmul_t, matmul_t_host, BaseWeights, FrozenLinear};
-use super::ModelError;
+use crate::model::backend::Backend;
+use crate::model::transformer::StackedWeights;
+use crate::model::weights::{matmul_t, matmul_t_host, BaseWeights, FrozenLinear};
+use crate::model::ModelError;
 
 /// A projection for decoding: block-quantized when its shape allows, else the f32 weight. Many
 /// rows at once (a prompt) go through the f32 weight: that product is compute-bound and
@@ -102,7 +102,7 @@ impl DecodeLinear {
             None => matmul_t_host(x, m, &self.f32.weight)?,
         };
         if let Some(b) = &self.bias_host {
-            super::host_decode::add_bias(&mut y, b);
+            super::decode_step::add_bias(&mut y, b);
         }
         Ok(y)
     }

@@ -21,15 +21,15 @@ use candle_core::{DType, Tensor};
 use multiversion::multiversion;
 use rayon::prelude::*;
 
-use super::backend::Backend;
-use super::decode::DecodeWeights;
+use super::decode_weights::DecodeWeights;
 use super::kernels::dot;
-use super::kv::{self, HostQkv, KvCache};
-use super::lora::{Adapter, Proj, Target};
-use super::transformer::{SeqSpan, Transformer};
 use super::vector_math::exp_f32;
-use super::weights::matmul_t_host;
-use super::ModelError;
+use crate::model::backend::Backend;
+use crate::model::kv::{self, HostQkv, KvCache};
+use crate::model::lora::{Adapter, Proj, Target};
+use crate::model::transformer::{SeqSpan, Transformer};
+use crate::model::weights::matmul_t_host;
+use crate::model::ModelError;
 
 /// One adapted projection in host form: `y += scale * B (A x)`.
 struct HostLora {
