@@ -9,7 +9,7 @@ use candle_core::{DType, Device, Tensor};
 use clap::{Args, Subcommand};
 use lathe_sdk::types::AdamParams;
 use lathe_server::model::cpu::bf16;
-use lathe_server::model::{Adapter, LoadedModel, LoraSpec, Precision};
+use lathe_server::model::{Adapter, Backend, LoadedModel, LoraSpec, Precision};
 use lathe_server::sample::{sample_timed, DecodeMode, Picker, SampleJob, SampleTimings};
 use lathe_server::train::adamw::{self, AdamState};
 use lathe_server::train::{forward_backward, DatumJob, Loss, TokenInputs};
@@ -340,16 +340,19 @@ fn bench_train(a: TrainArgs) -> anyhow::Result<serde_json::Value> {
         }
     }
     let s = stats(rates);
-    // The peak the run is measured against: the product it uses, at the MLP's shape.
-    let gemm = match (t.precision(), bf16::kernel()) {
-        (Precision::Bf16, Some(kernel)) => bf16_gflops(kernel, 512, 576, 1536, 20)?,
-        _ => gemm_gflops(512, 576, 1536, 20)?,
+    // The peak the run is measured against: the CPU product it uses, at the MLP's
+    // shape (none on another device).
+    let gemm = match (t.backend(), t.precision(), bf16::kernel()) {
+        (Backend::Device, ..) => None,
+        (_, Precision::Bf16, Some(kernel)) => Some(bf16_gflops(kernel, 512, 576, 1536, 20)?),
+        _ => Some(gemm_gflops(512, 576, 1536, 20)?),
     };
     let params_count = t.weights.num_params() as f64;
     let achieved = 4.0 * params_count * s.median / 1e9;
     Ok(json!({
         "bench": "train",
         "model": model.name,
+        "device": a.device.device.to_string(),
         "precision": t.precision(),
         "bf16_kernel": bf16::kernel().map(bf16::Kernel::name),
         "threads": threads(),
@@ -359,9 +362,9 @@ fn bench_train(a: TrainArgs) -> anyhow::Result<serde_json::Value> {
         "forward_backward_s_median": round(stats(fb_times).median * 1000.0) / 1000.0,
         "optim_step_s_median": round(stats(opt_times).median * 1000.0) / 1000.0,
         "peak_rss_mib": round(peak_rss_mib()),
-        "gemm_gflops": round(gemm.median),
+        "gemm_gflops": gemm.as_ref().map(|g| round(g.median)),
         "achieved_gflops": round(achieved),
-        "fraction_of_gemm": round(achieved / gemm.median),
+        "fraction_of_gemm": gemm.as_ref().map(|g| round(achieved / g.median)),
     }))
 }
 
@@ -446,6 +449,7 @@ fn bench_sample(a: SampleArgs) -> anyhow::Result<serde_json::Value> {
     let agreement = trainer_agreement(&model, &refs, &multi, a.mode.into())?;
     Ok(json!({
         "bench": "sample",
+        "device": a.device.device.to_string(),
         "precision": t.precision(),
         "mode": match a.mode { Mode::Fast => "fast", Mode::Exact => "exact" },
         "top_p": a.top_p,

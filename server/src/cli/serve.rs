@@ -56,7 +56,8 @@ pub struct ServeArgs {
     /// Which weights pick sampled tokens.
     #[arg(long, value_enum, default_value_t = Mode::Fast)]
     decode_mode: Mode,
-    /// Element type of the base model's products in training and prefill.
+    /// Element type of the base model's products in training and prefill; on a CUDA
+    /// device, bf16 also stores the base weights in bf16.
     #[arg(long, value_enum, default_value_t = Precision::F32)]
     precision: Precision,
     #[command(flatten)]

@@ -18,7 +18,7 @@ use super::cpu::kernels;
 use super::lora::{
     lora_backward, lora_forward, Adapter, AdapterGrads, LoraCache, LoraPair, Segment, Target,
 };
-use super::weights::matmul_t;
+use super::weights::{matmul_input_grad, matmul_t};
 
 /// A frozen weight `(out, in)`, its bias, and the LoRA target of each slice of its
 /// output columns, in order (their widths add up to `out`).
@@ -204,7 +204,7 @@ pub fn backward(
     grads: &mut [AdapterGrads],
 ) -> Result<Tensor> {
     if !on_host(&[x, dy], proj, segs, adapters) {
-        let mut dx = dy.matmul(proj.weight)?;
+        let mut dx = matmul_input_grad(proj.backend, dy, proj.weight)?;
         let mut col = 0;
         for (&(target, width), cache) in proj.parts.iter().zip(caches) {
             let dyp = dy.narrow(1, col, width)?.contiguous()?;

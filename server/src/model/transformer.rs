@@ -252,14 +252,21 @@ impl Transformer {
     }
 
     /// Computes with `backend` from now on. The CPU backend needs the weights on the
-    /// CPU. The device backend has no bf16 tiles: choosing it returns the frozen
-    /// products to f32 (see [`Transformer::set_precision`]).
+    /// CPU, not narrowed to bf16. The device backend has no bf16 tiles: choosing it
+    /// returns the frozen products to f32 (see [`Transformer::set_precision`]).
     pub fn set_backend(&mut self, backend: Backend) -> Result<(), ModelError> {
         if backend == Backend::Cpu && !self.device().is_cpu() {
             return Err(ModelError::Input(format!(
                 "the CPU backend needs the weights on the CPU, not on {:?}",
                 self.device().location()
             )));
+        }
+        if backend == Backend::Cpu && self.weights.matrix_dtype() != self.weights.dtype() {
+            return Err(ModelError::Input(
+                "the CPU backend needs the base weights in the activations' type; \
+                 load the model again"
+                    .into(),
+            ));
         }
         if backend == Backend::Device {
             self.bf16 = None;

@@ -8,10 +8,15 @@ use super::config::ModelConfig;
 use super::cpu::kernels;
 use super::ModelError;
 
-/// `x W^T`, through the few-rows kernel when decoding on the CPU backend in f32.
+/// `x W^T`, through the few-rows kernel when decoding on the CPU backend in f32. A
+/// weight stored narrower than `x` (bf16 on the device backend) multiplies `x` rounded
+/// to its type, and the product comes back in `x`'s type, as autocast computes it.
 pub fn matmul_t(be: Backend, x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
     if x.dims()[0] <= kernels::FEW_ROWS && be.host_f32(x) && w.dtype() == DType::F32 {
         return kernels::matmul_t_few_rows(x, w);
+    }
+    if w.dtype() != x.dtype() {
+        return x.to_dtype(w.dtype())?.matmul(&w.t()?)?.to_dtype(x.dtype());
     }
     x.matmul(&w.t()?)
 }
@@ -24,6 +29,9 @@ pub fn matmul_input_grad(be: Backend, dy: &Tensor, w: &Tensor) -> candle_core::R
         let dx =
             super::cpu::gemm::with_slices(&[dy], |s| super::cpu::input_grad::dy_w(s[0], m, w))?;
         return Tensor::from_vec(dx, (m, w.dim(1)?), dy.device());
+    }
+    if w.dtype() != dy.dtype() {
+        return dy.to_dtype(w.dtype())?.matmul(w)?.to_dtype(dy.dtype());
     }
     dy.matmul(w)
 }
@@ -112,9 +120,61 @@ impl BaseWeights {
         self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
     }
 
-    /// Element type of the weights.
+    /// Element type of the model's activations, and of everything trained against it
+    /// (LoRA factors, gradients): the norms' type. The projection matrices and the
+    /// embedding may be stored narrower ([`BaseWeights::matrix_dtype`]).
     pub fn dtype(&self) -> DType {
+        self.norm.dtype()
+    }
+
+    /// Element type the projection matrices and the embedding are stored in.
+    pub fn matrix_dtype(&self) -> DType {
         self.embed_tokens.dtype()
+    }
+
+    /// A copy whose projection matrices, embedding and output head are stored in
+    /// `dtype` (bf16 halves a GPU's weight memory); norms and biases keep their type, so
+    /// activations stay in [`BaseWeights::dtype`].
+    pub fn with_matrices_in(&self, dtype: DType) -> candle_core::Result<Self> {
+        let narrow = |l: &FrozenLinear| -> candle_core::Result<FrozenLinear> {
+            Ok(FrozenLinear {
+                weight: l.weight.to_dtype(dtype)?,
+                bias: l.bias.clone(),
+            })
+        };
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(LayerWeights {
+                    q_proj: narrow(&l.q_proj)?,
+                    k_proj: narrow(&l.k_proj)?,
+                    v_proj: narrow(&l.v_proj)?,
+                    o_proj: narrow(&l.o_proj)?,
+                    gate_proj: narrow(&l.gate_proj)?,
+                    up_proj: narrow(&l.up_proj)?,
+                    down_proj: narrow(&l.down_proj)?,
+                    ..l.clone()
+                })
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(Self {
+            embed_tokens: self.embed_tokens.to_dtype(dtype)?,
+            layers,
+            norm: self.norm.clone(),
+            lm_head: self
+                .lm_head
+                .as_ref()
+                .map(|t| t.to_dtype(dtype))
+                .transpose()?,
+        })
+    }
+
+    /// The embedding rows of `tokens`, in the activations' type.
+    pub fn embed(&self, tokens: &Tensor) -> candle_core::Result<Tensor> {
+        self.embed_tokens
+            .index_select(tokens, 0)?
+            .to_dtype(self.dtype())
     }
 
     /// Device the weights live on.
@@ -220,5 +280,67 @@ impl BaseWeights {
             n += l.input_layernorm.elem_count() + l.post_attention_layernorm.elem_count();
         }
         n
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::test_util::uniform;
+
+    /// `max |got - want| / (sum |a b|)` over the entries of a product, `want` in f64.
+    fn worst(got: &Tensor, want: &Tensor, scale: &Tensor) -> f64 {
+        let got = got.to_dtype(DType::F64).unwrap();
+        ((got - want).unwrap().abs().unwrap() / scale)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap()
+    }
+
+    /// A product against a weight stored in bf16 (the device backend's bf16): the input
+    /// is rounded to bf16, exactly as the f64 reference rounds it; the sums are f32, at
+    /// most `k 2^-24 sum|ab|` off; the output is rounded to bf16, at most `u |y| <= u
+    /// sum|ab|` off with `u = 2^-8`. Both products of a frozen projection, `x Wᵀ` and
+    /// `dy W`, stay within `(u + k 2^-24) sum|ab|`, and return the input's type.
+    #[test]
+    fn a_bf16_weight_multiplies_within_its_rounding_bound() {
+        let u = 2f64.powi(-8);
+        for (rows, k, out) in [(3, 16, 8), (8, 64, 32), (20, 576, 96), (5, 1536, 64)] {
+            let x = uniform(&[rows, k], 2.0, k as u64)
+                .to_dtype(DType::F32)
+                .unwrap();
+            let dy = uniform(&[rows, out], 2.0, 7).to_dtype(DType::F32).unwrap();
+            let w = uniform(&[out, k], 1.0, 3).to_dtype(DType::BF16).unwrap();
+            let exact = |t: &Tensor| {
+                t.to_dtype(DType::BF16)
+                    .unwrap()
+                    .to_dtype(DType::F64)
+                    .unwrap()
+            };
+            let (xr, dyr, wr) = (exact(&x), exact(&dy), exact(&w));
+            let bound = u + k.max(out) as f64 * 2f64.powi(-24);
+
+            let y = matmul_t(Backend::Device, &x, &w).unwrap();
+            assert_eq!(y.dtype(), DType::F32);
+            let want = xr.matmul(&wr.t().unwrap()).unwrap();
+            let scale = xr
+                .abs()
+                .unwrap()
+                .matmul(&wr.abs().unwrap().t().unwrap())
+                .unwrap();
+            let e = worst(&y, &want, &scale);
+            assert!(e <= bound, "x Wᵀ, k = {k}: {e:e} > {bound:e}");
+
+            let dx = matmul_input_grad(Backend::Device, &dy, &w).unwrap();
+            assert_eq!(dx.dtype(), DType::F32);
+            let want = dyr.matmul(&wr).unwrap();
+            let scale = dyr.abs().unwrap().matmul(&wr.abs().unwrap()).unwrap();
+            let e = worst(&dx, &want, &scale);
+            assert!(e <= bound, "dy W, k = {k}: {e:e} > {bound:e}");
+        }
     }
 }

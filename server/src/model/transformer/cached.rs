@@ -122,7 +122,7 @@ impl Transformer {
             ));
         }
         let (cos, sin) = self.rope.gather(&batch.positions)?;
-        let mut h = self.weights.embed_tokens.index_select(&batch.tokens, 0)?;
+        let mut h = self.weights.embed(&batch.tokens)?;
         for (i, layer) in self.weights.layers.iter().enumerate() {
             let (next, _) = self.layer_forward(
                 i,

@@ -48,7 +48,7 @@ impl Transformer {
     ) -> Result<Hidden, ModelError> {
         self.check_batch(batch, adapters)?;
         let (cos, sin) = self.rope.gather(&batch.positions)?;
-        let mut h = self.weights.embed_tokens.index_select(&batch.tokens, 0)?;
+        let mut h = self.weights.embed(&batch.tokens)?;
         let mut tapes = Vec::new();
         for (i, layer) in self.weights.layers.iter().enumerate() {
             let (next, tape) =

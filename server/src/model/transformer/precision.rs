@@ -1,5 +1,6 @@
-//! The element type of the frozen products: the base weights packed for bf16 (see
-//! [`crate::model::cpu::bf16`]) and the switch between f32 and bf16.
+//! The element type of the frozen products and the switch between f32 and bf16: on the
+//! CPU backend the base weights packed for bf16 tiles (see [`crate::model::cpu::bf16`]),
+//! on the device backend the matrices themselves stored in bf16.
 
 use candle_core::DType;
 
@@ -20,18 +21,30 @@ pub(super) struct Bf16Weights {
 
 impl Transformer {
     /// Chooses the element type of the frozen products of training and prefill, and
-    /// returns the one in effect. bf16 needs f32 weights on the CPU and a CPU with a
-    /// bf16 kernel (AMX or AVX512-BF16); without one the model stays in f32 (and says
-    /// so in the log). Packing the weights takes a moment and holds as many bytes again as the f32
-    /// weights (two bf16 layouts of each).
+    /// returns the one in effect. Activations, LoRA factors, gradients and optimizer
+    /// state stay f32 either way.
+    ///
+    /// On the CPU backend, bf16 needs f32 weights and a CPU with a bf16 kernel (AMX or
+    /// AVX512-BF16); without one the model stays in f32 (and says so in the log).
+    /// Packing the weights takes a moment and holds as many bytes again as the f32
+    /// weights (two bf16 layouts of each); decoding keeps the f32 weights.
+    ///
+    /// On the device backend, bf16 stores the projection matrices, the embedding and
+    /// the output head in bf16 in place of f32 (half the memory); every product then
+    /// rounds its input to bf16 and accumulates as the device's bf16 matmul does, and
+    /// sampling uses the same weights as training. This cannot be undone: going back to
+    /// f32 means loading the model again.
     pub fn set_precision(&mut self, precision: Precision) -> Result<Precision, ModelError> {
+        if self.backend == Backend::Device {
+            return self.set_device_precision(precision);
+        }
         if precision == Precision::F32 {
             self.bf16 = None;
             return Ok(Precision::F32);
         }
-        if self.backend != Backend::Cpu || self.weights.dtype() != DType::F32 {
+        if self.weights.dtype() != DType::F32 {
             return Err(ModelError::Input(
-                "bf16 precision needs the model's f32 weights on the CPU backend".into(),
+                "bf16 precision needs the model's f32 weights".into(),
             ));
         }
         let Some(kernel) = bf16::kernel() else {
@@ -78,9 +91,33 @@ impl Transformer {
         Ok(Precision::Bf16)
     }
 
+    /// [`Transformer::set_precision`] on the device backend.
+    fn set_device_precision(&mut self, precision: Precision) -> Result<Precision, ModelError> {
+        let narrowed = self.weights.matrix_dtype() == DType::BF16;
+        match precision {
+            Precision::F32 if narrowed => Err(ModelError::Input(
+                "the base weights were narrowed to bf16; load the model again for f32".into(),
+            )),
+            Precision::F32 => Ok(Precision::F32),
+            Precision::Bf16 if narrowed => Ok(Precision::Bf16),
+            Precision::Bf16 => {
+                if self.weights.dtype() != DType::F32 {
+                    return Err(ModelError::Input(
+                        "bf16 precision needs the model's f32 weights".into(),
+                    ));
+                }
+                let weights = self.weights.with_matrices_in(DType::BF16)?;
+                let mut narrowed = Transformer::new(self.config.clone(), weights)?;
+                narrowed.backend = Backend::Device;
+                *self = narrowed;
+                Ok(Precision::Bf16)
+            }
+        }
+    }
+
     /// The element type of the frozen products of training and prefill.
     pub fn precision(&self) -> Precision {
-        if self.bf16.is_some() {
+        if self.bf16.is_some() || self.weights.matrix_dtype() == DType::BF16 {
             Precision::Bf16
         } else {
             Precision::F32
