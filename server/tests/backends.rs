@@ -5,7 +5,7 @@
 
 mod common;
 
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 use common::*;
 use lathe_server::model::{
     Adapter, Arch, Backend, LoadedModel, LoraSpec, PackedBatch, Precision, Transformer,
@@ -68,58 +68,89 @@ fn train(model: &Transformer, adapters: &[Adapter; 2], jobs: &[DatumJob]) -> Tra
 
 type TrainRun = (Vec<DatumResult>, Vec<lathe_server::model::AdapterGrads>);
 
+/// The tiny `arch` model and its adapters of [`model_on`] on the device backend, moved to
+/// `device` (candle's CPU device, or a GPU).
+fn device_model_on(arch: Arch, dtype: DType, device: &Device) -> (LoadedModel, [Adapter; 2]) {
+    let (model, adapters) = model_on(arch, dtype, Backend::Device);
+    let mut transformer = model.transformer.to_device(device).unwrap();
+    transformer.set_backend(Backend::Device).unwrap();
+    let adapters = adapters.map(|a| a.to_device(device).unwrap());
+    (
+        LoadedModel {
+            transformer,
+            ..model
+        },
+        adapters,
+    )
+}
+
+/// `max|a - b| / max|b|` of two tensors that may live on different devices, in f64.
+fn rel(a: &Tensor, b: &Tensor) -> f64 {
+    let host = |t: &Tensor| {
+        t.to_device(&Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+    };
+    rel_diff(&host(a), &host(b))
+}
+
 /// Losses and log-probabilities agree to 1e-5 in f32 and 1e-10 in f64 (relative, where
 /// larger than 1). Gradients agree to 1e-10 in f64; in f32 a block's LoRA gradient is
 /// the end of a chain of f32 products summed in different orders by the two backends
 /// (gemm's blocking against candle's matmul, fused against composite reductions), and
 /// each backend is within 1e-5 of the f64 gradients of the same datums, so the two are
 /// held within 2e-5 of each other and each within 1.5e-5 of f64 (`max|a - b| / max|b|`).
+fn assert_trains_like_the_fast_path(arch: Arch, dtype: DType, tol: f64, device: &Device) {
+    let what = format!("{arch:?} {dtype:?} on {:?}", device.location());
+    let (fast, adapters) = model_on(arch, dtype, Backend::Cpu);
+    let (other, other_adapters) = device_model_on(arch, dtype, device);
+    let jobs = jobs(fast.transformer.config.vocab_size);
+    let (want_out, want_grads) = train(&fast.transformer, &adapters, &jobs);
+    let (got_out, got_grads) = train(&other.transformer, &other_adapters, &jobs);
+    for (w, g) in want_out.iter().zip(&got_out) {
+        assert!(
+            (w.loss - g.loss).abs() <= tol * w.loss.abs().max(1.0),
+            "{what}: loss {} vs {}",
+            w.loss,
+            g.loss
+        );
+        assert_close(&what, &w.logprobs, &g.logprobs, tol.max(1e-6));
+    }
+    let (between, from_f64) = match dtype {
+        DType::F64 => (tol, None),
+        _ => {
+            let (reference, f64_adapters) = model_on(arch, DType::F64, Backend::Device);
+            let (_, f64_grads) = train(&reference.transformer, &f64_adapters, &jobs);
+            (2e-5, Some(f64_grads))
+        }
+    };
+    for (i, (w, g)) in want_grads.iter().zip(&got_grads).enumerate() {
+        assert!(!w.pairs.is_empty(), "{what}: no gradients to compare");
+        assert_eq!(w.pairs.len(), g.pairs.len(), "{what}: targets");
+        for (t, (wa, wb)) in &w.pairs {
+            let (ga, gb) = &g.pairs[t];
+            for (name, got, want) in [("dA", ga, wa), ("dB", gb, wb)] {
+                let d = rel(got, want);
+                assert!(d <= between, "{what} {t:?} {name} differs by {d}");
+            }
+            let Some(f64_grads) = &from_f64 else { continue };
+            let (ra, rb) = &f64_grads[i].pairs[t];
+            for (name, reference, ours) in [("dA", ra, [wa, ga]), ("dB", rb, [wb, gb])] {
+                for (backend, x) in ["cpu", "device"].iter().zip(ours) {
+                    let d = rel(x, reference);
+                    assert!(d <= 1.5e-5, "{what} {t:?} {name} {backend} vs f64: {d}");
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn the_device_backend_trains_like_the_cpu_fast_path() {
     for (dtype, tol) in [(DType::F64, 1e-10), (DType::F32, 1e-5)] {
         for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
-            let what = format!("{arch:?} {dtype:?}");
-            let (fast, adapters) = model_on(arch, dtype, Backend::Cpu);
-            let (device, _) = model_on(arch, dtype, Backend::Device);
-            let jobs = jobs(fast.transformer.config.vocab_size);
-            let (want_out, want_grads) = train(&fast.transformer, &adapters, &jobs);
-            let (got_out, got_grads) = train(&device.transformer, &adapters, &jobs);
-            for (w, g) in want_out.iter().zip(&got_out) {
-                assert!(
-                    (w.loss - g.loss).abs() <= tol * w.loss.abs().max(1.0),
-                    "{what}: loss {} vs {}",
-                    w.loss,
-                    g.loss
-                );
-                assert_close(&what, &w.logprobs, &g.logprobs, tol.max(1e-6));
-            }
-            let (between, from_f64) = match dtype {
-                DType::F64 => (tol, None),
-                _ => {
-                    let (reference, f64_adapters) = model_on(arch, DType::F64, Backend::Device);
-                    let (_, f64_grads) = train(&reference.transformer, &f64_adapters, &jobs);
-                    (2e-5, Some(f64_grads))
-                }
-            };
-            for (i, (w, g)) in want_grads.iter().zip(&got_grads).enumerate() {
-                assert!(!w.pairs.is_empty(), "{what}: no gradients to compare");
-                assert_eq!(w.pairs.len(), g.pairs.len(), "{what}: targets");
-                for (t, (wa, wb)) in &w.pairs {
-                    let (ga, gb) = &g.pairs[t];
-                    for (name, got, want) in [("dA", ga, wa), ("dB", gb, wb)] {
-                        let d = rel_diff(got, want);
-                        assert!(d <= between, "{what} {t:?} {name} differs by {d}");
-                    }
-                    let Some(f64_grads) = &from_f64 else { continue };
-                    let (ra, rb) = &f64_grads[i].pairs[t];
-                    for (name, reference, ours) in [("dA", ra, [wa, ga]), ("dB", rb, [wb, gb])] {
-                        for (backend, x) in ["cpu", "device"].iter().zip(ours) {
-                            let d = rel_diff(&x.to_dtype(DType::F64).unwrap(), reference);
-                            assert!(d <= 1.5e-5, "{what} {t:?} {name} {backend} vs f64: {d}");
-                        }
-                    }
-                }
-            }
+            assert_trains_like_the_fast_path(arch, dtype, tol, &Device::Cpu);
         }
     }
 }
@@ -168,45 +199,72 @@ fn assert_close(what: &str, want: &[f32], got: &[f32], tol: f64) {
     }
 }
 
+/// The device backend on `device` samples what the CPU fast path samples: the same
+/// tokens, their log-probabilities and the prompts' within `tol`.
+fn assert_samples_like_the_fast_path(arch: Arch, dtype: DType, tol: f64, device: &Device) {
+    let what = format!("{arch:?} {dtype:?} on {:?}", device.location());
+    let (fast, adapters) = model_on(arch, dtype, Backend::Cpu);
+    let (other, other_adapters) = device_model_on(arch, dtype, device);
+    let want = run_samples(&fast, &adapters, DecodeMode::Exact);
+    let got = run_samples(&other, &other_adapters, DecodeMode::Exact);
+    // Fast mode's block-quantized weights belong to the CPU backend: the device
+    // backend decodes with its own weights either way.
+    let got_fast_mode = run_samples(&other, &other_adapters, DecodeMode::Fast);
+    assert_eq!(
+        got, got_fast_mode,
+        "{what}: fast mode on the device backend"
+    );
+    for (j, (w, g)) in want.iter().zip(&got).enumerate() {
+        let what = format!("{what} job {j}");
+        assert_eq!(w.sequences.len(), g.sequences.len(), "{what}");
+        for (ws, gs) in w.sequences.iter().zip(&g.sequences) {
+            assert_eq!(ws.tokens, gs.tokens, "{what}: sampled tokens");
+            assert_eq!(ws.stop, gs.stop, "{what}: stop");
+            assert_close(&what, &ws.logprobs, &gs.logprobs, tol);
+        }
+        let flat = |o: &SampleOutput| -> Vec<f32> {
+            let lp = o.prompt_logprobs.as_ref().expect("asked for");
+            lp.iter().flatten().copied().collect()
+        };
+        assert_close(&format!("{what} prompt"), &flat(w), &flat(g), tol);
+        let top = |o: &SampleOutput| -> (Vec<u32>, Vec<f32>) {
+            let rows = o.topk_prompt_logprobs.as_ref().expect("asked for");
+            rows.iter().flatten().flatten().copied().unzip()
+        };
+        let ((wt, wl), (gt, gl)) = (top(w), top(g));
+        assert_eq!(wt, gt, "{what}: top prompt tokens");
+        assert_close(&format!("{what} top"), &wl, &gl, tol);
+    }
+}
+
 #[test]
 fn the_device_backend_samples_like_the_cpu_fast_path() {
     // Sampled log-probabilities are reported in f32 whatever the model's dtype.
     for (dtype, tol) in [(DType::F64, 1e-6), (DType::F32, 1e-5)] {
         for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
-            let what = format!("{arch:?} {dtype:?}");
-            let (fast, adapters) = model_on(arch, dtype, Backend::Cpu);
-            let (device, _) = model_on(arch, dtype, Backend::Device);
-            let want = run_samples(&fast, &adapters, DecodeMode::Exact);
-            let got = run_samples(&device, &adapters, DecodeMode::Exact);
-            // Fast mode's block-quantized weights belong to the CPU backend: the device
-            // backend decodes with its own weights either way.
-            let got_fast_mode = run_samples(&device, &adapters, DecodeMode::Fast);
-            assert_eq!(
-                got, got_fast_mode,
-                "{what}: fast mode on the device backend"
-            );
-            for (j, (w, g)) in want.iter().zip(&got).enumerate() {
-                let what = format!("{what} job {j}");
-                assert_eq!(w.sequences.len(), g.sequences.len(), "{what}");
-                for (ws, gs) in w.sequences.iter().zip(&g.sequences) {
-                    assert_eq!(ws.tokens, gs.tokens, "{what}: sampled tokens");
-                    assert_eq!(ws.stop, gs.stop, "{what}: stop");
-                    assert_close(&what, &ws.logprobs, &gs.logprobs, tol);
-                }
-                let flat = |o: &SampleOutput| -> Vec<f32> {
-                    let lp = o.prompt_logprobs.as_ref().expect("asked for");
-                    lp.iter().flatten().copied().collect()
-                };
-                assert_close(&format!("{what} prompt"), &flat(w), &flat(g), tol);
-                let top = |o: &SampleOutput| -> (Vec<u32>, Vec<f32>) {
-                    let rows = o.topk_prompt_logprobs.as_ref().expect("asked for");
-                    rows.iter().flatten().flatten().copied().unzip()
-                };
-                let ((wt, wl), (gt, gl)) = (top(w), top(g));
-                assert_eq!(wt, gt, "{what}: top prompt tokens");
-                assert_close(&format!("{what} top"), &wl, &gl, tol);
-            }
+            assert_samples_like_the_fast_path(arch, dtype, tol, &Device::Cpu);
         }
+    }
+}
+
+/// On a GPU (`cargo test --features cuda`, as `scripts/gpu-check` runs it): the device
+/// backend on CUDA against the CPU fast path, in f32, with the bounds of candle's CPU
+/// device. Without a GPU this test fails when `LATHE_REQUIRE_GPU=1` and otherwise says
+/// it was skipped.
+#[cfg(feature = "cuda")]
+#[test]
+fn the_device_backend_on_a_gpu_trains_and_samples_like_the_cpu() {
+    let device = match lathe_server::model::DeviceSpec::Cuda(0).open() {
+        Ok(device) => device,
+        Err(e) if std::env::var("LATHE_REQUIRE_GPU").as_deref() == Ok("1") => panic!("{e}"),
+        Err(e) => {
+            eprintln!("skipped: {e}");
+            return;
+        }
+    };
+    for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
+        assert_trains_like_the_fast_path(arch, DType::F32, 1e-5, &device);
+        assert_samples_like_the_fast_path(arch, DType::F32, 1e-5, &device);
     }
 }
 

@@ -141,7 +141,7 @@ pub fn load_file(path: &Path, device: &Device) -> Result<LoadedModel, ModelError
     let weights = if device.is_cpu() {
         weights
     } else {
-        move_weights(weights, device)?
+        weights.to_device(device)?
     };
     let tokenizer = vocab.build_tokenizer()?;
     let tokenizer_json = tokenizer
@@ -172,41 +172,6 @@ pub fn unpermute_rows(w: &Tensor, heads: usize) -> Result<Tensor, ModelError> {
     Ok(w.reshape((heads, hd / 2, 2, inp))?
         .transpose(1, 2)?
         .reshape((out, inp))?)
-}
-
-fn move_weights(w: BaseWeights, device: &Device) -> Result<BaseWeights, ModelError> {
-    let mv = |t: &Tensor| t.to_device(device);
-    let lin = |l: &FrozenLinear| -> candle_core::Result<FrozenLinear> {
-        Ok(FrozenLinear {
-            weight: mv(&l.weight)?,
-            bias: l.bias.as_ref().map(mv).transpose()?,
-        })
-    };
-    let layers = w
-        .layers
-        .iter()
-        .map(|l| {
-            Ok(LayerWeights {
-                input_layernorm: mv(&l.input_layernorm)?,
-                q_proj: lin(&l.q_proj)?,
-                k_proj: lin(&l.k_proj)?,
-                v_proj: lin(&l.v_proj)?,
-                o_proj: lin(&l.o_proj)?,
-                q_norm: l.q_norm.as_ref().map(mv).transpose()?,
-                k_norm: l.k_norm.as_ref().map(mv).transpose()?,
-                post_attention_layernorm: mv(&l.post_attention_layernorm)?,
-                gate_proj: lin(&l.gate_proj)?,
-                up_proj: lin(&l.up_proj)?,
-                down_proj: lin(&l.down_proj)?,
-            })
-        })
-        .collect::<candle_core::Result<Vec<_>>>()?;
-    Ok(BaseWeights {
-        embed_tokens: mv(&w.embed_tokens)?,
-        layers,
-        norm: mv(&w.norm)?,
-        lm_head: w.lm_head.as_ref().map(mv).transpose()?,
-    })
 }
 
 pub(crate) fn get_str(md: &HashMap<String, Value>, key: &str) -> Result<String, ModelError> {

@@ -265,6 +265,16 @@ impl Adapter {
 
     /// A copy in another element type.
     pub fn to_dtype(&self, dtype: DType) -> candle_core::Result<Self> {
+        self.map(|t| t.to_dtype(dtype))
+    }
+
+    /// A copy on another device.
+    pub fn to_device(&self, device: &Device) -> candle_core::Result<Self> {
+        self.map(|t| t.to_device(device))
+    }
+
+    /// A copy with `f` applied to every factor.
+    fn map(&self, f: impl Fn(&Tensor) -> candle_core::Result<Tensor>) -> candle_core::Result<Self> {
         let pairs = self
             .pairs
             .iter()
@@ -272,8 +282,8 @@ impl Adapter {
                 Ok((
                     *t,
                     LoraPair {
-                        a: p.a.to_dtype(dtype)?,
-                        b: p.b.to_dtype(dtype)?,
+                        a: f(&p.a)?,
+                        b: f(&p.b)?,
                     },
                 ))
             })

@@ -246,6 +246,11 @@ impl Transformer {
         Ok(copy)
     }
 
+    /// A copy on `device`, on that device's backend ([`Backend::for_device`]).
+    pub fn to_device(&self, device: &Device) -> Result<Self, ModelError> {
+        Self::new(self.config.clone(), self.weights.to_device(device)?)
+    }
+
     /// The backend computing this model's operations.
     pub fn backend(&self) -> Backend {
         self.backend

@@ -132,6 +132,42 @@ impl BaseWeights {
         self.embed_tokens.dtype()
     }
 
+    /// A copy on `device`.
+    pub fn to_device(&self, device: &Device) -> candle_core::Result<Self> {
+        let mv = |t: &Tensor| t.to_device(device);
+        let lin = |l: &FrozenLinear| -> candle_core::Result<FrozenLinear> {
+            Ok(FrozenLinear {
+                weight: mv(&l.weight)?,
+                bias: l.bias.as_ref().map(mv).transpose()?,
+            })
+        };
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(LayerWeights {
+                    input_layernorm: mv(&l.input_layernorm)?,
+                    q_proj: lin(&l.q_proj)?,
+                    k_proj: lin(&l.k_proj)?,
+                    v_proj: lin(&l.v_proj)?,
+                    o_proj: lin(&l.o_proj)?,
+                    q_norm: l.q_norm.as_ref().map(mv).transpose()?,
+                    k_norm: l.k_norm.as_ref().map(mv).transpose()?,
+                    post_attention_layernorm: mv(&l.post_attention_layernorm)?,
+                    gate_proj: lin(&l.gate_proj)?,
+                    up_proj: lin(&l.up_proj)?,
+                    down_proj: lin(&l.down_proj)?,
+                })
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(Self {
+            embed_tokens: mv(&self.embed_tokens)?,
+            layers,
+            norm: mv(&self.norm)?,
+            lm_head: self.lm_head.as_ref().map(mv).transpose()?,
+        })
+    }
+
     /// A copy whose projection matrices, embedding and output head are stored in
     /// `dtype` (bf16 halves a GPU's weight memory); norms and biases keep their type, so
     /// activations stay in [`BaseWeights::dtype`].
