@@ -308,11 +308,11 @@ fn host_decode_steps_equal_the_tensor_decode_path() {
             .map(|(p, ad)| (p.as_slice(), ad, 0))
             .collect();
         let batch = PackedBatch::new(&seqs, &Device::Cpu).unwrap();
-        let mut caches = vec![KvCache::default(); 3];
+        let mut caches: Vec<KvCache> = (0..3).map(|_| KvCache::default()).collect();
         let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
         t.forward_cached(&batch, &adapters, &mut refs, false)
             .unwrap();
-        let mut host_caches = caches.clone();
+        let mut host_caches: Vec<KvCache> = caches.iter().map(|c| c.try_clone().unwrap()).collect();
         let host_adapters = [
             HostAdapter::new(t, &a).unwrap(),
             HostAdapter::new(t, &b).unwrap(),

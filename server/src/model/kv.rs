@@ -2,8 +2,12 @@
 //!
 //! On CPU with f32 the cache is a plain growable buffer per layer and attention for all
 //! sequences of a step runs in one parallel kernel: a decode step of 8 sequences is 30
-//! kernel calls instead of thousands of small tensor ops. Elsewhere the cache holds
-//! tensors and attention goes through [`ops::attention`], the same code training uses.
+//! kernel calls instead of thousands of small tensor ops. Elsewhere (the device
+//! backend) the cache is a preallocated tensor per layer on the model's device, written
+//! in place, and attention goes through [`ops::attention`], the same code training uses.
+//! A sequence's cache holds at least the tokens its sampler said it would need
+//! ([`KvCache::with_capacity`]); past that its buffers double, so a step never copies
+//! the whole cache.
 
 use candle_core::{Device, Tensor};
 use multiversion::multiversion;
@@ -16,12 +20,11 @@ use super::ops;
 use super::transformer::SeqSpan;
 
 /// Keys and values of one sequence in one layer, `(tokens, kv_dim)` each.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 enum LayerKv {
-    Tensors {
-        k: Tensor,
-        v: Tensor,
-    },
+    /// On the model's device: `(capacity, kv_dim)` buffers whose first `len` rows hold
+    /// the tokens so far. Appends write the rows after them in place.
+    Device { k: Tensor, v: Tensor, len: usize },
     Host {
         k: Vec<f32>,
         v: Vec<f32>,
@@ -32,19 +35,77 @@ enum LayerKv {
 impl LayerKv {
     fn len(&self) -> usize {
         match self {
-            LayerKv::Tensors { k, .. } => k.dims()[0],
+            LayerKv::Device { len, .. } => *len,
             LayerKv::Host { k, kv_dim, .. } => k.len() / kv_dim,
         }
     }
+
+    /// A copy whose buffers are its own (device buffers are written in place, so two
+    /// sequences never share one).
+    fn try_clone(&self) -> candle_core::Result<Self> {
+        Ok(match self {
+            LayerKv::Device { k, v, len } => LayerKv::Device {
+                k: k.copy()?,
+                v: v.copy()?,
+                len: *len,
+            },
+            LayerKv::Host { k, v, kv_dim } => LayerKv::Host {
+                k: k.clone(),
+                v: v.clone(),
+                kv_dim: *kv_dim,
+            },
+        })
+    }
+}
+
+/// Writes `new` (`(n, kv_dim)`) after the first `len` rows of `buf`, first moving the
+/// filled rows into a buffer of twice the rows needed when `buf` is full; returns the
+/// filled rows, `(len + n, kv_dim)`, a view of `buf`.
+fn append_rows(buf: &mut Tensor, len: usize, new: &Tensor) -> candle_core::Result<Tensor> {
+    let (n, kv_dim) = new.dims2()?;
+    let need = len + n;
+    if need > buf.dim(0)? {
+        let grown = Tensor::zeros((need * 2, kv_dim), buf.dtype(), buf.device())?;
+        if len > 0 {
+            grown.slice_set(&buf.narrow(0, 0, len)?, 0, 0)?;
+        }
+        *buf = grown;
+    }
+    buf.slice_set(&new.contiguous()?, 0, len)?;
+    buf.narrow(0, 0, need)
 }
 
 /// The KV cache of one sequence: one entry per layer once it has been prefilled.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Default)]
 pub struct KvCache {
     layers: Vec<LayerKv>,
+    /// Tokens the device buffers are first made for.
+    capacity: usize,
 }
 
 impl KvCache {
+    /// An empty cache whose device buffers will hold `tokens` tokens before they grow
+    /// (the prompt plus the most tokens its sampler may add).
+    pub fn with_capacity(tokens: usize) -> Self {
+        Self {
+            layers: Vec::new(),
+            capacity: tokens,
+        }
+    }
+
+    /// A copy with buffers of its own (the samples of one prompt each continue a copy
+    /// of its prefilled cache).
+    pub fn try_clone(&self) -> candle_core::Result<Self> {
+        Ok(Self {
+            layers: self
+                .layers
+                .iter()
+                .map(LayerKv::try_clone)
+                .collect::<candle_core::Result<_>>()?,
+            capacity: self.capacity,
+        })
+    }
+
     /// Tokens already cached.
     pub fn len(&self) -> usize {
         self.layers.first().map_or(0, LayerKv::len)
@@ -75,19 +136,22 @@ pub fn cached_attention(
     }
     let mut outs = Vec::with_capacity(seqs.len());
     for (s, cache) in seqs.iter().zip(caches.iter_mut()) {
-        let (mut ks, mut vs) = (k.narrow(0, s.start, s.len)?, v.narrow(0, s.start, s.len)?);
-        match cache.layers.get_mut(index) {
-            Some(LayerKv::Tensors { k: ck, v: cv }) => {
-                *ck = Tensor::cat(&[&*ck, &ks], 0)?;
-                *cv = Tensor::cat(&[&*cv, &vs], 0)?;
-                (ks, vs) = (ck.clone(), cv.clone());
-            }
-            Some(LayerKv::Host { .. }) => candle_core::bail!("KV cache built on another device"),
-            None => cache.layers.push(LayerKv::Tensors {
-                k: ks.clone(),
-                v: vs.clone(),
-            }),
+        let (new_k, new_v) = (k.narrow(0, s.start, s.len)?, v.narrow(0, s.start, s.len)?);
+        if cache.layers.len() == index {
+            let rows = cache.capacity.max(s.len);
+            let empty = || Tensor::zeros((rows, k.dim(1)?), k.dtype(), k.device());
+            cache.layers.push(LayerKv::Device {
+                k: empty()?,
+                v: empty()?,
+                len: 0,
+            });
         }
+        let Some(LayerKv::Device { k: ck, v: cv, len }) = cache.layers.get_mut(index) else {
+            candle_core::bail!("KV cache built on another device");
+        };
+        let ks = append_rows(ck, *len, &new_k)?;
+        let vs = append_rows(cv, *len, &new_v)?;
+        *len += s.len;
         let (o, _) = ops::attention(be, &q.narrow(0, s.start, s.len)?, &ks, &vs, heads, kv_heads)?;
         outs.push(o);
     }
@@ -250,5 +314,93 @@ fn attend_row(q: &[f32], cache: HostLayer<'_>, hd: usize, scale: f32, out: &mut 
                 *x += w * y;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::DType;
+
+    use super::*;
+    use crate::model::test_util::{max_abs_diff, uniform};
+
+    const HEADS: usize = 4;
+    const KV_HEADS: usize = 2;
+    const HD: usize = 8;
+
+    /// `rows` random rows of queries, keys and values (f32, seeded).
+    fn qkv(rows: usize, seed: u64) -> (Tensor, Tensor, Tensor) {
+        let t = |cols: usize, s: u64| {
+            uniform(&[rows, cols], 1.0, seed * 3 + s)
+                .to_dtype(DType::F32)
+                .unwrap()
+        };
+        (t(HEADS * HD, 0), t(KV_HEADS * HD, 1), t(KV_HEADS * HD, 2))
+    }
+
+    /// Appends `rows` new rows to `cache` through the device backend's path, and checks
+    /// the output against attention over every key and value so far, `(ks, vs)`.
+    fn step(
+        cache: &mut KvCache,
+        ks: &mut Vec<Tensor>,
+        vs: &mut Vec<Tensor>,
+        rows: usize,
+        seed: u64,
+    ) {
+        let (q, k, v) = qkv(rows, seed);
+        let span = [SeqSpan {
+            start: 0,
+            len: rows,
+            adapter: None,
+        }];
+        let got = cached_attention(
+            Backend::Device,
+            0,
+            &q,
+            &k,
+            &v,
+            &span,
+            &mut [cache],
+            HEADS,
+            KV_HEADS,
+        )
+        .unwrap();
+        ks.push(k);
+        vs.push(v);
+        let (all_k, all_v) = (Tensor::cat(ks, 0).unwrap(), Tensor::cat(vs, 0).unwrap());
+        let (want, _) =
+            ops::attention(Backend::Device, &q, &all_k, &all_v, HEADS, KV_HEADS).unwrap();
+        assert_eq!(cache.len(), all_k.dim(0).unwrap());
+        assert!(
+            max_abs_diff(&got, &want) < 1e-6,
+            "after {} rows",
+            cache.len()
+        );
+    }
+
+    /// The device cache writes in place into buffers made for its capacity, grows past
+    /// it without losing rows, and a copy's appends never reach the original.
+    #[test]
+    fn the_device_cache_appends_in_place_grows_and_copies_apart() {
+        let mut cache = KvCache::with_capacity(3);
+        let (mut ks, mut vs) = (Vec::new(), Vec::new());
+        step(&mut cache, &mut ks, &mut vs, 2, 1);
+        let LayerKv::Device { k, .. } = &cache.layers[0] else {
+            panic!("a device cache")
+        };
+        assert_eq!(k.dim(0).unwrap(), 3, "made for the capacity asked");
+        for seed in 2..6 {
+            step(&mut cache, &mut ks, &mut vs, 1, seed);
+        }
+        let LayerKv::Device { k, .. } = &cache.layers[0] else {
+            panic!("a device cache")
+        };
+        assert!(k.dim(0).unwrap() >= 6, "grown past its capacity");
+        let mut copy = cache.try_clone().unwrap();
+        let (mut copy_ks, mut copy_vs) = (ks.clone(), vs.clone());
+        step(&mut copy, &mut copy_ks, &mut copy_vs, 1, 10);
+        step(&mut cache, &mut ks, &mut vs, 1, 20);
+        step(&mut copy, &mut copy_ks, &mut copy_vs, 3, 11);
+        step(&mut cache, &mut ks, &mut vs, 2, 21);
     }
 }

@@ -226,6 +226,17 @@ impl<K> RunningDecode<K> {
         pre: Prefilled,
         rescores: bool,
     ) -> Option<Finished<K>> {
+        let samples = if a.job.max_tokens == 0 {
+            0
+        } else {
+            a.job.num_samples
+        };
+        // Each sample continues a copy of the prompt's cache.
+        let caches: Result<Vec<KvCache>, _> = (0..samples).map(|_| pre.cache.try_clone()).collect();
+        let mut caches = match caches {
+            Ok(caches) => caches.into_iter(),
+            Err(e) => return Some((a.key, Err(e.into()))),
+        };
         let slot = match a.adapter.map(|ad| self.slot_for(model, ad)).transpose() {
             Ok(slot) => slot,
             Err(e) => return Some((a.key, Err(e))),
@@ -237,11 +248,6 @@ impl<K> RunningDecode<K> {
                 self.requests.len() - 1
             }
         };
-        let samples = if a.job.max_tokens == 0 {
-            0
-        } else {
-            a.job.num_samples
-        };
         for sample in 0..samples {
             let rng = match a.job.seed {
                 Some(seed) => StdRng::seed_from_u64(seed.wrapping_add(sample as u64)),
@@ -250,7 +256,7 @@ impl<K> RunningDecode<K> {
             self.streams.push(Stream {
                 request: index,
                 sample,
-                cache: pre.cache.clone(),
+                cache: caches.next().expect("one cache per sample"),
                 logits: pre.first.clone(),
                 rng,
                 out: nothing_yet(),
@@ -573,7 +579,11 @@ fn prefill<K>(
         })
         .collect();
     let batch = PackedBatch::new(&seqs, dev)?;
-    let mut caches: Vec<KvCache> = vec![KvCache::default(); admissions.len()];
+    // Device caches are made for the whole sequence at once.
+    let mut caches: Vec<KvCache> = admissions
+        .iter()
+        .map(|a| KvCache::with_capacity(a.job.prompt.len().saturating_add(a.job.max_tokens)))
+        .collect();
     let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
     let jobs = || admissions.iter().map(|a| &a.job);
     let topk = jobs().map(|j| j.topk_prompt_logprobs).max().unwrap_or(0);
@@ -664,7 +674,10 @@ fn rescore(
         .collect();
     let rows = targets.len();
     let targets = Tensor::from_vec(targets, (rows, 1), model.device())?;
-    let mut caches: Vec<KvCache> = vec![prompt_cache.clone(); order.len()];
+    let mut caches: Vec<KvCache> = order
+        .iter()
+        .map(|_| prompt_cache.try_clone())
+        .collect::<candle_core::Result<_>>()?;
     let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
     let (_, lp) = model.forward_cached_logprobs(&batch, &adapters, &mut refs, &targets)?;
     let lp: Vec<f32> = lp.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
