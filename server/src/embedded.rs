@@ -5,8 +5,10 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use candle_core::Device;
+
 use crate::model::{
-    default_model_path, DeviceError, DeviceSpec, LoadedModel, ModelError, Precision,
+    default_model_path, Backend, DeviceError, DeviceSpec, LoadedModel, ModelError, Precision,
     DEFAULT_MODEL_NAME,
 };
 use crate::server::{self, RunningServer, ServeError, ServerConfig};
@@ -40,7 +42,8 @@ pub struct ModelOptions {
     /// Where the weights live and the operations run: the CPU (with its fast paths) or
     /// a CUDA device (candle's ops, see [`crate::model::backend`]).
     pub device: DeviceSpec,
-    /// f32, or bf16 products for the frozen weights (CPU only).
+    /// f32, or bf16 for the frozen weights' products (on the CPU, packed for bf16
+    /// tiles; on another device, the weights themselves stored in bf16).
     pub precision: Precision,
 }
 
@@ -67,8 +70,10 @@ pub fn load_model_in(spec: &str, precision: Precision) -> Result<LoadedModel, Em
 }
 
 /// [`load_model`] on `options.device` with `options.precision`. The device is opened
-/// first, so a device that is not there fails at once, naming it. A CPU without a bf16
-/// kernel keeps f32, with a warning in the log; bf16 off the CPU is an error.
+/// first, so a device that is not there fails at once, naming it. The weights are read
+/// on the host; for another device they are narrowed there (bf16) and then moved, so
+/// the device never holds more than the weights it keeps. On the CPU, bf16 on a CPU
+/// without a bf16 kernel keeps f32, with a warning in the log.
 pub fn load_model_with(spec: &str, options: ModelOptions) -> Result<LoadedModel, EmbedError> {
     let device = options.device.open()?;
     if (spec == "default" || spec == DEFAULT_MODEL_NAME) && !default_model_path().exists() {
@@ -95,23 +100,29 @@ pub fn load_model_with(spec: &str, options: ModelOptions) -> Result<LoadedModel,
         spec: spec.to_string(),
         source,
     };
-    let mut model = LoadedModel::load(spec, &device).map_err(model_error)?;
+    let mut model = LoadedModel::load(spec, &Device::Cpu).map_err(model_error)?;
+    let precision = options.precision;
+    let t = &mut model.transformer;
+    let got = if device.is_cpu() {
+        t.set_precision(precision).map_err(model_error)?
+    } else {
+        t.set_backend(Backend::Device).map_err(model_error)?;
+        let got = t.set_precision(precision).map_err(model_error)?;
+        *t = t.to_device(&device).map_err(model_error)?;
+        got
+    };
+    if got != precision {
+        tracing::warn!("precision {precision} is not available on this CPU; using {got}");
+    }
     tracing::info!(
         model = %model.name,
         params = model.transformer.weights.num_params(),
         device = %options.device,
         backend = ?model.transformer.backend(),
+        precision = %got,
         seconds = format!("{:.2}", started.elapsed().as_secs_f64()),
         "model loaded"
     );
-    let precision = options.precision;
-    let got = model
-        .transformer
-        .set_precision(precision)
-        .map_err(model_error)?;
-    if got != precision {
-        tracing::warn!("precision {precision} is not available on this CPU; using {got}");
-    }
     Ok(model)
 }
 

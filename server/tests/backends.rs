@@ -1,7 +1,9 @@
 //! The device backend (candle's ops only: what a GPU runs), run on candle's CPU device,
 //! against the CPU fast paths (fused kernels, gemm with in-place LoRA deltas, the host
 //! KV cache and decode step): training and sampling give the same numbers, f32 to 1e-5
-//! and f64 to 1e-10.
+//! and f64 to 1e-10 (gradients in f32 and sampled log-probabilities of f64 models, which
+//! are reported in f32, to the bounds their tests explain); and the device backend's
+//! bf16 weights against f64.
 
 mod common;
 
@@ -287,20 +289,29 @@ fn bf16_on_the_device_backend_narrows_the_matrices_for_good() {
     assert!(cpu.contains("load the model again"), "{cpu}");
     // Choosing the device backend drops the CPU's packed bf16 weights.
     let (mut model, _) = model_on(Arch::Llama, DType::F32, Backend::Cpu);
-    let _ = model.transformer.set_precision(Precision::Bf16).unwrap();
-    model.transformer.set_backend(Backend::Device).unwrap();
-    assert_eq!(model.transformer.precision(), Precision::F32);
+    if model.transformer.set_precision(Precision::Bf16).unwrap() == Precision::Bf16 {
+        model.transformer.set_backend(Backend::Device).unwrap();
+        assert_eq!(model.transformer.precision(), Precision::F32);
+    } else {
+        eprintln!("this CPU has no bf16 kernel: the packed weights' part is not checked");
+    }
+    // A narrowed model moved anywhere stays on the device backend.
+    let (mut model, _) = model_on(Arch::Qwen2, DType::F32, Backend::Device);
+    model.transformer.set_precision(Precision::Bf16).unwrap();
+    let moved = model.transformer.to_device(&Device::Cpu).unwrap();
+    assert_eq!(moved.backend(), Backend::Device);
+    assert_eq!(moved.precision(), Precision::Bf16);
 }
 
 /// Training in bf16 on the device backend against f64 on the same (bf16-rounded)
 /// weights. Each product rounds its input to bf16 and its output to bf16, with f32 sums
 /// in between (`weights::tests` bounds one product by `(u + k 2^-24) sum|ab|`, u = 2^-8);
-/// through a whole model those errors compound, so these bounds are twice what was
-/// measured on these datums: losses 0.3 %, log-probabilities 4 % (relative where larger
-/// than 1), gradients 7 % of their scale. The CPU backend's AMX bf16 products, which
-/// keep f32 outputs, measured 3.1 % and 14.7 % on the same datums. The sampler reads the
-/// trainer's weights, so its log-probabilities are the trainer's to within the bf16
-/// rounding of products of other shapes (measured 1.1e-3 nats; bound 5e-3) and their
+/// through a whole model those errors compound past any useful per-product bound, so
+/// the bounds here are about twice the errors measured on these datums (the CHANGELOG
+/// gives them, and the CPU's AMX path's on the same datums): losses 0.6 %,
+/// log-probabilities 8 % (relative where larger than 1), gradients 14 % of their scale.
+/// The sampler reads the trainer's weights, so its log-probabilities are the trainer's
+/// to within the bf16 rounding of products of other shapes (5e-3 nats) and their
 /// importance ratios average 1 within 0.01, the recipes' `ratio_mean` bound.
 #[test]
 fn bf16_on_the_device_backend_trains_within_bf16_rounding_and_samples_the_same() {

@@ -71,6 +71,21 @@ fn a_checkpoint_deleted_after_dispatch_fails_its_readers_as_deleted() {
         assert_eq!(failure.message, CHECKPOINT_GONE);
         assert!(!failure.message.contains(root.to_str().unwrap()));
     }
+    // A version directory that is there but holds no checkpoint is a server fault, not
+    // a delete.
+    let broken = gone.join("v-3");
+    std::fs::create_dir_all(&broken).unwrap();
+    let report = worker.run_batch(Batch {
+        samples: vec![SampleWork {
+            request_id: "broken".into(),
+            source: SamplerSource::Checkpoint(broken),
+            job: sample_job(vocab),
+            progress: None,
+        }],
+        ..Default::default()
+    });
+    let failure = report.outcomes[0].result.as_ref().expect_err("no files");
+    assert_eq!(failure.blame, Blame::Server, "{}", failure.message);
     // The worker goes on: the base model still samples.
     let mut base = sample_job(vocab);
     base.max_tokens = 3;

@@ -354,7 +354,10 @@ fn bench_train(a: TrainArgs) -> anyhow::Result<serde_json::Value> {
         "model": model.name,
         "device": a.device.device.to_string(),
         "precision": t.precision(),
-        "bf16_kernel": bf16::kernel().map(bf16::Kernel::name),
+        "bf16_kernel": (t.backend() == Backend::Cpu)
+            .then(bf16::kernel)
+            .flatten()
+            .map(bf16::Kernel::name),
         "threads": threads(),
         "batch": a.batch, "seq_len": a.seq_len, "rank": a.rank, "adapters": n_adapters,
         "trainable_params": adapters[0].num_params(),

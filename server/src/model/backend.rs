@@ -11,7 +11,7 @@
 //!   anything else falls through to the candle ops.
 //! - [`Backend::Device`]: candle's ops only, on whatever device holds the weights. This is
 //!   what a GPU runs; on candle's CPU device it is the reference the fast paths are held
-//!   to (`transformer/backend_tests.rs`).
+//!   to (`server/tests/backends.rs`).
 //!
 //! The backend is chosen once, when the model is built ([`Backend::for_device`]), and
 //! every operation of that model uses it.

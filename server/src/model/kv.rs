@@ -44,11 +44,21 @@ impl LayerKv {
     /// sequences never share one).
     fn try_clone(&self) -> candle_core::Result<Self> {
         Ok(match self {
-            LayerKv::Device { k, v, len } => LayerKv::Device {
-                k: k.copy()?,
-                v: v.copy()?,
-                len: *len,
-            },
+            LayerKv::Device { k, v, len } => {
+                // Only the filled rows are copied, into buffers of the same capacity.
+                let copy = |t: &Tensor| -> candle_core::Result<Tensor> {
+                    let fresh = Tensor::zeros(t.shape(), t.dtype(), t.device())?;
+                    if *len > 0 {
+                        fresh.slice_set(&t.narrow(0, 0, *len)?, 0, 0)?;
+                    }
+                    Ok(fresh)
+                };
+                LayerKv::Device {
+                    k: copy(k)?,
+                    v: copy(v)?,
+                    len: *len,
+                }
+            }
             LayerKv::Host { k, v, kv_dim } => LayerKv::Host {
                 k: k.clone(),
                 v: v.clone(),

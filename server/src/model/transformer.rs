@@ -197,7 +197,11 @@ impl Transformer {
         config.validate()?;
         weights.check_shapes(&config)?;
         let fused = stack_projections(&config, &mut weights)?;
-        let backend = Backend::for_device(weights.device());
+        // Narrowed matrices have no CPU fast paths: candle's ops run them anywhere.
+        let backend = match weights.matrix_dtype() == weights.dtype() {
+            true => Backend::for_device(weights.device()),
+            false => Backend::Device,
+        };
         let rope = Rope::new(
             config.head_dim,
             config.rope_theta,
@@ -246,7 +250,8 @@ impl Transformer {
         Ok(copy)
     }
 
-    /// A copy on `device`, on that device's backend ([`Backend::for_device`]).
+    /// A copy on `device`, on that device's backend ([`Backend::for_device`]; the device
+    /// backend for bf16-narrowed matrices).
     pub fn to_device(&self, device: &Device) -> Result<Self, ModelError> {
         Self::new(self.config.clone(), self.weights.to_device(device)?)
     }

@@ -132,9 +132,10 @@ impl BaseWeights {
         self.embed_tokens.dtype()
     }
 
-    /// A copy on `device`.
+    /// A copy on `device`. Each tensor goes alone: a view of a stacked weight (q, k and
+    /// v of one stack) takes its own elements, not the whole stack's storage.
     pub fn to_device(&self, device: &Device) -> candle_core::Result<Self> {
-        let mv = |t: &Tensor| t.to_device(device);
+        let mv = |t: &Tensor| t.force_contiguous()?.to_device(device);
         let lin = |l: &FrozenLinear| -> candle_core::Result<FrozenLinear> {
             Ok(FrozenLinear {
                 weight: mv(&l.weight)?,

@@ -86,6 +86,9 @@ struct Prefilled {
     topk_prompt_logprobs: Option<Vec<Option<TopK>>>,
 }
 
+/// Generated tokens a device KV cache is first made for, beyond the prompt.
+const FIRST_CACHED_TOKENS: usize = 256;
+
 /// Every sequence being decoded, across requests and adapters. `K` names requests.
 pub struct RunningDecode<K> {
     mode: DecodeMode,
@@ -231,12 +234,23 @@ impl<K> RunningDecode<K> {
         } else {
             a.job.num_samples
         };
-        // Each sample continues a copy of the prompt's cache.
-        let caches: Result<Vec<KvCache>, _> = (0..samples).map(|_| pre.cache.try_clone()).collect();
+        // Each sample continues a cache of its own: copies of the prompt's, and the last
+        // takes the prompt's own unless rescoring keeps it.
+        let copies = if rescores {
+            samples
+        } else {
+            samples.saturating_sub(1)
+        };
+        let caches: Result<Vec<KvCache>, _> = (0..copies).map(|_| pre.cache.try_clone()).collect();
         let mut caches = match caches {
-            Ok(caches) => caches.into_iter(),
+            Ok(caches) => caches,
             Err(e) => return Some((a.key, Err(e.into()))),
         };
+        let mut prompt_cache = Some(pre.cache);
+        if caches.len() < samples {
+            caches.extend(prompt_cache.take());
+        }
+        let mut caches = caches.into_iter();
         let slot = match a.adapter.map(|ad| self.slot_for(model, ad)).transpose() {
             Ok(slot) => slot,
             Err(e) => return Some((a.key, Err(e))),
@@ -273,7 +287,7 @@ impl<K> RunningDecode<K> {
             ended,
             prompt_logprobs: pre.prompt_logprobs,
             topk_prompt_logprobs: pre.topk_prompt_logprobs,
-            prompt_cache: rescores.then_some(pre.cache),
+            prompt_cache: if rescores { prompt_cache } else { None },
             progress: a.progress,
         });
         (samples == 0).then(|| self.finish(model, index))
@@ -436,7 +450,7 @@ impl<K> RunningDecode<K> {
         };
         let slot = |s: usize| self.slots[s].as_ref().expect("a slot in use");
         let quantized = self.mode == DecodeMode::Fast;
-        // On the CPU, decode steps run over plain buffers (see `model::host_decode`).
+        // On the CPU, decode steps run over plain buffers (see `model::cpu::decode_step`).
         if HostDecoder::applies(model) {
             let hosts: Vec<&HostAdapter> = dense
                 .iter()
@@ -579,10 +593,14 @@ fn prefill<K>(
         })
         .collect();
     let batch = PackedBatch::new(&seqs, dev)?;
-    // Device caches are made for the whole sequence at once.
+    // Device caches are made for the prompt and its first tokens at once (most samples
+    // stop well before `max_tokens`; past this they double).
     let mut caches: Vec<KvCache> = admissions
         .iter()
-        .map(|a| KvCache::with_capacity(a.job.prompt.len().saturating_add(a.job.max_tokens)))
+        .map(|a| {
+            let first = a.job.max_tokens.min(FIRST_CACHED_TOKENS);
+            KvCache::with_capacity(a.job.prompt.len().saturating_add(first))
+        })
         .collect();
     let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
     let jobs = || admissions.iter().map(|a| &a.job);

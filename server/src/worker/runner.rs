@@ -65,17 +65,17 @@ fn store_failure(e: StoreError) -> Failure {
     }
 }
 
-/// A checkpoint read that failed. The engine checked access when it dispatched the
-/// batch, but the owner may delete the checkpoint (or it may expire) while the batch
-/// waits for the worker: its version directory is then gone, which is the requester's
-/// answer ("deleted"), not a server fault, and never names the server's paths.
-fn read_failure(e: StoreError) -> Failure {
-    match &e {
-        StoreError::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
-            Failure::user(CHECKPOINT_GONE)
-        }
-        _ => store_failure(e),
+/// A read of the checkpoint version in `dir` that failed. The engine checked access
+/// when it dispatched the batch, but the owner may delete the checkpoint (or it may
+/// expire) while the batch waits for the worker, and a delete moves the whole directory
+/// away at once: when `dir` is gone, whichever file the read had reached, that is the
+/// requester's answer ("deleted"), not a server fault, and it never names the server's
+/// paths. A directory that is still there failed for another reason.
+fn read_failure(dir: &Path, e: StoreError) -> Failure {
+    if !dir.exists() {
+        return Failure::user(CHECKPOINT_GONE);
     }
+    store_failure(e)
 }
 
 /// What a request reading a checkpoint deleted after its access check is told.
@@ -332,9 +332,9 @@ impl Worker {
         let t = &self.model.transformer;
         let adapter = peft::load_adapter(dir, &t.config, t.device())
             .and_then(|a| Ok(a.to_dtype(t.weights.dtype())?))
-            .map_err(read_failure)?;
+            .map_err(|e| read_failure(dir, e))?;
         let opt = if optimizer {
-            Some(peft::load_optimizer(dir, t.device()).map_err(read_failure)?)
+            Some(peft::load_optimizer(dir, t.device()).map_err(|e| read_failure(dir, e))?)
         } else {
             None
         };

@@ -107,9 +107,7 @@ impl Transformer {
                     ));
                 }
                 let weights = self.weights.with_matrices_in(DType::BF16)?;
-                let mut narrowed = Transformer::new(self.config.clone(), weights)?;
-                narrowed.backend = Backend::Device;
-                *self = narrowed;
+                *self = Transformer::new(self.config.clone(), weights)?;
                 Ok(Precision::Bf16)
             }
         }
