@@ -6,7 +6,7 @@ use candle_core::{Device, Tensor};
 use common::*;
 use lathe_sdk::types::AdamParams;
 use lathe_server::model::AdapterGrads;
-use lathe_server::model::{Adapter, Arch, LoraSpec, Target};
+use lathe_server::model::{Adapter, Arch, Backend, LoraSpec, Target};
 use lathe_server::store::peft;
 use lathe_server::train::adamw::{self, AdamState};
 use lathe_server::train::forward_backward;
@@ -43,9 +43,15 @@ fn close(got: &[f32], want: &[f32], what: &str) {
 }
 
 /// Replays scripts/reference/adamw_reference.py's two torch.optim.AdamW steps (weight
-/// decay on; clipping active on step 1, inactive on step 2).
+/// decay on; clipping active on step 1, inactive on step 2), as the CPU backend computes
+/// them (one loop over buffers) and as the device backend does (candle's ops).
 #[test]
 fn adamw_matches_pytorch() {
+    adamw_matches_pytorch_on(Backend::Cpu);
+    adamw_matches_pytorch_on(Backend::Device);
+}
+
+fn adamw_matches_pytorch_on(backend: Backend) {
     let golden: Golden = serde_json::from_str(include_str!("data/adamw_reference.json")).unwrap();
     let dev = Device::Cpu;
     let t = |v: &[f32], s: &[usize]| Tensor::from_vec(v.to_vec(), s, &dev).unwrap();
@@ -77,7 +83,7 @@ fn adamw_matches_pytorch() {
                 t(&s.grad_b, &golden.shape_b),
             )
             .unwrap();
-        let report = adamw::step(&mut adapter, &mut state, &grads, &golden.hyper).unwrap();
+        let report = adamw::step(backend, &mut adapter, &mut state, &grads, &golden.hyper).unwrap();
         assert!(
             (report.grad_norm - s.pre_clip_norm).abs() < 1e-5 * s.pre_clip_norm,
             "step {i} norm"
@@ -143,7 +149,7 @@ fn train_step(
         grad_clip_norm: 1.0,
         ..Default::default()
     };
-    adamw::step(adapter, state, &grads.remove(0), &p).unwrap();
+    adamw::step(Backend::Cpu, adapter, state, &grads.remove(0), &p).unwrap();
     res[0].loss
 }
 

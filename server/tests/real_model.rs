@@ -220,7 +220,14 @@ fn twenty_steps_of_cross_entropy_cut_the_loss_by_ninety_percent() {
         let (res, mut grads) =
             forward_backward(t, &[&adapter], std::slice::from_ref(&job), true).unwrap();
         losses.push(res[0].loss);
-        adamw::step(&mut adapter, &mut state, &grads.remove(0), &params).unwrap();
+        adamw::step(
+            t.backend(),
+            &mut adapter,
+            &mut state,
+            &grads.remove(0),
+            &params,
+        )
+        .unwrap();
     }
     let (res, _) = forward_backward(t, &[&adapter], std::slice::from_ref(&job), false).unwrap();
     let last = res[0].loss;

@@ -324,7 +324,7 @@ fn bench_train(a: TrainArgs) -> anyhow::Result<serde_json::Value> {
         };
         let t1 = Instant::now();
         for ((adapter, state), g) in adapters.iter_mut().zip(&mut states).zip(&grads) {
-            adamw::step(adapter, state, g, &params)?;
+            adamw::step(t.backend(), adapter, state, g, &params)?;
         }
         let t2 = Instant::now();
         let total = (t2 - t0).as_secs_f64();

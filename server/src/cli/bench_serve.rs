@@ -458,6 +458,7 @@ impl Direct {
         let (_, grads) =
             forward_backward(t, &[&self.adapter], std::slice::from_ref(&self.job), true)?;
         adamw::step(
+            t.backend(),
             &mut self.adapter,
             &mut self.state,
             &grads[0],

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use candle_core::{DType, Tensor};
 use lathe_sdk::types::AdamParams;
 
-use crate::model::{Adapter, AdapterGrads, Target};
+use crate::model::{Adapter, AdapterGrads, Backend, Target};
 
 use super::TrainError;
 
@@ -67,27 +67,23 @@ pub fn validate(p: &AdamParams) -> Result<(), TrainError> {
     Ok(())
 }
 
-/// Global L2 norm of all gradients.
+/// Global L2 norm of all gradients, summed in f64 wherever they live.
 pub fn global_norm(grads: &AdapterGrads) -> Result<f64, TrainError> {
     let mut sq = 0.0f64;
     for (da, db) in grads.pairs.values() {
         for g in [da, db] {
-            sq += if is_host_f32(g) {
+            sq += if g.device().is_cpu() && g.dtype() == DType::F32 {
                 let v: Vec<f32> = g.flatten_all()?.to_vec1()?;
                 v.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>()
             } else {
-                g.sqr()?
+                g.to_dtype(DType::F64)?
+                    .sqr()?
                     .sum_all()?
-                    .to_dtype(DType::F64)?
                     .to_scalar::<f64>()?
             };
         }
     }
     Ok(sq.sqrt())
-}
-
-fn is_host_f32(t: &Tensor) -> bool {
-    t.device().is_cpu() && t.dtype() == DType::F32
 }
 
 /// The scalars of one step, shared by every parameter.
@@ -107,12 +103,16 @@ struct Coefs {
 
 /// One parameter tensor's update, in torch's order of operations.
 fn update(
+    be: Backend,
     param: &mut Tensor,
     grad: &Tensor,
     mom: &mut Moments,
     c: &Coefs,
 ) -> Result<(), TrainError> {
-    if [&*param, grad, &mom.m, &mom.v].into_iter().all(is_host_f32) {
+    if [&*param, grad, &mom.m, &mom.v]
+        .into_iter()
+        .all(|t| be.host_f32(t))
+    {
         return update_host(param, grad, mom, c);
     }
     let g = (grad * c.grad_scale)?;
@@ -154,11 +154,14 @@ fn update_host(
     Ok(())
 }
 
-/// Applies one AdamW step to `adapter` with the accumulated `grads`.
+/// Applies one AdamW step to `adapter` with the accumulated `grads`, computed as the
+/// model's `backend` computes (one loop over plain buffers on the CPU backend, candle's
+/// ops on the device backend).
 ///
 /// Targets without a gradient are left alone, as torch skips parameters whose `.grad` is
 /// `None`.
 pub fn step(
+    backend: Backend,
     adapter: &mut Adapter,
     state: &mut AdamState,
     grads: &AdapterGrads,
@@ -204,8 +207,8 @@ pub fn step(
                 state.moments.entry(*target).or_insert(fresh)
             }
         };
-        update(&mut pair.a, da, &mut entry.0, &coefs)?;
-        update(&mut pair.b, db, &mut entry.1, &coefs)?;
+        update(backend, &mut pair.a, da, &mut entry.0, &coefs)?;
+        update(backend, &mut pair.b, db, &mut entry.1, &coefs)?;
     }
     Ok(StepReport {
         grad_norm,

@@ -269,8 +269,10 @@ impl Worker {
                         "optim_step without an accumulated gradient: call forward_backward first",
                     ));
                 }
-                let report = adamw::step(&mut run.adapter, &mut run.opt, &run.grads, params)
-                    .map_err(train_failure)?;
+                let backend = self.model.transformer.backend();
+                let report =
+                    adamw::step(backend, &mut run.adapter, &mut run.opt, &run.grads, params)
+                        .map_err(train_failure)?;
                 run.grads = AdapterGrads::default();
                 run.has_grad = false;
                 done(Reply::Optimized(report))
