@@ -65,13 +65,6 @@ impl FrozenLinear {
     pub fn in_dim(&self) -> usize {
         self.weight.dims()[1]
     }
-
-    fn to_dtype(&self, dtype: DType) -> candle_core::Result<Self> {
-        Ok(Self {
-            weight: self.weight.to_dtype(dtype)?,
-            bias: self.bias.as_ref().map(|b| b.to_dtype(dtype)).transpose()?,
-        })
-    }
 }
 
 /// The weights of one decoder block.
@@ -136,10 +129,27 @@ impl BaseWeights {
     /// v of one stack) takes its own elements, not the whole stack's storage.
     pub fn to_device(&self, device: &Device) -> candle_core::Result<Self> {
         let mv = |t: &Tensor| t.force_contiguous()?.to_device(device);
+        self.map(mv, mv)
+    }
+
+    /// A copy whose projection matrices, embedding and output head are stored in
+    /// `dtype` (bf16 halves a GPU's weight memory); norms and biases keep their type, so
+    /// activations stay in [`BaseWeights::dtype`].
+    pub fn with_matrices_in(&self, dtype: DType) -> candle_core::Result<Self> {
+        self.map(|t| t.to_dtype(dtype), |t| Ok(t.clone()))
+    }
+
+    /// A copy with `matrix` applied to the projection matrices, the embedding and the
+    /// output head, and `other` to the norms and biases.
+    fn map(
+        &self,
+        matrix: impl Fn(&Tensor) -> candle_core::Result<Tensor>,
+        other: impl Fn(&Tensor) -> candle_core::Result<Tensor>,
+    ) -> candle_core::Result<Self> {
         let lin = |l: &FrozenLinear| -> candle_core::Result<FrozenLinear> {
             Ok(FrozenLinear {
-                weight: mv(&l.weight)?,
-                bias: l.bias.as_ref().map(mv).transpose()?,
+                weight: matrix(&l.weight)?,
+                bias: l.bias.as_ref().map(&other).transpose()?,
             })
         };
         let layers = self
@@ -147,14 +157,14 @@ impl BaseWeights {
             .iter()
             .map(|l| {
                 Ok(LayerWeights {
-                    input_layernorm: mv(&l.input_layernorm)?,
+                    input_layernorm: other(&l.input_layernorm)?,
                     q_proj: lin(&l.q_proj)?,
                     k_proj: lin(&l.k_proj)?,
                     v_proj: lin(&l.v_proj)?,
                     o_proj: lin(&l.o_proj)?,
-                    q_norm: l.q_norm.as_ref().map(mv).transpose()?,
-                    k_norm: l.k_norm.as_ref().map(mv).transpose()?,
-                    post_attention_layernorm: mv(&l.post_attention_layernorm)?,
+                    q_norm: l.q_norm.as_ref().map(&other).transpose()?,
+                    k_norm: l.k_norm.as_ref().map(&other).transpose()?,
+                    post_attention_layernorm: other(&l.post_attention_layernorm)?,
                     gate_proj: lin(&l.gate_proj)?,
                     up_proj: lin(&l.up_proj)?,
                     down_proj: lin(&l.down_proj)?,
@@ -162,48 +172,10 @@ impl BaseWeights {
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
         Ok(Self {
-            embed_tokens: mv(&self.embed_tokens)?,
+            embed_tokens: matrix(&self.embed_tokens)?,
             layers,
-            norm: mv(&self.norm)?,
-            lm_head: self.lm_head.as_ref().map(mv).transpose()?,
-        })
-    }
-
-    /// A copy whose projection matrices, embedding and output head are stored in
-    /// `dtype` (bf16 halves a GPU's weight memory); norms and biases keep their type, so
-    /// activations stay in [`BaseWeights::dtype`].
-    pub fn with_matrices_in(&self, dtype: DType) -> candle_core::Result<Self> {
-        let narrow = |l: &FrozenLinear| -> candle_core::Result<FrozenLinear> {
-            Ok(FrozenLinear {
-                weight: l.weight.to_dtype(dtype)?,
-                bias: l.bias.clone(),
-            })
-        };
-        let layers = self
-            .layers
-            .iter()
-            .map(|l| {
-                Ok(LayerWeights {
-                    q_proj: narrow(&l.q_proj)?,
-                    k_proj: narrow(&l.k_proj)?,
-                    v_proj: narrow(&l.v_proj)?,
-                    o_proj: narrow(&l.o_proj)?,
-                    gate_proj: narrow(&l.gate_proj)?,
-                    up_proj: narrow(&l.up_proj)?,
-                    down_proj: narrow(&l.down_proj)?,
-                    ..l.clone()
-                })
-            })
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        Ok(Self {
-            embed_tokens: self.embed_tokens.to_dtype(dtype)?,
-            layers,
-            norm: self.norm.clone(),
-            lm_head: self
-                .lm_head
-                .as_ref()
-                .map(|t| t.to_dtype(dtype))
-                .transpose()?,
+            norm: other(&self.norm)?,
+            lm_head: self.lm_head.as_ref().map(&matrix).transpose()?,
         })
     }
 
@@ -221,35 +193,8 @@ impl BaseWeights {
 
     /// A copy in another element type (f64 for finite-difference checks).
     pub fn to_dtype(&self, dtype: DType) -> candle_core::Result<Self> {
-        let layers = self
-            .layers
-            .iter()
-            .map(|l| {
-                Ok(LayerWeights {
-                    input_layernorm: l.input_layernorm.to_dtype(dtype)?,
-                    q_proj: l.q_proj.to_dtype(dtype)?,
-                    k_proj: l.k_proj.to_dtype(dtype)?,
-                    v_proj: l.v_proj.to_dtype(dtype)?,
-                    o_proj: l.o_proj.to_dtype(dtype)?,
-                    q_norm: l.q_norm.as_ref().map(|t| t.to_dtype(dtype)).transpose()?,
-                    k_norm: l.k_norm.as_ref().map(|t| t.to_dtype(dtype)).transpose()?,
-                    post_attention_layernorm: l.post_attention_layernorm.to_dtype(dtype)?,
-                    gate_proj: l.gate_proj.to_dtype(dtype)?,
-                    up_proj: l.up_proj.to_dtype(dtype)?,
-                    down_proj: l.down_proj.to_dtype(dtype)?,
-                })
-            })
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        Ok(Self {
-            embed_tokens: self.embed_tokens.to_dtype(dtype)?,
-            layers,
-            norm: self.norm.to_dtype(dtype)?,
-            lm_head: self
-                .lm_head
-                .as_ref()
-                .map(|t| t.to_dtype(dtype))
-                .transpose()?,
-        })
+        let cast = |t: &Tensor| t.to_dtype(dtype);
+        self.map(cast, cast)
     }
 
     /// Checks every tensor's shape against the config, so a bad file fails at load time
