@@ -150,3 +150,50 @@ fn the_loss_is_the_divergence_of_the_two_models_next_token_distributions() {
     assert!((r[0].loss - kl).abs() < 1e-9, "{} vs {kl}", r[0].loss);
     assert!(kl > 1e-6);
 }
+
+/// The device backend (candle's ops, on candle's CPU device) distils as the CPU fast
+/// paths do: the same losses and student gradients, to 1e-10 in f64 (the whole-vocabulary
+/// logits go through the output head's other entry point, not the training pass's).
+#[test]
+fn the_device_backend_distils_like_the_cpu_fast_path() {
+    for arch in [Arch::Llama, Arch::Qwen3] {
+        let fast = f64_model(arch);
+        let mut device = f64_model(arch);
+        device
+            .transformer
+            .set_backend(lathe_server::model::Backend::Device)
+            .unwrap();
+        let student = random_adapter(&fast, full_spec(2), 11)
+            .to_dtype(DType::F64)
+            .unwrap();
+        let reference = random_adapter(&fast, full_spec(3), 12)
+            .to_dtype(DType::F64)
+            .unwrap();
+        let vocab = fast.transformer.config.vocab_size;
+        let run = |m: &LoadedModel| {
+            forward_backward(
+                &m.transformer,
+                &student,
+                Some(&reference),
+                &data(vocab),
+                1.5,
+                true,
+            )
+            .unwrap()
+        };
+        let (want, want_grads) = run(&fast);
+        let (got, got_grads) = run(&device);
+        for (w, g) in want.iter().zip(&got) {
+            assert!(
+                (w.loss - g.loss).abs() <= 1e-10 * w.loss.abs().max(1.0),
+                "{arch:?}"
+            );
+        }
+        assert!(!want_grads.pairs.is_empty());
+        for (t, (wa, wb)) in &want_grads.pairs {
+            let (ga, gb) = &got_grads.pairs[t];
+            assert!(rel_diff(ga, wa) <= 1e-10, "{arch:?} {t:?} dA");
+            assert!(rel_diff(gb, wb) <= 1e-10, "{arch:?} {t:?} dB");
+        }
+    }
+}
