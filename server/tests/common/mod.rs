@@ -6,12 +6,26 @@ pub mod http;
 
 use candle_core::{DType, Device, Tensor};
 use lathe_server::model::tiny::tiny_model;
-use lathe_server::model::{Adapter, Arch, LoadedModel, LoraSpec};
+use lathe_server::model::{Adapter, Arch, Backend, LoadedModel, LoraSpec};
 use lathe_server::train::{DatumJob, Loss, TokenInputs};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
+/// The tiny `arch` model, on the backend `LATHE_TEST_BACKEND` names (`cpu`, the default,
+/// or `device`: candle's ops on candle's CPU device, what a GPU runs), so that the same
+/// tests hold both backends to their references.
 pub fn tiny(arch: Arch) -> LoadedModel {
-    tiny_model(arch, 1234, &Device::Cpu).expect("tiny model")
+    let mut model = tiny_model(arch, 1234, &Device::Cpu).expect("tiny model");
+    model.transformer.set_backend(test_backend()).unwrap();
+    model
+}
+
+/// The backend `LATHE_TEST_BACKEND` asks for.
+pub fn test_backend() -> Backend {
+    match std::env::var("LATHE_TEST_BACKEND").as_deref() {
+        Ok("device") => Backend::Device,
+        Ok("cpu") | Err(_) => Backend::Cpu,
+        Ok(other) => panic!("LATHE_TEST_BACKEND={other}: expected cpu or device"),
+    }
 }
 
 pub fn full_spec(rank: usize) -> LoraSpec {
