@@ -129,7 +129,11 @@ pub async fn connect(args: &CommonArgs, out: &Path) -> anyhow::Result<Connection
         None => {
             let (spec, precision) = (args.model.clone(), args.precision);
             let model = tokio::task::spawn_blocking(move || {
-                lathe_server::embedded::load_model_in(&spec, precision)
+                let options = lathe_server::embedded::ModelOptions {
+                    precision,
+                    ..Default::default()
+                };
+                lathe_server::embedded::load_model_with(&spec, options)
             })
             .await??;
             let config = ServerConfig {

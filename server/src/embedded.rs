@@ -58,17 +58,6 @@ pub fn load_model(spec: &str) -> Result<LoadedModel, EmbedError> {
     load_model_with(spec, ModelOptions::default())
 }
 
-/// [`load_model`] on the CPU with `precision` (see [`load_model_with`]).
-pub fn load_model_in(spec: &str, precision: Precision) -> Result<LoadedModel, EmbedError> {
-    load_model_with(
-        spec,
-        ModelOptions {
-            precision,
-            ..Default::default()
-        },
-    )
-}
-
 /// [`load_model`] on `options.device` with `options.precision`. The device is opened
 /// first, so a device that is not there fails at once, naming it. The weights are read
 /// on the host; for another device they are narrowed there (bf16) and then moved, so

@@ -179,13 +179,9 @@ pub async fn start(
     };
     let catalog = store.all_checkpoints()?;
     let (handle, rx) = engine::channel(store.clone());
-    // The block-quantized decode weights are the CPU backend's; elsewhere the mode
-    // changes nothing.
-    let decode_mode = match model.transformer.backend() {
-        crate::model::Backend::Cpu => config.decode_mode.on_this_cpu(),
-        crate::model::Backend::Device => config.decode_mode,
-    };
-    if decode_mode != config.decode_mode {
+    let wanted = config.decode_mode.on(&model.transformer);
+    let decode_mode = wanted.on_this_cpu();
+    if decode_mode != wanted {
         tracing::warn!(
             "decode mode fast asked for, but this CPU has no AVX-512, which the \
              block-quantized decode kernels need to beat f32; decoding with the f32 weights \

@@ -72,7 +72,7 @@ impl FromStr for DeviceSpec {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s.trim().to_ascii_lowercase().as_str() {
             "cpu" => Ok(DeviceSpec::Cpu),
-            "cuda" | "gpu" => Ok(DeviceSpec::Cuda(0)),
+            "cuda" => Ok(DeviceSpec::Cuda(0)),
             other => match other.strip_prefix("cuda:") {
                 Some(n) => n.parse().map(DeviceSpec::Cuda).map_err(|_| {
                     format!("`{s}`: the device ordinal must be a number, as in cuda:0")

@@ -10,7 +10,7 @@ use super::logits::Picker;
 use super::running::{Admission, Finished, RunningDecode};
 use crate::model::cpu::pool::on_pool;
 use crate::model::transformer::TopK;
-use crate::model::{Adapter, ModelError, TextTokenizer, Transformer};
+use crate::model::{Adapter, Backend, ModelError, TextTokenizer, Transformer};
 
 /// New tokens generated when a request sets no `max_tokens`.
 pub const DEFAULT_MAX_TOKENS: usize = 256;
@@ -33,6 +33,16 @@ pub enum DecodeMode {
 }
 
 impl DecodeMode {
+    /// The mode `model` decodes with when `self` is asked for: the block-quantized
+    /// decode weights belong to the CPU backend, so the device backend always decodes
+    /// with the model's own weights (`Exact`).
+    pub fn on(self, model: &Transformer) -> Self {
+        match model.backend() {
+            Backend::Cpu => self,
+            Backend::Device => DecodeMode::Exact,
+        }
+    }
+
     /// The mode to serve with when `self` is asked for on this CPU: `Fast` needs the
     /// vectorised block-quantized kernels ([`crate::model::cpu::quant::has_fast_kernels`]);
     /// without them the f32 weights decode faster, so `Exact` is used (same reported

@@ -216,9 +216,7 @@ impl<K> RunningDecode<K> {
 
     /// Whether this mode's sampled tokens are rescored with the f32 weights at the end.
     fn rescores(&self, model: &Transformer) -> Result<bool, ModelError> {
-        Ok(self.mode == DecodeMode::Fast
-            && model.backend() == crate::model::Backend::Cpu
-            && !model.decode_weights()?.exact())
+        Ok(self.mode.on(model) == DecodeMode::Fast && !model.decode_weights()?.exact())
     }
 
     /// Adds one prefilled request's sequences; returns it at once if it has none to run.
@@ -449,7 +447,7 @@ impl<K> RunningDecode<K> {
                 .map(|s| index_of[s])
         };
         let slot = |s: usize| self.slots[s].as_ref().expect("a slot in use");
-        let quantized = self.mode == DecodeMode::Fast;
+        let quantized = self.mode.on(model) == DecodeMode::Fast;
         // On the CPU, decode steps run over plain buffers (see `model::cpu::decode_step`).
         if HostDecoder::applies(model) {
             let hosts: Vec<&HostAdapter> = dense
@@ -621,9 +619,8 @@ fn prefill<K>(
         // Prompts may go through the decode weights only in fast mode and when those are
         // the f32 weights exactly; each product then picks its kernel by row count (a
         // short prompt is faster through the block kernels, a long one stays f32).
-        let through_decode_weights = mode == DecodeMode::Fast
-            && model.backend() == crate::model::Backend::Cpu
-            && model.decode_weights()?.exact();
+        let through_decode_weights =
+            mode.on(model) == DecodeMode::Fast && model.decode_weights()?.exact();
         let logits = model.forward_cached(&batch, &adapters, &mut refs, through_decode_weights)?;
         (logits, Vec::new(), Vec::new())
     };

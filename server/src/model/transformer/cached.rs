@@ -8,7 +8,7 @@ impl Transformer {
     /// Runs `batch` through the model appending to each sequence's KV cache, and returns
     /// the next-token logits of each sequence's last row, `(seqs, vocab)`. With
     /// `quantized`, the frozen projections use the block-quantized decode weights (a part
-    /// of the CPU backend; the device backend decodes with the model's own weights).
+    /// of the CPU backend: callers ask for them through `DecodeMode::on`).
     pub fn forward_cached(
         &self,
         batch: &PackedBatch,
@@ -16,7 +16,7 @@ impl Transformer {
         caches: &mut [&mut KvCache],
         quantized: bool,
     ) -> Result<Tensor, ModelError> {
-        let dec = if quantized && self.backend == Backend::Cpu {
+        let dec = if quantized {
             Some(self.decode_weights()?)
         } else {
             None
