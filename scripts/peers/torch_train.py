@@ -1,9 +1,11 @@
-"""PyTorch + PEFT on the shapes of `lathe bench train`: the same GGUF model (dequantized
-to f32 by transformers), LoRA of rank R on the seven projections of every block, a
-summed cross-entropy over BATCH x SEQ random tokens, backward, AdamW step. Prints one
-JSON object with the median tokens/s, like `lathe bench train`.
+"""PyTorch + PEFT on the shapes of `lathe bench train`: the same model (a GGUF file,
+dequantized to f32 by transformers, or a Hugging Face directory, loaded in f32), LoRA of
+rank R on the seven projections of every block, a summed cross-entropy over BATCH x SEQ
+random tokens, backward, AdamW step, on the CPU or a GPU. Prints one JSON object with
+the median tokens/s, like `lathe bench train`.
 
     python scripts/peers/torch_train.py --model models/X.gguf [--bf16] [--iters 5]
+    python scripts/peers/torch_train.py --model DIR --device cuda [--bf16]
 """
 
 import argparse
@@ -19,7 +21,8 @@ from transformers import AutoModelForCausalLM
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--model", required=True, help="a .gguf file")
+    p.add_argument("--model", required=True, help="a .gguf file or a Hugging Face directory")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--rank", type=int, default=8)
@@ -29,8 +32,13 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    directory, name = os.path.split(os.path.abspath(a.model))
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    device = torch.device(a.device)
+    if os.path.isdir(a.model):
+        model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
+    else:
+        directory, name = os.path.split(os.path.abspath(a.model))
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    model = model.to(device)
     lora = LoraConfig(
         r=a.rank,
         lora_alpha=32,
@@ -42,13 +50,19 @@ def main() -> None:
     params = [q for q in model.parameters() if q.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
     vocab = model.config.vocab_size
-    ids = torch.randint(100, vocab, (a.batch, a.seq_len + 1))
+    ids = torch.randint(100, vocab, (a.batch, a.seq_len + 1)).to(device)
     inputs, targets = ids[:, :-1], ids[:, 1:].reshape(-1)
     tokens = a.batch * a.seq_len
     rates = []
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     for i in range(a.iters + 1):
+        sync()
         t0 = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.bf16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.bf16):
             logits = model(input_ids=inputs).logits
         loss = torch.nn.functional.cross_entropy(
             logits.float().reshape(-1, vocab), targets, reduction="sum"
@@ -56,6 +70,7 @@ def main() -> None:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        sync()
         dt = time.perf_counter() - t0
         if i > 0:
             rates.append(tokens / dt)
@@ -65,6 +80,7 @@ def main() -> None:
                 "bench": "torch_train",
                 "torch": torch.__version__,
                 "precision": "bf16_autocast" if a.bf16 else "f32",
+                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                 "threads": torch.get_num_threads(),
                 "batch": a.batch,
                 "seq_len": a.seq_len,

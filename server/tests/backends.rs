@@ -250,9 +250,14 @@ fn the_device_backend_samples_like_the_cpu_fast_path() {
 }
 
 /// On a GPU (`cargo test --features cuda`, as `scripts/gpu-check` runs it): the device
-/// backend on CUDA against the CPU fast path, in f32, with the bounds of candle's CPU
-/// device. Without a GPU this test fails when `LATHE_REQUIRE_GPU=1` and otherwise says
-/// it was skipped.
+/// backend on CUDA (Lathe's fused kernels and cuBLAS) against the CPU fast path in f32:
+/// training with the bounds of candle's CPU device; sampling with the same tokens and
+/// log-probabilities within 1e-4, since cuBLAS sums each product in its own order and a
+/// sampled sequence's log-probabilities, each the end of a whole decode, then differ by
+/// more than the CPU device's 1e-5 (the CHANGELOG gives the measured figure); and bf16 on
+/// CUDA against f64 on CUDA with the bounds of the bf16 test below, the sampler's ratio
+/// mean included. Without a GPU this test fails when `LATHE_REQUIRE_GPU=1` and otherwise
+/// says it was skipped.
 #[cfg(feature = "cuda")]
 #[test]
 fn the_device_backend_on_a_gpu_trains_and_samples_like_the_cpu() {
@@ -266,7 +271,8 @@ fn the_device_backend_on_a_gpu_trains_and_samples_like_the_cpu() {
     };
     for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
         assert_trains_like_the_fast_path(arch, DType::F32, 1e-5, &device);
-        assert_samples_like_the_fast_path(arch, DType::F32, 1e-5, &device);
+        assert_samples_like_the_fast_path(arch, DType::F32, 1e-4, &device);
+        assert_bf16_trains_within_rounding_and_samples_the_same(arch, &device);
     }
 }
 
@@ -316,57 +322,61 @@ fn bf16_on_the_device_backend_narrows_the_matrices_for_good() {
 #[test]
 fn bf16_on_the_device_backend_trains_within_bf16_rounding_and_samples_the_same() {
     for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
-        let (mut model, adapters) = model_on(arch, DType::F32, Backend::Device);
-        model.transformer.set_precision(Precision::Bf16).unwrap();
-        let mut exact = model.transformer.to_dtype(DType::F64).unwrap();
-        exact.set_backend(Backend::Device).unwrap();
-        let f64_adapters = adapters.clone().map(|a| a.to_dtype(DType::F64).unwrap());
-        let jobs = jobs(model.transformer.config.vocab_size);
-        let (got_out, got_grads) = train(&model.transformer, &adapters, &jobs);
-        let (want_out, want_grads) = train(&exact, &f64_adapters, &jobs);
-        for (w, g) in want_out.iter().zip(&got_out) {
-            let d = (w.loss - g.loss).abs() / w.loss.abs().max(1.0);
-            assert!(d < 0.006, "{arch:?}: loss {} vs {}", w.loss, g.loss);
-            assert_close(&format!("{arch:?} bf16"), &w.logprobs, &g.logprobs, 0.08);
-        }
-        for (w, g) in want_grads.iter().zip(&got_grads) {
-            for (t, (wa, wb)) in &w.pairs {
-                let (ga, gb) = &g.pairs[t];
-                for (name, got, want) in [("dA", ga, wa), ("dB", gb, wb)] {
-                    let d = rel_diff(&got.to_dtype(DType::F64).unwrap(), want);
-                    assert!(d < 0.14, "{arch:?} {t:?} {name} differs by {d}");
-                }
-            }
-        }
-        // The sampler's log-probabilities of what it sampled are the trainer's.
-        let samples = run_samples(&model, &adapters, DecodeMode::Fast);
-        let sample_jobs = sample_jobs(model.transformer.config.vocab_size);
-        let mut scored = Vec::new();
-        for (job, out) in sample_jobs.iter().zip(&samples) {
-            for seq in &out.sequences {
-                let mut tokens = job.prompt.clone();
-                tokens.extend(&seq.tokens);
-                let n = tokens.len() - 1;
-                let t = &model.transformer;
-                let batch =
-                    PackedBatch::new(&[(&tokens[..n], job.adapter, 0)], t.device()).unwrap();
-                let targets = Tensor::from_vec(tokens[1..].to_vec(), (n, 1), t.device()).unwrap();
-                let refs: Vec<&Adapter> = adapters.iter().collect();
-                let (lp, _) = t.forward_logprobs(&batch, &refs, &targets, false).unwrap();
-                let lp: Vec<f32> = lp.flatten_all().unwrap().to_vec1().unwrap();
-                let trainer = &lp[job.prompt.len() - 1..];
-                scored.push((trainer.to_vec(), seq.logprobs.clone()));
-            }
-        }
-        let (mut ratio, mut count) = (0.0, 0usize);
-        for (trainer, sampler) in &scored {
-            assert_close(&format!("{arch:?} sampler"), trainer, sampler, 5e-3);
-            for (a, b) in trainer.iter().zip(sampler) {
-                ratio += (f64::from(*a) - f64::from(*b)).exp();
-                count += 1;
-            }
-        }
-        let mean = ratio / count as f64;
-        assert!((mean - 1.0).abs() < 0.01, "{arch:?}: ratio mean {mean}");
+        assert_bf16_trains_within_rounding_and_samples_the_same(arch, &Device::Cpu);
     }
+}
+
+/// The bounds of the test above for the tiny `arch` model on `device`.
+fn assert_bf16_trains_within_rounding_and_samples_the_same(arch: Arch, device: &Device) {
+    let (mut model, adapters) = device_model_on(arch, DType::F32, device);
+    model.transformer.set_precision(Precision::Bf16).unwrap();
+    let mut exact = model.transformer.to_dtype(DType::F64).unwrap();
+    exact.set_backend(Backend::Device).unwrap();
+    let f64_adapters = adapters.clone().map(|a| a.to_dtype(DType::F64).unwrap());
+    let jobs = jobs(model.transformer.config.vocab_size);
+    let (got_out, got_grads) = train(&model.transformer, &adapters, &jobs);
+    let (want_out, want_grads) = train(&exact, &f64_adapters, &jobs);
+    for (w, g) in want_out.iter().zip(&got_out) {
+        let d = (w.loss - g.loss).abs() / w.loss.abs().max(1.0);
+        assert!(d < 0.006, "{arch:?}: loss {} vs {}", w.loss, g.loss);
+        assert_close(&format!("{arch:?} bf16"), &w.logprobs, &g.logprobs, 0.08);
+    }
+    for (w, g) in want_grads.iter().zip(&got_grads) {
+        for (t, (wa, wb)) in &w.pairs {
+            let (ga, gb) = &g.pairs[t];
+            for (name, got, want) in [("dA", ga, wa), ("dB", gb, wb)] {
+                let d = rel(got, want);
+                assert!(d < 0.14, "{arch:?} {t:?} {name} differs by {d}");
+            }
+        }
+    }
+    // The sampler's log-probabilities of what it sampled are the trainer's.
+    let samples = run_samples(&model, &adapters, DecodeMode::Fast);
+    let sample_jobs = sample_jobs(model.transformer.config.vocab_size);
+    let mut scored = Vec::new();
+    for (job, out) in sample_jobs.iter().zip(&samples) {
+        for seq in &out.sequences {
+            let mut tokens = job.prompt.clone();
+            tokens.extend(&seq.tokens);
+            let n = tokens.len() - 1;
+            let t = &model.transformer;
+            let batch = PackedBatch::new(&[(&tokens[..n], job.adapter, 0)], t.device()).unwrap();
+            let targets = Tensor::from_vec(tokens[1..].to_vec(), (n, 1), t.device()).unwrap();
+            let refs: Vec<&Adapter> = adapters.iter().collect();
+            let (lp, _) = t.forward_logprobs(&batch, &refs, &targets, false).unwrap();
+            let lp: Vec<f32> = lp.flatten_all().unwrap().to_vec1().unwrap();
+            let trainer = &lp[job.prompt.len() - 1..];
+            scored.push((trainer.to_vec(), seq.logprobs.clone()));
+        }
+    }
+    let (mut ratio, mut count) = (0.0, 0usize);
+    for (trainer, sampler) in &scored {
+        assert_close(&format!("{arch:?} sampler"), trainer, sampler, 5e-3);
+        for (a, b) in trainer.iter().zip(sampler) {
+            ratio += (f64::from(*a) - f64::from(*b)).exp();
+            count += 1;
+        }
+    }
+    let mean = ratio / count as f64;
+    assert!((mean - 1.0).abs() < 0.01, "{arch:?}: ratio mean {mean}");
 }

@@ -47,14 +47,26 @@ fn close(got: &[f32], want: &[f32], what: &str) {
 /// them (one loop over buffers) and as the device backend does (candle's ops).
 #[test]
 fn adamw_matches_pytorch() {
-    adamw_matches_pytorch_on(Backend::Cpu);
-    adamw_matches_pytorch_on(Backend::Device);
+    adamw_matches_pytorch_on(Backend::Cpu, &Device::Cpu);
+    adamw_matches_pytorch_on(Backend::Device, &Device::Cpu);
 }
 
-fn adamw_matches_pytorch_on(backend: Backend) {
+/// The same goldens on a GPU (`cargo test --features cuda`, as `scripts/gpu-check` runs
+/// it): Lathe's fused AdamW kernel and gradient norm. Without a GPU this test fails when
+/// `LATHE_REQUIRE_GPU=1` and otherwise says it was skipped.
+#[cfg(feature = "cuda")]
+#[test]
+fn adamw_on_a_gpu_matches_pytorch() {
+    match lathe_server::model::DeviceSpec::Cuda(0).open() {
+        Ok(device) => adamw_matches_pytorch_on(Backend::Device, &device),
+        Err(e) if std::env::var("LATHE_REQUIRE_GPU").as_deref() == Ok("1") => panic!("{e}"),
+        Err(e) => eprintln!("skipped: {e}"),
+    }
+}
+
+fn adamw_matches_pytorch_on(backend: Backend, dev: &Device) {
     let golden: Golden = serde_json::from_str(include_str!("data/adamw_reference.json")).unwrap();
-    let dev = Device::Cpu;
-    let t = |v: &[f32], s: &[usize]| Tensor::from_vec(v.to_vec(), s, &dev).unwrap();
+    let t = |v: &[f32], s: &[usize]| Tensor::from_vec(v.to_vec(), s, dev).unwrap();
     let target = Target::LmHead;
     let mut adapter = Adapter {
         spec: LoraSpec {

@@ -9,9 +9,11 @@
 //!   decode step ([`super::cpu::decode_step`]) and the block-quantized decode weights. They
 //!   read candle's CPU storage directly, so they apply only to f32 and f64 CPU tensors;
 //!   anything else falls through to the candle ops.
-//! - [`Backend::Device`]: candle's ops only, on whatever device holds the weights. This is
-//!   what a GPU runs; on candle's CPU device it is the reference the fast paths are held
-//!   to (`server/tests/backends.rs`).
+//! - [`Backend::Device`]: candle's ops on whatever device holds the weights, and on a GPU
+//!   Lathe's fused CUDA kernels ([`super::cuda`], with the `cuda` feature) in place of the
+//!   composites of RMSNorm, RoPE, SwiGLU and the softmaxes. This is what a GPU runs; on
+//!   candle's CPU device it is the reference the fast paths are held to
+//!   (`server/tests/backends.rs`).
 //!
 //! The backend is chosen once, when the model is built ([`Backend::for_device`]), and
 //! every operation of that model uses it.
@@ -47,6 +49,14 @@ impl Backend {
     /// Whether the fused CPU kernels may run on `t` (f32 or f64 on the CPU).
     pub fn fused(self, t: &Tensor) -> bool {
         self == Backend::Cpu && kernels::supported(t)
+    }
+
+    /// Whether Lathe's fused CUDA kernels ([`super::cuda`]) may run on `t`: f32 on a GPU,
+    /// on the device backend, unless `LATHE_CUDA_FUSED=0` asks for candle's composites
+    /// (to measure what the kernels gain).
+    #[cfg(feature = "cuda")]
+    pub fn cuda(self, t: &Tensor) -> bool {
+        self == Backend::Device && super::cuda::enabled() && super::cuda::supported(t)
     }
 
     /// Whether the f32 host paths (gemm, the few-rows kernels, the host KV cache and

@@ -12,6 +12,7 @@ use rand::{rngs::StdRng, Rng, SeedableRng};
 
 use super::backend::Backend;
 use super::config::ModelConfig;
+use super::ops;
 use super::weights::matmul_t;
 use super::ModelError;
 
@@ -428,10 +429,10 @@ pub fn lora_backward(
         let xs = x.narrow(0, seg.start, seg.len)?;
         let dys = dy.narrow(0, seg.start, seg.len)?;
         // y = s * u B^T, u = x A^T
-        let db = (dys.t()?.matmul(u)? * scale)?;
-        let du = (dys.matmul(&pair.b)? * scale)?;
-        let da = du.t()?.matmul(&xs)?;
-        dxs.push(du.matmul(&pair.a)?);
+        let db = (ops::matmul(&dys.t()?, u)? * scale)?;
+        let du = (ops::matmul(&dys, &pair.b)? * scale)?;
+        let da = ops::matmul(&du.t()?, &xs)?;
+        dxs.push(ops::matmul(&du, &pair.a)?);
         grads[ai].accumulate(target, da, db)?;
     }
     let dx = if dxs.len() == 1 {

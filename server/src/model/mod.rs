@@ -7,6 +7,8 @@ pub mod batch;
 pub mod chat_template;
 pub mod config;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod gguf;
 pub mod hf;
 pub mod kv;

@@ -10,6 +10,8 @@ use candle_core::{DType, Device, Result, Tensor, D};
 
 use super::backend::Backend;
 use super::cpu::kernels;
+#[cfg(feature = "cuda")]
+use super::cuda;
 
 /// `a + b` for tensors of one shape: the fused kernel on the CPU, candle elsewhere.
 pub fn add(be: Backend, a: &Tensor, b: &Tensor) -> Result<Tensor> {
@@ -22,6 +24,41 @@ pub fn add(be: Backend, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     a + b
 }
 
+/// `a.matmul(b)` with each operand in a layout that every candle device multiplies.
+///
+/// cuBLAS (candle's CUDA matmul) takes the last two dims only packed, row-major or
+/// transposed, where candle's CPU gemm takes any strides: a view that the CPU multiplies
+/// in place (the transposed head view of a packed `k`, say) fails on a GPU. An operand
+/// that is not packed is copied first, on every device, so the tests on the CPU run the
+/// layouts a GPU gets.
+pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let a = if gemm_packed(a) {
+        a.clone()
+    } else {
+        a.contiguous()?
+    };
+    let b = if gemm_packed(b) {
+        b.clone()
+    } else {
+        b.contiguous()?
+    };
+    a.matmul(&b)
+}
+
+/// Whether the last two dims of `t` are a packed row-major or transposed matrix (a
+/// dim of one may have any stride), as cuBLAS requires.
+pub fn gemm_packed(t: &Tensor) -> bool {
+    let (dims, stride) = (t.dims(), t.stride());
+    let r = dims.len();
+    if r < 2 {
+        return true;
+    }
+    let (rows, cols, s_row, s_col) = (dims[r - 2], dims[r - 1], stride[r - 2], stride[r - 1]);
+    let row_major = (s_col == 1 || cols == 1) && (s_row == cols || rows == 1);
+    let transposed = (s_col == rows || cols == 1) && (s_row == 1 || rows == 1);
+    row_major || transposed
+}
+
 /// RMSNorm forward over the last dim: returns `y` and what the backward needs.
 pub fn rms_norm(be: Backend, x: &Tensor, weight: &Tensor, eps: f64) -> Result<(Tensor, RmsSaved)> {
     if be.fused(x) {
@@ -29,6 +66,11 @@ pub fn rms_norm(be: Backend, x: &Tensor, weight: &Tensor, eps: f64) -> Result<(T
             DType::F64 => kernels::rms_norm::<f64>(x, weight, eps)?,
             _ => kernels::rms_norm::<f32>(x, weight, eps)?,
         };
+        return Ok((y, RmsSaved::Fused { x: x.clone(), rstd }));
+    }
+    #[cfg(feature = "cuda")]
+    if be.cuda(x) {
+        let (y, rstd) = cuda::rms_norm(x, weight, eps)?;
         return Ok((y, RmsSaved::Fused { x: x.clone(), rstd }));
     }
     rms_norm_composite(x, weight, eps)
@@ -46,7 +88,7 @@ pub fn rms_norm_composite(x: &Tensor, weight: &Tensor, eps: f64) -> Result<(Tens
 /// What RMSNorm's backward needs.
 #[derive(Debug)]
 pub enum RmsSaved {
-    /// From the fused kernel: the input and `1/rms` per row.
+    /// From a fused kernel (the CPU's or the GPU's): the input and `1/rms` per row.
     Fused {
         /// Input rows.
         x: Tensor,
@@ -66,10 +108,16 @@ pub enum RmsSaved {
 /// `dx = rstd * (g*dy - xhat * mean(g*dy * xhat))`.
 pub fn rms_norm_backward(dy: &Tensor, weight: &Tensor, saved: &RmsSaved) -> Result<Tensor> {
     match saved {
-        RmsSaved::Fused { x, rstd } => match x.dtype() {
-            DType::F64 => kernels::rms_norm_backward::<f64>(dy, x, weight, rstd),
-            _ => kernels::rms_norm_backward::<f32>(dy, x, weight, rstd),
-        },
+        RmsSaved::Fused { x, rstd } => {
+            #[cfg(feature = "cuda")]
+            if x.device().is_cuda() {
+                return cuda::rms_norm_backward(dy, x, weight, rstd);
+            }
+            match x.dtype() {
+                DType::F64 => kernels::rms_norm_backward::<f64>(dy, x, weight, rstd),
+                _ => kernels::rms_norm_backward::<f32>(dy, x, weight, rstd),
+            }
+        }
         RmsSaved::Composite { xhat, rstd } => {
             let dxhat = dy.broadcast_mul(weight)?;
             let proj = (&dxhat * xhat)?.mean_keepdim(D::Minus1)?;
@@ -136,6 +184,10 @@ pub fn rope(be: Backend, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tenso
             _ => kernels::rope::<f32>(x, cos, sin, 1.0),
         };
     }
+    #[cfg(feature = "cuda")]
+    if be.cuda(x) {
+        return cuda::rope(x, cos, sin, 1.0);
+    }
     rope_composite(x, cos, sin)
 }
 
@@ -159,6 +211,10 @@ pub fn rope_backward(be: Backend, dy: &Tensor, cos: &Tensor, sin: &Tensor) -> Re
             _ => kernels::rope::<f32>(dy, cos, sin, -1.0),
         };
     }
+    #[cfg(feature = "cuda")]
+    if be.cuda(dy) {
+        return cuda::rope(dy, cos, sin, -1.0);
+    }
     rope_composite(dy, cos, &sin.neg()?)
 }
 
@@ -169,6 +225,10 @@ pub fn swiglu(be: Backend, gate_up: &Tensor) -> Result<Tensor> {
             DType::F64 => kernels::swiglu::<f64>(gate_up),
             _ => kernels::swiglu::<f32>(gate_up),
         };
+    }
+    #[cfg(feature = "cuda")]
+    if be.cuda(gate_up) {
+        return cuda::swiglu(gate_up);
     }
     let (gate, up) = halves(gate_up)?;
     gate.silu()? * up
@@ -181,6 +241,10 @@ pub fn swiglu_backward(be: Backend, dy: &Tensor, gate_up: &Tensor) -> Result<Ten
             DType::F64 => kernels::swiglu_backward::<f64>(dy, gate_up),
             _ => kernels::swiglu_backward::<f32>(dy, gate_up),
         };
+    }
+    #[cfg(feature = "cuda")]
+    if be.cuda(gate_up) {
+        return cuda::swiglu_backward(dy, gate_up);
     }
     swiglu_backward_composite(dy, gate_up)
 }
@@ -225,22 +289,24 @@ pub fn attention(
     // (tq, H, hd) -> (H, tq, hd) -> (KV, G*tq, hd)
     let qh = q.reshape((tq, heads, hd))?.transpose(0, 1)?.contiguous()?;
     let qg = qh.reshape((kv_heads, group * tq, hd))?;
-    let kh = k.reshape((tk, kv_heads, hd))?.transpose(0, 1)?; // (KV, tk, hd) view
+    let kh = k
+        .reshape((tk, kv_heads, hd))?
+        .transpose(0, 1)?
+        .contiguous()?; // (KV, tk, hd)
     let vh = v
         .reshape((tk, kv_heads, hd))?
         .transpose(0, 1)?
         .contiguous()?;
-    let scores = qg.matmul(&kh.t()?)?; // (KV, G*tq, tk), unscaled
+    let scores = matmul(&qg, &kh.t()?)?; // (KV, G*tq, tk), unscaled
     let p = if be.fused(&scores) {
         match scores.dtype() {
             DType::F64 => kernels::causal_softmax::<f64>(&scores, tq, scale)?,
             _ => kernels::causal_softmax::<f32>(&scores, tq, scale)?,
         }
     } else {
-        let mask = causal_mask(group, tq, tk, q.dtype(), q.device())?;
-        softmax_last(&(scores * scale)?.broadcast_add(&mask)?)?
+        causal_softmax_on_device(be, &scores, group, tq, scale)?
     };
-    let o = p.matmul(&vh)?; // (KV, G*tq, hd)
+    let o = matmul(&p, &vh)?; // (KV, G*tq, hd)
     let out = o
         .reshape((heads, tq, hd))?
         .transpose(0, 1)?
@@ -249,7 +315,7 @@ pub fn attention(
         out,
         AttnSaved {
             qg,
-            kh: kh.contiguous()?,
+            kh,
             vh,
             p,
             scale,
@@ -286,19 +352,18 @@ pub fn attention_backward(
         .transpose(0, 1)?
         .contiguous()?
         .reshape((s.kv_heads, group * tq, hd))?;
-    let dv = s.p.t()?.matmul(&dog)?; // (KV, tk, hd)
-    let dp = dog.matmul(&s.vh.t()?)?; // (KV, G*tq, tk)
+    let dv = matmul(&s.p.t()?, &dog)?; // (KV, tk, hd)
+    let dp = matmul(&dog, &s.vh.t()?)?; // (KV, G*tq, tk)
     let ds = if be.fused(&dp) {
         match dp.dtype() {
             DType::F64 => kernels::softmax_backward::<f64>(&s.p, &dp, s.scale)?,
             _ => kernels::softmax_backward::<f32>(&s.p, &dp, s.scale)?,
         }
     } else {
-        let rowdot = (&dp * &s.p)?.sum_keepdim(D::Minus1)?;
-        ((s.p.clone() * dp.broadcast_sub(&rowdot)?)? * s.scale)?
+        softmax_backward_on_device(be, &s.p, &dp, s.scale)?
     };
-    let dqg = ds.matmul(&s.kh)?; // (KV, G*tq, hd)
-    let dk = ds.t()?.matmul(&s.qg)?; // (KV, tk, hd)
+    let dqg = matmul(&ds, &s.kh)?; // (KV, G*tq, hd)
+    let dk = matmul(&ds.t()?, &s.qg)?; // (KV, tk, hd)
     let dq = dqg
         .reshape((s.heads, tq, hd))?
         .transpose(0, 1)?
@@ -307,6 +372,39 @@ pub fn attention_backward(
     let dk = dk.transpose(0, 1)?.reshape((tk, kvd))?;
     let dv = dv.transpose(0, 1)?.reshape((tk, kvd))?;
     Ok((dq, dk, dv))
+}
+
+/// The causal softmax of [`attention`] off the CPU fast path: the fused kernel on a GPU,
+/// else a mask and [`softmax_last`].
+fn causal_softmax_on_device(
+    be: Backend,
+    scores: &Tensor,
+    group: usize,
+    tq: usize,
+    scale: f64,
+) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if be.cuda(scores) {
+        return cuda::causal_softmax(scores, tq, scale);
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = be;
+    let tk = scores.dim(D::Minus1)?;
+    let mask = causal_mask(group, tq, tk, scores.dtype(), scores.device())?;
+    softmax_last(&(scores * scale)?.broadcast_add(&mask)?)
+}
+
+/// The softmax backward of [`attention_backward`] off the CPU fast path:
+/// `scale * p * (dp - sum(dp * p))`, fused on a GPU.
+fn softmax_backward_on_device(be: Backend, p: &Tensor, dp: &Tensor, scale: f64) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if be.cuda(dp) {
+        return cuda::softmax_backward(p, dp, scale);
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = be;
+    let rowdot = (dp * p)?.sum_keepdim(D::Minus1)?;
+    (p * dp.broadcast_sub(&rowdot)?)? * scale
 }
 
 /// Softmax over the last dim, stabilised by the row max.
@@ -324,6 +422,10 @@ pub fn logprobs_at(be: Backend, logits: &Tensor, targets: &Tensor) -> Result<(Te
             DType::F64 => kernels::logprobs_at::<f64>(logits, targets),
             _ => kernels::logprobs_at::<f32>(logits, targets),
         };
+    }
+    #[cfg(feature = "cuda")]
+    if be.cuda(logits) {
+        return cuda::logprobs_at(logits, targets);
     }
     let lse = logsumexp_last(logits)?;
     let picked = logits.gather(targets, 1)?;
@@ -343,6 +445,10 @@ pub fn logprobs_at_backward(
             DType::F64 => kernels::logprobs_at_backward::<f64>(logits, lse, targets, d),
             _ => kernels::logprobs_at_backward::<f32>(logits, lse, targets, d),
         };
+    }
+    #[cfg(feature = "cuda")]
+    if be.cuda(logits) {
+        return cuda::logprobs_at_backward(logits, lse, targets, d);
     }
     let probs = logits.broadcast_sub(&lse.unsqueeze(1)?)?.exp()?;
     let dsum = d.sum_keepdim(D::Minus1)?;
@@ -401,6 +507,22 @@ mod tests {
 
     fn rand(shape: &[usize], seed: u64) -> Tensor {
         uniform(shape, 2.0, seed)
+    }
+
+    #[test]
+    fn products_take_only_layouts_that_cublas_multiplies() {
+        let k = rand(&[5, 3, 4], 1); // (tk, kv_heads, hd), packed
+        let heads = k.transpose(0, 1).unwrap(); // (kv_heads, tk, hd), rows strided by 12
+        assert!(!gemm_packed(&heads) && !gemm_packed(&heads.t().unwrap()));
+        let packed = heads.contiguous().unwrap();
+        assert!(gemm_packed(&packed) && gemm_packed(&packed.t().unwrap()));
+        let rows = rand(&[6, 4], 2).narrow(0, 1, 3).unwrap();
+        assert!(gemm_packed(&rows) && gemm_packed(&rows.t().unwrap()));
+        assert!(!gemm_packed(&rand(&[6, 4], 3).narrow(1, 1, 2).unwrap()));
+        // The product is the same, copied or not.
+        let q = rand(&[3, 7, 4], 4);
+        let want = q.matmul(&heads.t().unwrap()).unwrap();
+        assert!(diff(&matmul(&q, &heads.t().unwrap()).unwrap(), &want) < 1e-12);
     }
 
     #[test]

@@ -6,6 +6,7 @@ use candle_core::{DType, Device, Tensor};
 use super::backend::Backend;
 use super::config::ModelConfig;
 use super::cpu::kernels;
+use super::ops;
 use super::ModelError;
 
 /// `x W^T`, through the few-rows kernel when decoding on the CPU backend in f32. A
@@ -16,9 +17,9 @@ pub fn matmul_t(be: Backend, x: &Tensor, w: &Tensor) -> candle_core::Result<Tens
         return kernels::matmul_t_few_rows(x, w);
     }
     if w.dtype() != x.dtype() {
-        return x.to_dtype(w.dtype())?.matmul(&w.t()?)?.to_dtype(x.dtype());
+        return ops::matmul(&x.to_dtype(w.dtype())?, &w.t()?)?.to_dtype(x.dtype());
     }
-    x.matmul(&w.t()?)
+    ops::matmul(x, &w.t()?)
 }
 
 /// `dy W`, the input gradient of a frozen projection (no weight gradient: the base is
@@ -31,9 +32,9 @@ pub fn matmul_input_grad(be: Backend, dy: &Tensor, w: &Tensor) -> candle_core::R
         return Tensor::from_vec(dx, (m, w.dim(1)?), dy.device());
     }
     if w.dtype() != dy.dtype() {
-        return dy.to_dtype(w.dtype())?.matmul(w)?.to_dtype(dy.dtype());
+        return ops::matmul(&dy.to_dtype(w.dtype())?, w)?.to_dtype(dy.dtype());
     }
-    dy.matmul(w)
+    ops::matmul(dy, w)
 }
 
 /// [`matmul_t`] for a plain `(m, in)` buffer on the CPU; returns `(m, out)` row-major.

@@ -8,6 +8,8 @@ use std::collections::BTreeMap;
 use candle_core::{DType, Tensor};
 use lathe_sdk::types::AdamParams;
 
+#[cfg(feature = "cuda")]
+use crate::model::cuda;
 use crate::model::{Adapter, AdapterGrads, Backend, Target};
 
 use super::TrainError;
@@ -67,8 +69,16 @@ pub fn validate(p: &AdamParams) -> Result<(), TrainError> {
     Ok(())
 }
 
-/// Global L2 norm of all gradients, summed in f64 wherever they live.
+/// Global L2 norm of all gradients, summed in f64 wherever they live (f32 gradients on a
+/// GPU in one pass of Lathe's kernel, with one copy back, not one per tensor).
 pub fn global_norm(grads: &AdapterGrads) -> Result<f64, TrainError> {
+    #[cfg(feature = "cuda")]
+    {
+        let all: Vec<&Tensor> = grads.pairs.values().flat_map(|(a, b)| [a, b]).collect();
+        if !all.is_empty() && cuda::enabled() && all.iter().all(|t| cuda::supported(t)) {
+            return Ok(cuda::sum_squares(&all)?.sqrt());
+        }
+    }
     let mut sq = 0.0f64;
     for (da, db) in grads.pairs.values() {
         for g in [da, db] {
@@ -115,6 +125,24 @@ fn update(
     {
         return update_host(param, grad, mom, c);
     }
+    #[cfg(feature = "cuda")]
+    if [&*param, grad, &mom.m, &mom.v]
+        .into_iter()
+        .all(|t| be.cuda(t))
+    {
+        let f = |x: f64| x as f32;
+        let step = cuda::AdamwStep {
+            grad_scale: f(c.grad_scale),
+            decay: f(c.decay),
+            beta1: f(c.beta1),
+            beta2: f(c.beta2),
+            bc2_sqrt: f(c.bc2_sqrt),
+            eps: f(c.eps),
+            step_size: f(c.step_size),
+        };
+        (*param, mom.m, mom.v) = cuda::adamw(param, grad, &mom.m, &mom.v, &step)?;
+        return Ok(());
+    }
     let g = (grad * c.grad_scale)?;
     let decayed = (&*param * c.decay)?;
     mom.m = ((&mom.m * c.beta1)? + (&g * (1.0 - c.beta1))?)?;
@@ -155,8 +183,8 @@ fn update_host(
 }
 
 /// Applies one AdamW step to `adapter` with the accumulated `grads`, computed as the
-/// model's `backend` computes (one loop over plain buffers on the CPU backend, candle's
-/// ops on the device backend).
+/// model's `backend` computes (one loop over plain buffers on the CPU backend; on the
+/// device backend Lathe's fused kernel on a GPU, candle's ops elsewhere).
 ///
 /// Targets without a gradient are left alone, as torch skips parameters whose `.grad` is
 /// `None`.

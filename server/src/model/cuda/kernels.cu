@@ -1,0 +1,231 @@
+// Lathe's fused CUDA kernels: the device backend's RMSNorm, RoPE, SwiGLU, causal
+// softmax and output log-softmax, forward and backward, and the AdamW step with its
+// gradient norm, in f32 on contiguous row-major tensors. Each computes what the candle composite of `model/ops.rs` computes, in fewer
+// passes over memory; `server/tests/cuda_kernels.rs` holds each to its composite on a GPU.
+//
+// Row kernels run one block of ROW_THREADS threads per row and reduce in shared memory;
+// elementwise kernels run a grid-stride loop. Sizes arrive as 64-bit integers (a row
+// count times a width can pass 2^31 on a large GPU).
+
+#include <stdint.h>
+
+#define ROW_THREADS 256
+
+// Sum of `v` over the block; every thread gets the result. `scratch` holds one value
+// per warp.
+template <typename T>
+__device__ T block_sum(T v, T* scratch) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    const int warps = (blockDim.x + 31) >> 5;
+    v = lane < warps ? scratch[lane] : T(0);
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    return v;
+}
+
+// Maximum of `v` over the block; every thread gets the result.
+__device__ float block_max(float v, float* scratch) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    const int warps = (blockDim.x + 31) >> 5;
+    v = lane < warps ? scratch[lane] : -INFINITY;
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+    return v;
+}
+
+// 1 / sqrt(mean(x^2) + eps) of the block's row.
+__device__ float row_rstd(const float* x, int64_t d, float eps, float* scratch) {
+    float ss = 0.0f;
+    for (int64_t j = threadIdx.x; j < d; j += blockDim.x) ss += x[j] * x[j];
+    ss = block_sum(ss, scratch);
+    return 1.0f / sqrtf(ss / (float)d + eps);
+}
+
+// RMSNorm forward: y = x * rstd * w, and rstd per row.
+extern "C" __global__ void rms_norm_f32(const float* x, const float* w, float* y, float* rstd,
+                                        int64_t d, float eps) {
+    __shared__ float scratch[32];
+    const int64_t row = blockIdx.x;
+    const float* xr = x + row * d;
+    const float r = row_rstd(xr, d, eps, scratch);
+    for (int64_t j = threadIdx.x; j < d; j += blockDim.x) y[row * d + j] = xr[j] * r * w[j];
+    if (threadIdx.x == 0) rstd[row] = r;
+}
+
+// RMSNorm input gradient: dx = rstd * (g - xhat * mean(g * xhat)), g = dy * w,
+// xhat = x * rstd.
+extern "C" __global__ void rms_norm_backward_f32(const float* dy, const float* x, const float* w,
+                                                 const float* rstd, float* dx, int64_t d) {
+    __shared__ float scratch[32];
+    const int64_t row = blockIdx.x;
+    const float r = rstd[row];
+    const float* xr = x + row * d;
+    const float* dyr = dy + row * d;
+    float dot = 0.0f;
+    for (int64_t j = threadIdx.x; j < d; j += blockDim.x) dot += dyr[j] * w[j] * xr[j] * r;
+    const float mean = block_sum(dot, scratch) / (float)d;
+    for (int64_t j = threadIdx.x; j < d; j += blockDim.x)
+        dx[row * d + j] = r * (dyr[j] * w[j] - xr[j] * r * mean);
+}
+
+// Rotate-half RoPE of x (n, heads, hd) by cos/sin (n, hd/2); sign -1 rotates back
+// (the backward pass).
+extern "C" __global__ void rope_f32(const float* x, const float* cos_t, const float* sin_t,
+                                    float* y, int64_t n, int64_t heads, int64_t hd, float sign) {
+    const int64_t half = hd / 2;
+    const int64_t total = n * heads * half;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t f = i % half;
+        const int64_t row = i / half;  // token * heads + head
+        const int64_t tok = row / heads;
+        const float c = cos_t[tok * half + f], s = sign * sin_t[tok * half + f];
+        const float x1 = x[row * hd + f], x2 = x[row * hd + half + f];
+        y[row * hd + f] = x1 * c - x2 * s;
+        y[row * hd + half + f] = x2 * c + x1 * s;
+    }
+}
+
+// SwiGLU forward of the stacked gate_up (n, 2f): y = silu(gate) * up, (n, f).
+extern "C" __global__ void swiglu_f32(const float* gu, float* y, int64_t n, int64_t f) {
+    const int64_t total = n * f;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t row = i / f, j = i % f;
+        const float g = gu[row * 2 * f + j], u = gu[row * 2 * f + f + j];
+        y[i] = g / (1.0f + expf(-g)) * u;
+    }
+}
+
+// SwiGLU backward: [dgate | dup] (n, 2f) of dy (n, f).
+extern "C" __global__ void swiglu_backward_f32(const float* dy, const float* gu, float* dgu,
+                                               int64_t n, int64_t f) {
+    const int64_t total = n * f;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t row = i / f, j = i % f;
+        const float g = gu[row * 2 * f + j], u = gu[row * 2 * f + f + j];
+        const float sig = 1.0f / (1.0f + expf(-g));
+        dgu[row * 2 * f + j] = dy[i] * u * sig * (1.0f + g * (1.0f - sig));
+        dgu[row * 2 * f + f + j] = dy[i] * g * sig;
+    }
+}
+
+// Causal softmax of unscaled scores (rows, tk), rows = heads-in-group * tq stacked:
+// row r is query r % tq at position tk - tq + r % tq and sees keys up to it;
+// p = softmax(scale * s) over those keys, 0 beyond.
+extern "C" __global__ void causal_softmax_f32(const float* s, float* p, int64_t tq, int64_t tk,
+                                              float scale) {
+    __shared__ float scratch[32];
+    const int64_t row = blockIdx.x;
+    const int64_t visible = tk - tq + row % tq + 1;
+    const float* sr = s + row * tk;
+    float* pr = p + row * tk;
+    float m = -INFINITY;
+    for (int64_t j = threadIdx.x; j < visible; j += blockDim.x) m = fmaxf(m, sr[j] * scale);
+    m = block_max(m, scratch);
+    float sum = 0.0f;
+    for (int64_t j = threadIdx.x; j < visible; j += blockDim.x) sum += expf(sr[j] * scale - m);
+    sum = block_sum(sum, scratch);
+    const float inv = 1.0f / sum;
+    for (int64_t j = threadIdx.x; j < tk; j += blockDim.x)
+        pr[j] = j < visible ? expf(sr[j] * scale - m) * inv : 0.0f;
+}
+
+// Softmax backward through the scale: ds = scale * p * (dp - sum(dp * p)), per row.
+extern "C" __global__ void softmax_backward_f32(const float* p, const float* dp, float* ds,
+                                                int64_t cols, float scale) {
+    __shared__ float scratch[32];
+    const int64_t row = blockIdx.x;
+    const float* prow = p + row * cols;
+    const float* dprow = dp + row * cols;
+    float dot = 0.0f;
+    for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) dot += prow[j] * dprow[j];
+    dot = block_sum(dot, scratch);
+    for (int64_t j = threadIdx.x; j < cols; j += blockDim.x)
+        ds[row * cols + j] = scale * prow[j] * (dprow[j] - dot);
+}
+
+// Log-probabilities of k targets per row under logits (n, V): lp (n, k) and lse (n).
+extern "C" __global__ void logprobs_at_f32(const float* logits, const uint32_t* targets,
+                                           float* lp, float* lse, int64_t v, int64_t k) {
+    __shared__ float scratch[32];
+    __shared__ float row_lse;
+    const int64_t row = blockIdx.x;
+    const float* lr = logits + row * v;
+    float m = -INFINITY;
+    for (int64_t j = threadIdx.x; j < v; j += blockDim.x) m = fmaxf(m, lr[j]);
+    m = block_max(m, scratch);
+    float sum = 0.0f;
+    for (int64_t j = threadIdx.x; j < v; j += blockDim.x) sum += expf(lr[j] - m);
+    sum = block_sum(sum, scratch);
+    if (threadIdx.x == 0) {
+        row_lse = logf(sum) + m;
+        lse[row] = row_lse;
+    }
+    __syncthreads();
+    for (int64_t t = threadIdx.x; t < k; t += blockDim.x) {
+        const uint32_t target = targets[row * k + t];
+        lp[row * k + t] = target < v ? lr[target] - row_lse : NAN;
+    }
+}
+
+// Gradient of logprobs_at w.r.t. the logits: scatter(d at targets) - softmax * sum_k d.
+extern "C" __global__ void logprobs_at_backward_f32(const float* logits, const float* lse,
+                                                    const uint32_t* targets, const float* d,
+                                                    float* dl, int64_t v, int64_t k) {
+    __shared__ float scratch[32];
+    const int64_t row = blockIdx.x;
+    float dsum = 0.0f;
+    for (int64_t t = threadIdx.x; t < k; t += blockDim.x) dsum += d[row * k + t];
+    dsum = block_sum(dsum, scratch);
+    const float l = lse[row];
+    const float* lr = logits + row * v;
+    float* out = dl + row * v;
+    for (int64_t j = threadIdx.x; j < v; j += blockDim.x) out[j] = -expf(lr[j] - l) * dsum;
+    __syncthreads();
+    // One thread adds the targets' terms, so repeated targets in a row add up in order.
+    if (threadIdx.x == 0)
+        for (int64_t t = 0; t < k; ++t) {
+            const uint32_t target = targets[row * k + t];
+            if (target < v) out[target] += d[row * k + t];
+        }
+}
+
+// Sum of squares of one tensor's n values, accumulated in f64, into out[slot]: one block
+// per tensor, so the gradient norm of many small tensors takes one copy back.
+extern "C" __global__ void sum_squares_f32(const float* g, int64_t n, double* out, int64_t slot) {
+    __shared__ double scratch[32];
+    double acc = 0.0;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        const double x = g[i];
+        acc += x * x;
+    }
+    acc = block_sum(acc, scratch);
+    if (threadIdx.x == 0) out[slot] = acc;
+}
+
+// One AdamW step of one parameter, in torch's order of operations (as the CPU backend's
+// loop computes it), into fresh outputs: parameters are shared with sampler snapshots,
+// so they are never written in place.
+extern "C" __global__ void adamw_f32(const float* p, const float* g, const float* m,
+                                     const float* v, float* p_out, float* m_out, float* v_out,
+                                     int64_t n, float grad_scale, float decay, float beta1,
+                                     float beta2, float bc2_sqrt, float eps, float step_size) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const float gi = g[i] * grad_scale;
+        const float mi = m[i] * beta1 + gi * (1.0f - beta1);
+        const float vi = v[i] * beta2 + gi * gi * (1.0f - beta2);
+        const float denom = sqrtf(vi) / bc2_sqrt + eps;
+        p_out[i] = p[i] * decay - mi / denom * step_size;
+        m_out[i] = mi;
+        v_out[i] = vi;
+    }
+}

@@ -1,0 +1,428 @@
+//! The device backend's fused CUDA kernels: RMSNorm, RoPE, SwiGLU, the causal softmax
+//! and the output log-softmax, each with its backward, and the AdamW step with its
+//! gradient norm, for f32 tensors on a CUDA device.
+//!
+//! They compute what the candle composites of [`super::ops`] compute, in one or two
+//! passes over memory instead of one kernel per elementwise step (the composite RMSNorm
+//! alone is seven launches and as many intermediate tensors). `kernels.cu` is compiled to
+//! PTX by the crate's build script (compute capability 7.5, which every GPU since Turing
+//! JITs) and loaded once per device through candle's module cache; launches go through
+//! `cudarc` on the device's stream, as candle's own kernels do.
+//!
+//! Every function takes tensors of the documented shapes, makes them contiguous, and
+//! returns fresh contiguous tensors; the ops of [`super::ops`] call them only where
+//! [`super::Backend::cuda`] says so. `server/tests/cuda_kernels.rs` holds each kernel to
+//! its composite on a GPU.
+
+use std::sync::OnceLock;
+
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaView, LaunchArgs, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage, WrapErr};
+use candle_core::op::BackpropOp;
+use candle_core::{bail, DType, Device, Result, Shape, Storage, StorageRef, Tensor, D};
+
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/lathe_kernels.ptx"));
+/// The name candle caches the loaded module under, per device.
+const MODULE: &str = "lathe_kernels";
+/// Threads per block; the row kernels reduce over one row per block.
+const THREADS: u32 = 256;
+
+/// Whether the kernels are in use: unless `LATHE_CUDA_FUSED=0` (read once), which runs
+/// candle's composites instead, to measure what the kernels gain.
+pub fn enabled() -> bool {
+    static ENABLED: OnceLock<bool> = OnceLock::new();
+    *ENABLED.get_or_init(|| std::env::var("LATHE_CUDA_FUSED").map_or(true, |v| v.trim() != "0"))
+}
+
+/// Whether the kernels take `t`: f32 on a CUDA device.
+pub fn supported(t: &Tensor) -> bool {
+    t.device().is_cuda() && t.dtype() == DType::F32
+}
+
+/// A contiguous tensor's storage, read-locked for the length of a launch.
+struct Input<'a> {
+    storage: StorageRef<'a>,
+    offset: usize,
+    len: usize,
+}
+
+impl Input<'_> {
+    fn view<T: CudaDType>(&self) -> Result<CudaView<'_, T>> {
+        match &*self.storage {
+            Storage::Cuda(s) => Ok(s
+                .as_cuda_slice::<T>()?
+                .slice(self.offset..self.offset + self.len)),
+            _ => bail!("a fused CUDA kernel was given a tensor that is not on a CUDA device"),
+        }
+    }
+}
+
+fn input(t: &Tensor) -> Result<Input<'_>> {
+    let (storage, layout) = t.storage_and_layout();
+    if !layout.is_contiguous() {
+        bail!("a fused CUDA kernel was given a non-contiguous tensor");
+    }
+    Ok(Input {
+        storage,
+        offset: layout.start_offset(),
+        len: layout.shape().elem_count(),
+    })
+}
+
+fn device(t: &Tensor) -> Result<CudaDevice> {
+    match t.device() {
+        Device::Cuda(d) => Ok(d.clone()),
+        _ => bail!("a fused CUDA kernel was given a tensor that is not on a CUDA device"),
+    }
+}
+
+/// `len` uninitialised f32s on `dev`, every one of which the kernel about to run writes.
+fn alloc(dev: &CudaDevice, len: usize) -> Result<CudaSlice<f32>> {
+    // SAFETY: each caller launches a kernel that writes all `len` elements before the
+    // slice is read.
+    unsafe { dev.alloc::<f32>(len.max(1)) }
+}
+
+fn tensor(dev: &CudaDevice, slice: CudaSlice<f32>, shape: impl Into<Shape>) -> Tensor {
+    let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(slice, dev.clone()));
+    Tensor::from_storage(storage, shape, BackpropOp::none(), false)
+}
+
+/// One block per row.
+fn rows(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// A grid-stride launch over `total` elements.
+fn elements(total: usize) -> LaunchConfig {
+    let blocks = total.div_ceil(THREADS as usize).clamp(1, 1 << 16) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Launches a kernel whose arguments are pushed, unless the launch would have no blocks.
+fn run(mut args: LaunchArgs<'_>, cfg: LaunchConfig) -> Result<()> {
+    if cfg.grid_dim.0 == 0 {
+        return Ok(());
+    }
+    // SAFETY: each caller pushes the argument list of its kernel in kernels.cu, with
+    // slices of the lengths its shapes imply.
+    unsafe { args.launch(cfg) }.w()?;
+    Ok(())
+}
+
+/// Rows and width of a tensor whose last dim is the row.
+fn rows_of(t: &Tensor) -> Result<(usize, usize)> {
+    let d = t.dim(D::Minus1)?;
+    Ok((t.elem_count() / d.max(1), d))
+}
+
+fn row_count(n: usize) -> Result<usize> {
+    if n > i32::MAX as usize {
+        bail!("{n} rows are more than a CUDA grid holds");
+    }
+    Ok(n)
+}
+
+/// RMSNorm over the last dim: `(x * rstd * weight, rstd (rows,))`.
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+    let (x, weight) = (x.contiguous()?, weight.contiguous()?);
+    let (n, d) = rows_of(&x)?;
+    let dev = device(&x)?;
+    let (y, rstd) = (alloc(&dev, n * d)?, alloc(&dev, n)?);
+    let (xi, wi) = (input(&x)?, input(&weight)?);
+    let (xv, wv) = (xi.view::<f32>()?, wi.view::<f32>()?);
+    let (d64, eps32) = (d as i64, eps as f32);
+    let func = dev.get_or_load_custom_func("rms_norm_f32", MODULE, PTX)?;
+    let mut b = func.builder();
+    b.arg(&xv).arg(&wv).arg(&y).arg(&rstd).arg(&d64).arg(&eps32);
+    run(b, rows(row_count(n)?))?;
+    Ok((tensor(&dev, y, x.shape().clone()), tensor(&dev, rstd, n)))
+}
+
+/// RMSNorm's input gradient from `dy`, the input `x`, the weight and `rstd`.
+pub fn rms_norm_backward(
+    dy: &Tensor,
+    x: &Tensor,
+    weight: &Tensor,
+    rstd: &Tensor,
+) -> Result<Tensor> {
+    let (dy, x, weight, rstd) = (
+        dy.contiguous()?,
+        x.contiguous()?,
+        weight.contiguous()?,
+        rstd.contiguous()?,
+    );
+    let (n, d) = rows_of(&x)?;
+    let dev = device(&x)?;
+    let dx = alloc(&dev, n * d)?;
+    let (dyi, xi, wi, ri) = (input(&dy)?, input(&x)?, input(&weight)?, input(&rstd)?);
+    let (dyv, xv, wv, rv) = (
+        dyi.view::<f32>()?,
+        xi.view::<f32>()?,
+        wi.view::<f32>()?,
+        ri.view::<f32>()?,
+    );
+    let d64 = d as i64;
+    let func = dev.get_or_load_custom_func("rms_norm_backward_f32", MODULE, PTX)?;
+    let mut b = func.builder();
+    b.arg(&dyv).arg(&xv).arg(&wv).arg(&rv).arg(&dx).arg(&d64);
+    run(b, rows(row_count(n)?))?;
+    Ok(tensor(&dev, dx, x.shape().clone()))
+}
+
+/// Rotate-half RoPE of `x (n, heads, head_dim)` by `cos`/`sin (n, head_dim/2)`; `sign`
+/// -1 rotates back (the backward pass).
+pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, sign: f32) -> Result<Tensor> {
+    let (x, cos, sin) = (x.contiguous()?, cos.contiguous()?, sin.contiguous()?);
+    let (n, heads, hd) = x.dims3()?;
+    let dev = device(&x)?;
+    let y = alloc(&dev, n * heads * hd)?;
+    let (xi, ci, si) = (input(&x)?, input(&cos)?, input(&sin)?);
+    let (xv, cv, sv) = (xi.view::<f32>()?, ci.view::<f32>()?, si.view::<f32>()?);
+    let (n64, h64, hd64) = (n as i64, heads as i64, hd as i64);
+    let func = dev.get_or_load_custom_func("rope_f32", MODULE, PTX)?;
+    let mut b = func.builder();
+    b.arg(&xv)
+        .arg(&cv)
+        .arg(&sv)
+        .arg(&y)
+        .arg(&n64)
+        .arg(&h64)
+        .arg(&hd64)
+        .arg(&sign);
+    run(b, elements(n * heads * hd / 2))?;
+    Ok(tensor(&dev, y, (n, heads, hd)))
+}
+
+/// `silu(gate) * up` of the stacked `gate_up (n, 2f)`: `(n, f)`.
+pub fn swiglu(gate_up: &Tensor) -> Result<Tensor> {
+    let gate_up = gate_up.contiguous()?;
+    let (n, f2) = gate_up.dims2()?;
+    let f = f2 / 2;
+    let dev = device(&gate_up)?;
+    let y = alloc(&dev, n * f)?;
+    let gi = input(&gate_up)?;
+    let gv = gi.view::<f32>()?;
+    let (n64, f64_) = (n as i64, f as i64);
+    let func = dev.get_or_load_custom_func("swiglu_f32", MODULE, PTX)?;
+    let mut b = func.builder();
+    b.arg(&gv).arg(&y).arg(&n64).arg(&f64_);
+    run(b, elements(n * f))?;
+    Ok(tensor(&dev, y, (n, f)))
+}
+
+/// The gradient `[dgate | dup] (n, 2f)` of [`swiglu`] from `dy (n, f)`.
+pub fn swiglu_backward(dy: &Tensor, gate_up: &Tensor) -> Result<Tensor> {
+    let (dy, gate_up) = (dy.contiguous()?, gate_up.contiguous()?);
+    let (n, f2) = gate_up.dims2()?;
+    let f = f2 / 2;
+    let dev = device(&gate_up)?;
+    let dgu = alloc(&dev, n * f2)?;
+    let (di, gi) = (input(&dy)?, input(&gate_up)?);
+    let (dv, gv) = (di.view::<f32>()?, gi.view::<f32>()?);
+    let (n64, f64_) = (n as i64, f as i64);
+    let func = dev.get_or_load_custom_func("swiglu_backward_f32", MODULE, PTX)?;
+    let mut b = func.builder();
+    b.arg(&dv).arg(&gv).arg(&dgu).arg(&n64).arg(&f64_);
+    run(b, elements(n * f))?;
+    Ok(tensor(&dev, dgu, (n, f2)))
+}
+
+/// Causal softmax of the unscaled `scores (.., group*tq, tk)`: row `g*tq + i` is query `i`
+/// at position `tk - tq + i`; `softmax(scale * s)` over the keys it sees, 0 beyond.
+pub fn causal_softmax(scores: &Tensor, tq: usize, scale: f64) -> Result<Tensor> {
+    let scores = scores.contiguous()?;
+    let (n, tk) = rows_of(&scores)?;
+    if tq == 0 || tq > tk || n % tq != 0 {
+        bail!("causal softmax: {n} rows of {tk} keys do not hold queries of {tq}");
+    }
+    let dev = device(&scores)?;
+    let p = alloc(&dev, n * tk)?;
+    let si = input(&scores)?;
+    let sv = si.view::<f32>()?;
+    let (tq64, tk64, scale32) = (tq as i64, tk as i64, scale as f32);
+    let func = dev.get_or_load_custom_func("causal_softmax_f32", MODULE, PTX)?;
+    let mut b = func.builder();
+    b.arg(&sv).arg(&p).arg(&tq64).arg(&tk64).arg(&scale32);
+    run(b, rows(row_count(n)?))?;
+    Ok(tensor(&dev, p, scores.shape().clone()))
+}
+
+/// The gradient of the scaled scores from the softmax `p` and its gradient `dp`:
+/// `scale * p * (dp - sum(dp * p))` per row.
+pub fn softmax_backward(p: &Tensor, dp: &Tensor, scale: f64) -> Result<Tensor> {
+    let (p, dp) = (p.contiguous()?, dp.contiguous()?);
+    let (n, cols) = rows_of(&p)?;
+    let dev = device(&p)?;
+    let ds = alloc(&dev, n * cols)?;
+    let (pi, di) = (input(&p)?, input(&dp)?);
+    let (pv, dv) = (pi.view::<f32>()?, di.view::<f32>()?);
+    let (c64, scale32) = (cols as i64, scale as f32);
+    let func = dev.get_or_load_custom_func("softmax_backward_f32", MODULE, PTX)?;
+    let mut b = func.builder();
+    b.arg(&pv).arg(&dv).arg(&ds).arg(&c64).arg(&scale32);
+    run(b, rows(row_count(n)?))?;
+    Ok(tensor(&dev, ds, p.shape().clone()))
+}
+
+/// Log-probabilities of `targets (n, k)` (u32) under `logits (n, V)`:
+/// `(lp (n, k), lse (n,))`. A target outside the vocabulary gets NaN.
+pub fn logprobs_at(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
+    let (logits, targets) = (
+        logits.contiguous()?,
+        targets.to_dtype(DType::U32)?.contiguous()?,
+    );
+    let (n, v) = logits.dims2()?;
+    let k = targets.dim(1)?;
+    let dev = device(&logits)?;
+    let (lp, lse) = (alloc(&dev, n * k)?, alloc(&dev, n)?);
+    let (li, ti) = (input(&logits)?, input(&targets)?);
+    let (lv, tv) = (li.view::<f32>()?, ti.view::<u32>()?);
+    let (v64, k64) = (v as i64, k as i64);
+    let func = dev.get_or_load_custom_func("logprobs_at_f32", MODULE, PTX)?;
+    let mut b = func.builder();
+    b.arg(&lv).arg(&tv).arg(&lp).arg(&lse).arg(&v64).arg(&k64);
+    run(b, rows(row_count(n)?))?;
+    Ok((tensor(&dev, lp, (n, k)), tensor(&dev, lse, n)))
+}
+
+/// Gradient of [`logprobs_at`] w.r.t. the logits from `d (n, k)`:
+/// `scatter(d at targets) - softmax * sum_k d`.
+pub fn logprobs_at_backward(
+    logits: &Tensor,
+    lse: &Tensor,
+    targets: &Tensor,
+    d: &Tensor,
+) -> Result<Tensor> {
+    let (logits, lse) = (logits.contiguous()?, lse.contiguous()?);
+    let (targets, d) = (targets.to_dtype(DType::U32)?.contiguous()?, d.contiguous()?);
+    let (n, v) = logits.dims2()?;
+    let k = targets.dim(1)?;
+    let dev = device(&logits)?;
+    let dl = alloc(&dev, n * v)?;
+    let (li, si, ti, di) = (input(&logits)?, input(&lse)?, input(&targets)?, input(&d)?);
+    let (lv, sv, tv, dv) = (
+        li.view::<f32>()?,
+        si.view::<f32>()?,
+        ti.view::<u32>()?,
+        di.view::<f32>()?,
+    );
+    let (v64, k64) = (v as i64, k as i64);
+    let func = dev.get_or_load_custom_func("logprobs_at_backward_f32", MODULE, PTX)?;
+    let mut b = func.builder();
+    b.arg(&lv)
+        .arg(&sv)
+        .arg(&tv)
+        .arg(&dv)
+        .arg(&dl)
+        .arg(&v64)
+        .arg(&k64);
+    run(b, rows(row_count(n)?))?;
+    Ok(tensor(&dev, dl, (n, v)))
+}
+
+/// `sum(x^2)` over every element of `tensors` (f32, on one GPU), accumulated in f64: one
+/// launch per tensor into one buffer, and one copy back.
+pub fn sum_squares(tensors: &[&Tensor]) -> Result<f64> {
+    let Some(first) = tensors.first() else {
+        return Ok(0.0);
+    };
+    let dev = device(first)?;
+    let mut partial = dev.alloc_zeros::<f64>(tensors.len())?;
+    for (slot, t) in tensors.iter().enumerate() {
+        let t = t.contiguous()?;
+        let ti = input(&t)?;
+        let tv = ti.view::<f32>()?;
+        let (n, slot) = (t.elem_count() as i64, slot as i64);
+        let func = dev.get_or_load_custom_func("sum_squares_f32", MODULE, PTX)?;
+        let mut b = func.builder();
+        b.arg(&tv).arg(&n).arg(&mut partial).arg(&slot);
+        run(b, rows(1))?;
+    }
+    let host = dev.cuda_stream().clone_dtoh(&partial).w()?;
+    Ok(host.iter().sum())
+}
+
+/// The scalars of one AdamW step (see `train::adamw`), in the f32 the update computes in.
+#[derive(Clone, Copy, Debug)]
+pub struct AdamwStep {
+    /// Gradient factor from clipping (1 when not clipped).
+    pub grad_scale: f32,
+    /// `1 - lr * weight_decay`.
+    pub decay: f32,
+    /// First-moment decay.
+    pub beta1: f32,
+    /// Second-moment decay.
+    pub beta2: f32,
+    /// `sqrt(1 - beta2^t)`.
+    pub bc2_sqrt: f32,
+    /// Added to the denominator.
+    pub eps: f32,
+    /// `lr / (1 - beta1^t)`.
+    pub step_size: f32,
+}
+
+/// One AdamW step of `param` with `grad` and moments `m`, `v` (f32, on one GPU, one
+/// shape): the new `(param, m, v)`, in fresh tensors.
+pub fn adamw(
+    param: &Tensor,
+    grad: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    s: &AdamwStep,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let shape = param.shape().clone();
+    for t in [grad, m, v] {
+        if t.shape() != &shape {
+            bail!("adamw: {:?} beside a parameter of {:?}", t.shape(), shape);
+        }
+    }
+    let (param, grad, m, v) = (
+        param.contiguous()?,
+        grad.contiguous()?,
+        m.contiguous()?,
+        v.contiguous()?,
+    );
+    let n = shape.elem_count();
+    let dev = device(&param)?;
+    let (p_out, m_out, v_out) = (alloc(&dev, n)?, alloc(&dev, n)?, alloc(&dev, n)?);
+    let (pi, gi, mi, vi) = (input(&param)?, input(&grad)?, input(&m)?, input(&v)?);
+    let (pv, gv, mv, vv) = (
+        pi.view::<f32>()?,
+        gi.view::<f32>()?,
+        mi.view::<f32>()?,
+        vi.view::<f32>()?,
+    );
+    let n64 = n as i64;
+    let func = dev.get_or_load_custom_func("adamw_f32", MODULE, PTX)?;
+    let mut b = func.builder();
+    b.arg(&pv)
+        .arg(&gv)
+        .arg(&mv)
+        .arg(&vv)
+        .arg(&p_out)
+        .arg(&m_out)
+        .arg(&v_out)
+        .arg(&n64);
+    b.arg(&s.grad_scale)
+        .arg(&s.decay)
+        .arg(&s.beta1)
+        .arg(&s.beta2);
+    b.arg(&s.bc2_sqrt).arg(&s.eps).arg(&s.step_size);
+    run(b, elements(n))?;
+    Ok((
+        tensor(&dev, p_out, shape.clone()),
+        tensor(&dev, m_out, shape.clone()),
+        tensor(&dev, v_out, shape),
+    ))
+}

@@ -1,0 +1,259 @@
+//! Lathe's fused CUDA kernels (`model::cuda`) against the device backend's candle
+//! composites they replace, each on a GPU in f32 against the composite in f64 on the
+//! CPU, on shapes that do not divide the block size, rows wider than a block, a KV-cache
+//! step (more keys than queries) and repeated targets. Built with `--features cuda`
+//! (`scripts/gpu-check` runs it); without a GPU each test fails when
+//! `LATHE_REQUIRE_GPU=1` and otherwise says it was skipped.
+#![cfg(feature = "cuda")]
+
+use candle_core::{DType, Device, Tensor, D};
+use lathe_server::model::{cuda, ops, Backend, DeviceSpec};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+/// The first GPU, or `None` (the test is skipped) when there is none and
+/// `LATHE_REQUIRE_GPU` is not 1.
+fn gpu() -> Option<Device> {
+    match DeviceSpec::Cuda(0).open() {
+        Ok(device) => Some(device),
+        Err(e) if std::env::var("LATHE_REQUIRE_GPU").as_deref() == Ok("1") => panic!("{e}"),
+        Err(e) => {
+            eprintln!("skipped: {e}");
+            None
+        }
+    }
+}
+
+/// Values uniform in `(-bound, bound)`, f64 on the CPU, deterministic in `seed`.
+fn uniform(shape: &[usize], bound: f64, seed: u64) -> Tensor {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let n = shape.iter().product();
+    let v: Vec<f64> = (0..n).map(|_| rng.random_range(-bound..bound)).collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+}
+
+/// `t` in f32 on `dev`.
+fn on(t: &Tensor, dev: &Device) -> Tensor {
+    t.to_dtype(DType::F32).unwrap().to_device(dev).unwrap()
+}
+
+/// `max|got - want| / max(1, max|want|)`, with `got` brought back from the GPU.
+fn rel(got: &Tensor, want: &Tensor) -> f64 {
+    let got = got
+        .to_device(&Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap();
+    assert_eq!(got.dims(), want.dims());
+    let diff: f64 = (&got - want)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar()
+        .unwrap();
+    let scale: f64 = want
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar()
+        .unwrap();
+    diff / scale.max(1.0)
+}
+
+const TOL: f64 = 2e-5;
+
+#[test]
+fn rms_norm_and_its_backward_match_the_composite() {
+    let Some(dev) = gpu() else { return };
+    // Rows narrower than, as wide as and wider than a block, and a width that is no
+    // multiple of a warp.
+    for (rows, d, seed) in [
+        (7, 576, 1),
+        (3, 1000, 2),
+        (5, 256, 3),
+        (2, 3, 4),
+        (1, 1536, 5),
+    ] {
+        let (x, w, dy) = (
+            uniform(&[rows, d], 2.0, seed),
+            uniform(&[d], 1.5, seed + 10),
+            uniform(&[rows, d], 1.0, seed + 20),
+        );
+        let (want_y, saved) = ops::rms_norm_composite(&x, &w, 1e-5).unwrap();
+        let want_dx = ops::rms_norm_backward(&dy, &w, &saved).unwrap();
+        let (y, rstd) = cuda::rms_norm(&on(&x, &dev), &on(&w, &dev), 1e-5).unwrap();
+        assert_eq!(rstd.dims(), &[rows]);
+        assert!(
+            rel(&y, &want_y) < TOL,
+            "rms_norm {rows}x{d}: {}",
+            rel(&y, &want_y)
+        );
+        let dx =
+            cuda::rms_norm_backward(&on(&dy, &dev), &on(&x, &dev), &on(&w, &dev), &rstd).unwrap();
+        assert!(
+            rel(&dx, &want_dx) < TOL,
+            "rms_norm backward {rows}x{d}: {}",
+            rel(&dx, &want_dx)
+        );
+    }
+    // No rows at all.
+    let (y, rstd) = cuda::rms_norm(
+        &on(&uniform(&[0, 8], 1.0, 9), &dev),
+        &on(&uniform(&[8], 1.0, 9), &dev),
+        1e-5,
+    )
+    .unwrap();
+    assert_eq!((y.dims(), rstd.dims()), (&[0, 8][..], &[0][..]));
+}
+
+#[test]
+fn rope_matches_the_composite_both_ways() {
+    let Some(dev) = gpu() else { return };
+    for (n, heads, hd, seed) in [(9, 3, 64, 1), (5, 4, 6, 2), (1, 9, 128, 3)] {
+        let x = uniform(&[n, heads, hd], 2.0, seed);
+        let angles = uniform(&[n, hd / 2], 3.0, seed + 10);
+        let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
+        let want = ops::rope_composite(&x, &cos, &sin).unwrap();
+        let got = cuda::rope(&on(&x, &dev), &on(&cos, &dev), &on(&sin, &dev), 1.0).unwrap();
+        assert!(rel(&got, &want) < TOL, "rope {n}x{heads}x{hd}");
+        let want = ops::rope_composite(&x, &cos, &sin.neg().unwrap()).unwrap();
+        let got = cuda::rope(&on(&x, &dev), &on(&cos, &dev), &on(&sin, &dev), -1.0).unwrap();
+        assert!(rel(&got, &want) < TOL, "rope backward {n}x{heads}x{hd}");
+    }
+}
+
+#[test]
+fn swiglu_and_its_backward_match_the_composite() {
+    let Some(dev) = gpu() else { return };
+    for (n, f, seed) in [(7, 1536, 1), (3, 9, 2), (1, 1000, 3)] {
+        let (gu, dy) = (
+            uniform(&[n, 2 * f], 4.0, seed),
+            uniform(&[n, f], 1.0, seed + 10),
+        );
+        let want = ops::swiglu(Backend::Device, &gu).unwrap();
+        let got = cuda::swiglu(&on(&gu, &dev)).unwrap();
+        assert!(rel(&got, &want) < TOL, "swiglu {n}x{f}");
+        let want = ops::swiglu_backward_composite(&dy, &gu).unwrap();
+        let got = cuda::swiglu_backward(&on(&dy, &dev), &on(&gu, &dev)).unwrap();
+        assert!(rel(&got, &want) < TOL, "swiglu backward {n}x{f}");
+    }
+}
+
+/// The causal softmax by hand: row `g*tq + i` sees keys `0..=tk-tq+i`.
+fn masked_softmax(scores: &Tensor, tq: usize, scale: f64) -> Tensor {
+    let dims = scores.dims().to_vec();
+    let (rows, tk) = (dims[dims.len() - 2], dims[dims.len() - 1]);
+    let mask: Vec<f64> = (0..rows)
+        .flat_map(|r| {
+            (0..tk).map(move |j| {
+                if j <= tk - tq + r % tq {
+                    0.0
+                } else {
+                    f64::NEG_INFINITY
+                }
+            })
+        })
+        .collect();
+    let mask = Tensor::from_vec(mask, (rows, tk), &Device::Cpu).unwrap();
+    ops::softmax_last(&(scores * scale).unwrap().broadcast_add(&mask).unwrap()).unwrap()
+}
+
+#[test]
+fn causal_softmax_and_its_backward_match_the_composite() {
+    let Some(dev) = gpu() else { return };
+    // (kv heads, group, queries, keys): a whole sequence, a KV-cache step of one query,
+    // a prefill after a cached prefix, and rows wider than a block.
+    for (kv, group, tq, tk, seed) in [
+        (3, 3, 17, 17, 1),
+        (2, 4, 1, 40, 2),
+        (1, 2, 5, 12, 3),
+        (2, 1, 3, 700, 4),
+    ] {
+        let scale = 0.125;
+        let scores = uniform(&[kv, group * tq, tk], 8.0, seed);
+        let dp = uniform(&[kv, group * tq, tk], 1.0, seed + 10);
+        let want = masked_softmax(&scores, tq, scale);
+        let p = cuda::causal_softmax(&on(&scores, &dev), tq, scale).unwrap();
+        assert!(
+            rel(&p, &want) < TOL,
+            "causal softmax {kv}x{group}x{tq}x{tk}"
+        );
+        let rowdot = (&dp * &want).unwrap().sum_keepdim(D::Minus1).unwrap();
+        let want_ds = ((&want * dp.broadcast_sub(&rowdot).unwrap()).unwrap() * scale).unwrap();
+        let ds = cuda::softmax_backward(&p, &on(&dp, &dev), scale).unwrap();
+        assert!(
+            rel(&ds, &want_ds) < TOL,
+            "softmax backward {kv}x{group}x{tq}x{tk}"
+        );
+    }
+    assert!(cuda::causal_softmax(&on(&uniform(&[1, 6, 4], 1.0, 5), &dev), 5, 1.0).is_err());
+}
+
+#[test]
+fn attention_through_the_kernels_matches_the_composite() {
+    let Some(dev) = gpu() else { return };
+    let (heads, kv_heads, hd) = (6, 2, 16);
+    for (tq, tk, seed) in [(11, 11, 1), (3, 9, 2)] {
+        let q = uniform(&[tq, heads * hd], 1.0, seed);
+        let k = uniform(&[tk, kv_heads * hd], 1.0, seed + 10);
+        let v = uniform(&[tk, kv_heads * hd], 1.0, seed + 20);
+        let dout = uniform(&[tq, heads * hd], 1.0, seed + 30);
+        let (want, saved) = ops::attention(Backend::Device, &q, &k, &v, heads, kv_heads).unwrap();
+        let want_grads = ops::attention_backward(Backend::Device, &dout, &saved).unwrap();
+        let (got, saved) = ops::attention(
+            Backend::Device,
+            &on(&q, &dev),
+            &on(&k, &dev),
+            &on(&v, &dev),
+            heads,
+            kv_heads,
+        )
+        .unwrap();
+        assert!(rel(&got, &want) < TOL, "attention {tq}x{tk}");
+        let grads = ops::attention_backward(Backend::Device, &on(&dout, &dev), &saved).unwrap();
+        for (name, g, w) in [
+            ("dq", &grads.0, &want_grads.0),
+            ("dk", &grads.1, &want_grads.1),
+            ("dv", &grads.2, &want_grads.2),
+        ] {
+            assert!(rel(g, w) < TOL, "attention {name} {tq}x{tk}: {}", rel(g, w));
+        }
+    }
+}
+
+#[test]
+fn logprobs_at_and_its_backward_match_the_composite() {
+    let Some(dev) = gpu() else { return };
+    for (n, vocab, k, seed) in [(5, 49152, 1, 1), (4, 1000, 3, 2), (1, 7, 2, 3)] {
+        let logits = uniform(&[n, vocab], 10.0, seed);
+        let mut rng = StdRng::seed_from_u64(seed + 10);
+        let mut ids: Vec<u32> = (0..n * k)
+            .map(|_| rng.random_range(0..vocab as u32))
+            .collect();
+        if k > 1 {
+            ids[1] = ids[0]; // a repeated target adds both terms
+        }
+        let targets = Tensor::from_vec(ids, (n, k), &Device::Cpu).unwrap();
+        let d = uniform(&[n, k], 1.0, seed + 20);
+        let (want_lp, want_lse) = ops::logprobs_at(Backend::Device, &logits, &targets).unwrap();
+        let want_dl =
+            ops::logprobs_at_backward(Backend::Device, &logits, &want_lse, &targets, &d).unwrap();
+        let gpu_targets = targets.to_device(&dev).unwrap();
+        let (lp, lse) = cuda::logprobs_at(&on(&logits, &dev), &gpu_targets).unwrap();
+        assert!(rel(&lp, &want_lp) < TOL, "logprobs {n}x{vocab}x{k}");
+        assert!(rel(&lse, &want_lse) < TOL, "lse {n}x{vocab}");
+        let dl = cuda::logprobs_at_backward(&on(&logits, &dev), &lse, &gpu_targets, &on(&d, &dev))
+            .unwrap();
+        assert!(
+            rel(&dl, &want_dl) < TOL,
+            "logprobs backward {n}x{vocab}x{k}: {}",
+            rel(&dl, &want_dl)
+        );
+    }
+}
