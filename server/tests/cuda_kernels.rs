@@ -7,7 +7,8 @@
 #![cfg(feature = "cuda")]
 
 use candle_core::{DType, Device, Tensor, D};
-use lathe_server::model::{cuda, ops, Backend, DeviceSpec};
+use lathe_server::model::transformer::SeqSpan;
+use lathe_server::model::{cuda, kv, ops, Backend, DeviceSpec, KvCache};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
 /// The first GPU, or `None` (the test is skipped) when there is none and
@@ -256,4 +257,154 @@ fn logprobs_at_and_its_backward_match_the_composite() {
             rel(&dl, &want_dl)
         );
     }
+}
+
+/// Decode steps of three sequences at once through `kv::cached_attention` (Lathe's
+/// decode kernel on the GPU, the composite on the CPU), after prefills of different
+/// lengths, with caches small enough to grow: outputs equal, and the kernel, called
+/// directly, writes the new rows where the composite's cache has them.
+#[test]
+fn decode_attention_matches_the_composite_and_fills_the_caches() {
+    let Some(dev) = gpu() else { return };
+    let (heads, kv_heads, hd) = (6, 2, 16);
+    let (qd, kvd) = (heads * hd, kv_heads * hd);
+    let mut cpu: Vec<KvCache> = (0..3).map(|_| KvCache::with_capacity(6)).collect();
+    let mut gpu_caches: Vec<KvCache> = (0..3).map(|_| KvCache::with_capacity(6)).collect();
+    let mut seed = 100;
+    let mut rows = |n: usize, width: usize| {
+        seed += 1;
+        uniform(&[n, width], 1.0, seed)
+    };
+    for (i, n) in [5, 1, 17].into_iter().enumerate() {
+        let (q, k, v) = (rows(n, qd), rows(n, kvd), rows(n, kvd));
+        let seqs = [SeqSpan {
+            start: 0,
+            len: n,
+            adapter: None,
+        }];
+        let want = kv::cached_attention(
+            Backend::Device,
+            0,
+            &q,
+            &k,
+            &v,
+            &seqs,
+            &mut [&mut cpu[i]],
+            heads,
+            kv_heads,
+        )
+        .unwrap();
+        let got = kv::cached_attention(
+            Backend::Device,
+            0,
+            &on(&q, &dev),
+            &on(&k, &dev),
+            &on(&v, &dev),
+            &seqs,
+            &mut [&mut gpu_caches[i]],
+            heads,
+            kv_heads,
+        )
+        .unwrap();
+        assert!(rel(&got, &want) < TOL, "prefill of {n}");
+    }
+    let seqs: Vec<SeqSpan> = (0..3)
+        .map(|i| SeqSpan {
+            start: i,
+            len: 1,
+            adapter: None,
+        })
+        .collect();
+    for step in 0..4 {
+        let (q, k, v) = (rows(3, qd), rows(3, kvd), rows(3, kvd));
+        let mut cpu_refs: Vec<&mut KvCache> = cpu.iter_mut().collect();
+        let want = kv::cached_attention(
+            Backend::Device,
+            0,
+            &q,
+            &k,
+            &v,
+            &seqs,
+            &mut cpu_refs,
+            heads,
+            kv_heads,
+        )
+        .unwrap();
+        let mut gpu_refs: Vec<&mut KvCache> = gpu_caches.iter_mut().collect();
+        let got = kv::cached_attention(
+            Backend::Device,
+            0,
+            &on(&q, &dev),
+            &on(&k, &dev),
+            &on(&v, &dev),
+            &seqs,
+            &mut gpu_refs,
+            heads,
+            kv_heads,
+        )
+        .unwrap();
+        assert!(
+            rel(&got, &want) < TOL,
+            "decode step {step}: {}",
+            rel(&got, &want)
+        );
+    }
+    // The kernel itself: 2 sequences with 3 and 0 cached rows in buffers of 4.
+    let bufs: Vec<(Tensor, Tensor)> = (0..2)
+        .map(|_| (on(&rows(4, kvd), &dev), on(&rows(4, kvd), &dev)))
+        .collect();
+    let lens = [3, 0];
+    let (q, k, v) = (rows(2, qd), rows(2, kvd), rows(2, kvd));
+    let refs: Vec<(&Tensor, &Tensor, usize)> =
+        bufs.iter().zip(lens).map(|((k, v), l)| (k, v, l)).collect();
+    let got = cuda::decode_attention(
+        &on(&q, &dev),
+        &on(&k, &dev),
+        &on(&v, &dev),
+        &refs,
+        heads,
+        kv_heads,
+    )
+    .unwrap();
+    for (i, ((kb, vb), len)) in bufs.iter().zip(lens).enumerate() {
+        let host = |t: &Tensor| {
+            t.to_device(&Device::Cpu)
+                .unwrap()
+                .to_dtype(DType::F64)
+                .unwrap()
+        };
+        let (kb, vb) = (host(kb), host(vb));
+        let new_k = kb.narrow(0, len, 1).unwrap();
+        assert!(
+            rel(&new_k, &k.narrow(0, i, 1).unwrap()) < 1e-7,
+            "sequence {i}: new key row"
+        );
+        let (keys, values) = (
+            kb.narrow(0, 0, len + 1).unwrap(),
+            vb.narrow(0, 0, len + 1).unwrap(),
+        );
+        let (want, _) = ops::attention(
+            Backend::Device,
+            &q.narrow(0, i, 1).unwrap(),
+            &keys,
+            &values,
+            heads,
+            kv_heads,
+        )
+        .unwrap();
+        assert!(
+            rel(&got.narrow(0, i, 1).unwrap(), &want) < TOL,
+            "sequence {i}"
+        );
+    }
+    let too_long = (&bufs[0].0, &bufs[0].1, 4);
+    assert!(cuda::decode_attention(
+        &on(&q.narrow(0, 0, 1).unwrap(), &dev),
+        &on(&k.narrow(0, 0, 1).unwrap(), &dev),
+        &on(&v.narrow(0, 0, 1).unwrap(), &dev),
+        &[too_long],
+        heads,
+        kv_heads
+    )
+    .is_err());
 }

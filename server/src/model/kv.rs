@@ -4,7 +4,8 @@
 //! sequences of a step runs in one parallel kernel: a decode step of 8 sequences is 30
 //! kernel calls instead of thousands of small tensor ops. Elsewhere (the device
 //! backend) the cache is a preallocated tensor per layer on the model's device, written
-//! in place, and attention goes through [`ops::attention`], the same code training uses.
+//! in place, and attention goes through [`ops::attention`], the same code training uses,
+//! except a decode step on a GPU, which attends every sequence in one kernel launch.
 //! A sequence's cache holds at least the tokens its sampler said it would need
 //! ([`KvCache::with_capacity`]); past that its buffers double, so a step never copies
 //! the whole cache.
@@ -72,17 +73,25 @@ impl LayerKv {
 /// filled rows into a buffer of twice the rows needed when `buf` is full; returns the
 /// filled rows, `(len + n, kv_dim)`, a view of `buf`.
 fn append_rows(buf: &mut Tensor, len: usize, new: &Tensor) -> candle_core::Result<Tensor> {
-    let (n, kv_dim) = new.dims2()?;
+    let n = new.dim(0)?;
+    reserve_rows(buf, len, n)?;
+    buf.slice_set(&new.contiguous()?, 0, len)?;
+    buf.narrow(0, 0, len + n)
+}
+
+/// Makes room for `n` rows after the first `len` of `buf`: when it is full, moves the
+/// filled rows into a buffer of twice the rows needed.
+fn reserve_rows(buf: &mut Tensor, len: usize, n: usize) -> candle_core::Result<()> {
+    let (rows, kv_dim) = buf.dims2()?;
     let need = len + n;
-    if need > buf.dim(0)? {
+    if need > rows {
         let grown = Tensor::zeros((need * 2, kv_dim), buf.dtype(), buf.device())?;
         if len > 0 {
             grown.slice_set(&buf.narrow(0, 0, len)?, 0, 0)?;
         }
         *buf = grown;
     }
-    buf.slice_set(&new.contiguous()?, 0, len)?;
-    buf.narrow(0, 0, need)
+    Ok(())
 }
 
 /// The KV cache of one sequence: one entry per layer once it has been prefilled.
@@ -144,6 +153,12 @@ pub fn cached_attention(
     if be.host_f32(q) {
         return host_attention(index, q, k, v, seqs, caches, heads);
     }
+    #[cfg(feature = "cuda")]
+    if be.cuda(q) && seqs.iter().all(|s| s.len == 1) {
+        if let Some(out) = decode_on_gpu(index, q, k, v, caches, heads, kv_heads)? {
+            return Ok(out);
+        }
+    }
     let mut outs = Vec::with_capacity(seqs.len());
     for (s, cache) in seqs.iter().zip(caches.iter_mut()) {
         let (new_k, new_v) = (k.narrow(0, s.start, s.len)?, v.narrow(0, s.start, s.len)?);
@@ -166,6 +181,45 @@ pub fn cached_attention(
         outs.push(o);
     }
     Tensor::cat(&outs, 0)
+}
+
+/// A decode step (one new row per sequence) on a GPU in one launch of Lathe's kernel
+/// ([`super::cuda::decode_attention`]), which writes the new keys and values into each
+/// cache as it attends; `None` where the kernel does not apply (a layer not prefilled, a
+/// sequence past the kernel's length), and the per-sequence path runs instead.
+#[cfg(feature = "cuda")]
+fn decode_on_gpu(
+    index: usize,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    caches: &mut [&mut KvCache],
+    heads: usize,
+    kv_heads: usize,
+) -> candle_core::Result<Option<Tensor>> {
+    use super::cuda;
+    let fits = |c: &KvCache| matches!(c.layers.get(index), Some(LayerKv::Device { len, .. }) if *len < cuda::DECODE_MAX_KEYS);
+    if !caches.iter().all(|c| fits(c)) {
+        return Ok(None);
+    }
+    let mut buffers = Vec::with_capacity(caches.len());
+    for cache in caches.iter_mut() {
+        let Some(LayerKv::Device { k: ck, v: cv, len }) = cache.layers.get_mut(index) else {
+            unreachable!("checked above");
+        };
+        reserve_rows(ck, *len, 1)?;
+        reserve_rows(cv, *len, 1)?;
+        // Handles to the cache's own buffers (shared storage): the kernel writes row `len`.
+        buffers.push((ck.clone(), cv.clone(), *len));
+    }
+    let refs: Vec<(&Tensor, &Tensor, usize)> = buffers.iter().map(|(k, v, l)| (k, v, *l)).collect();
+    let out = cuda::decode_attention(q, k, v, &refs, heads, kv_heads)?;
+    for cache in caches.iter_mut() {
+        if let Some(LayerKv::Device { len, .. }) = cache.layers.get_mut(index) {
+            *len += 1;
+        }
+    }
+    Ok(Some(out))
 }
 
 fn host_attention(

@@ -229,3 +229,53 @@ extern "C" __global__ void adamw_f32(const float* p, const float* g, const float
         v_out[i] = vi;
     }
 }
+
+// One decode step of attention for many sequences at once, each with its own KV cache
+// buffers: one block per (sequence, query head). The block writes the sequence's new key
+// and value row (its KV head's part) at row len of the sequence's buffers, then attends
+// its query to rows 0..=len. The blocks of one KV head write the same values to the same
+// places, so their overlap is harmless. Scores live in dynamic shared memory, len + 1
+// floats.
+extern "C" __global__ void decode_attention_f32(const float* q, const float* k_new,
+                                                const float* v_new, const uint64_t* k_bufs,
+                                                const uint64_t* v_bufs, const int64_t* lens,
+                                                float* out, int64_t heads, int64_t kv_heads,
+                                                int64_t hd, float scale) {
+    extern __shared__ float scores[];
+    __shared__ float scratch[32];
+    const int64_t b = blockIdx.x, h = blockIdx.y;
+    const int64_t kvh = h / (heads / kv_heads);
+    const int64_t kvd = kv_heads * hd;
+    float* kb = reinterpret_cast<float*>(k_bufs[b]);
+    float* vb = reinterpret_cast<float*>(v_bufs[b]);
+    const int64_t len = lens[b];
+    for (int64_t j = threadIdx.x; j < hd; j += blockDim.x) {
+        kb[len * kvd + kvh * hd + j] = k_new[b * kvd + kvh * hd + j];
+        vb[len * kvd + kvh * hd + j] = v_new[b * kvd + kvh * hd + j];
+    }
+    __syncthreads();
+    const float* qr = q + (b * heads + h) * hd;
+    float m = -INFINITY;
+    for (int64_t t = threadIdx.x; t <= len; t += blockDim.x) {
+        const float* kr = kb + t * kvd + kvh * hd;
+        float dot = 0.0f;
+        for (int64_t j = 0; j < hd; ++j) dot += qr[j] * kr[j];
+        scores[t] = dot * scale;
+        m = fmaxf(m, scores[t]);
+    }
+    m = block_max(m, scratch);
+    float sum = 0.0f;
+    for (int64_t t = threadIdx.x; t <= len; t += blockDim.x) {
+        const float e = expf(scores[t] - m);
+        scores[t] = e;
+        sum += e;
+    }
+    // block_sum's barriers also order the writes of scores before the reads below.
+    sum = block_sum(sum, scratch);
+    const float inv = 1.0f / sum;
+    for (int64_t j = threadIdx.x; j < hd; j += blockDim.x) {
+        float acc = 0.0f;
+        for (int64_t t = 0; t <= len; ++t) acc += scores[t] * vb[t * kvd + kvh * hd + j];
+        out[(b * heads + h) * hd + j] = acc * inv;
+    }
+}

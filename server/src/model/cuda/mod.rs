@@ -1,6 +1,7 @@
 //! The device backend's fused CUDA kernels: RMSNorm, RoPE, SwiGLU, the causal softmax
-//! and the output log-softmax, each with its backward, and the AdamW step with its
-//! gradient norm, for f32 tensors on a CUDA device.
+//! and the output log-softmax, each with its backward, the AdamW step with its gradient
+//! norm, and a decode step's attention for many sequences in one launch, for f32 tensors
+//! on a CUDA device.
 //!
 //! They compute what the candle composites of [`super::ops`] compute, in one or two
 //! passes over memory instead of one kernel per elementwise step (the composite RMSNorm
@@ -17,7 +18,7 @@
 use std::sync::OnceLock;
 
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaView, LaunchArgs, LaunchConfig, PushKernelArg,
+    CudaSlice, CudaView, DevicePtr, LaunchArgs, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage, WrapErr};
 use candle_core::op::BackpropOp;
@@ -425,4 +426,101 @@ pub fn adamw(
         tensor(&dev, m_out, shape.clone()),
         tensor(&dev, v_out, shape),
     ))
+}
+
+/// The most keys [`decode_attention`] attends to: its scores live in shared memory, which
+/// holds 48 KiB per block without opting in to more.
+pub const DECODE_MAX_KEYS: usize = 12_000;
+
+/// One decode step of attention for `n` sequences of one new token each, in one launch:
+/// writes row `len` of each sequence's `(k_buf, v_buf, len)` (`(capacity, kv_heads*hd)`
+/// buffers, `len < capacity`) from its row of `k_new` / `v_new` (`(n, kv_heads*hd)`), in
+/// place, and returns each query row of `q` (`(n, heads*hd)`) attended to its sequence's
+/// rows `0..=len`, `(n, heads*hd)`: what [`super::ops::attention`] computes for a query
+/// at the end of its keys.
+///
+/// The buffers are written in place: each must belong to one sequence's cache alone, as
+/// `kv::KvCache` guarantees.
+pub fn decode_attention(
+    q: &Tensor,
+    k_new: &Tensor,
+    v_new: &Tensor,
+    caches: &[(&Tensor, &Tensor, usize)],
+    heads: usize,
+    kv_heads: usize,
+) -> Result<Tensor> {
+    let (n, qd) = q.dims2()?;
+    if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) || !qd.is_multiple_of(heads) {
+        bail!("decode attention: {heads} heads over {kv_heads} KV heads of width {qd}");
+    }
+    let hd = qd / heads;
+    let kvd = kv_heads * hd;
+    if caches.len() != n || k_new.dims() != [n, kvd] || v_new.dims() != [n, kvd] {
+        bail!(
+            "decode attention: {n} queries, {} caches, new keys {:?}",
+            caches.len(),
+            k_new.dims()
+        );
+    }
+    let mut most = 0;
+    for (k, v, len) in caches {
+        let (cap, width) = k.dims2()?;
+        if v.dims() != [cap, width] || width != kvd || *len >= cap || *len + 1 > DECODE_MAX_KEYS {
+            bail!(
+                "decode attention: a cache of {:?} holding {len} rows",
+                k.dims()
+            );
+        }
+        most = most.max(*len + 1);
+    }
+    let (q, k_new, v_new) = (q.contiguous()?, k_new.contiguous()?, v_new.contiguous()?);
+    let dev = device(&q)?;
+    let stream = dev.cuda_stream();
+    let buffers: Vec<(Input<'_>, Input<'_>)> = caches
+        .iter()
+        .map(|(k, v, _)| Ok((input(k)?, input(v)?)))
+        .collect::<Result<_>>()?;
+    let views: Vec<(CudaView<'_, f32>, CudaView<'_, f32>)> = buffers
+        .iter()
+        .map(|(k, v)| Ok((k.view::<f32>()?, v.view::<f32>()?)))
+        .collect::<Result<_>>()?;
+    // The pointers stay valid while the views (and their storage locks) live, past the
+    // launch; the guards record the buffers' use on the stream when dropped.
+    let mut guards = Vec::with_capacity(2 * n);
+    let (mut k_ptrs, mut v_ptrs) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    for (k, v) in &views {
+        let (kp, kg) = k.device_ptr(&stream);
+        let (vp, vg) = v.device_ptr(&stream);
+        k_ptrs.push(kp);
+        v_ptrs.push(vp);
+        guards.push(kg);
+        guards.push(vg);
+    }
+    let lens: Vec<i64> = caches.iter().map(|(_, _, len)| *len as i64).collect();
+    let k_ptrs = stream.clone_htod(&k_ptrs).w()?;
+    let v_ptrs = stream.clone_htod(&v_ptrs).w()?;
+    let lens = stream.clone_htod(&lens).w()?;
+    let out = alloc(&dev, n * qd)?;
+    let (qi, ki, vi) = (input(&q)?, input(&k_new)?, input(&v_new)?);
+    let (qv, kv, vv) = (qi.view::<f32>()?, ki.view::<f32>()?, vi.view::<f32>()?);
+    let (h64, kvh64, hd64) = (heads as i64, kv_heads as i64, hd as i64);
+    let scale = 1.0 / (hd as f32).sqrt();
+    let func = dev.get_or_load_custom_func("decode_attention_f32", MODULE, PTX)?;
+    let mut b = func.builder();
+    b.arg(&qv)
+        .arg(&kv)
+        .arg(&vv)
+        .arg(&k_ptrs)
+        .arg(&v_ptrs)
+        .arg(&lens)
+        .arg(&out);
+    b.arg(&h64).arg(&kvh64).arg(&hd64).arg(&scale);
+    let cfg = LaunchConfig {
+        grid_dim: (row_count(n)? as u32, heads as u32, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: (most * std::mem::size_of::<f32>()) as u32,
+    };
+    run(b, cfg)?;
+    drop(guards);
+    Ok(tensor(&dev, out, (n, qd)))
 }
