@@ -6,7 +6,10 @@
 //! `LATHE_REQUIRE_GPU=1` and otherwise says it was skipped.
 #![cfg(feature = "cuda")]
 
+mod common;
+
 use candle_core::{DType, Device, Tensor, D};
+use common::max_abs_diff;
 use lathe_server::model::transformer::SeqSpan;
 use lathe_server::model::{cuda, kv, ops, Backend, DeviceSpec, KvCache};
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -45,26 +48,8 @@ fn rel(got: &Tensor, want: &Tensor) -> f64 {
         .to_dtype(DType::F64)
         .unwrap();
     assert_eq!(got.dims(), want.dims());
-    let diff: f64 = (&got - want)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar()
-        .unwrap();
-    let scale: f64 = want
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar()
-        .unwrap();
-    diff / scale.max(1.0)
+    let scale = max_abs_diff(want, &want.zeros_like().unwrap());
+    max_abs_diff(&got, want) / scale.max(1.0)
 }
 
 const TOL: f64 = 2e-5;
@@ -259,23 +244,24 @@ fn logprobs_at_and_its_backward_match_the_composite() {
     }
 }
 
-/// Decode steps of three sequences at once through `kv::cached_attention` (Lathe's
+/// Decode steps of four sequences at once through `kv::cached_attention` (Lathe's
 /// decode kernel on the GPU, the composite on the CPU), after prefills of different
-/// lengths, with caches small enough to grow: outputs equal, and the kernel, called
-/// directly, writes the new rows where the composite's cache has them.
+/// lengths (one longer than a block has threads), with caches small enough to grow:
+/// outputs equal, and the kernel, called directly, writes the new rows where the
+/// composite's cache has them.
 #[test]
 fn decode_attention_matches_the_composite_and_fills_the_caches() {
     let Some(dev) = gpu() else { return };
     let (heads, kv_heads, hd) = (6, 2, 16);
     let (qd, kvd) = (heads * hd, kv_heads * hd);
-    let mut cpu: Vec<KvCache> = (0..3).map(|_| KvCache::with_capacity(6)).collect();
-    let mut gpu_caches: Vec<KvCache> = (0..3).map(|_| KvCache::with_capacity(6)).collect();
+    let mut cpu: Vec<KvCache> = (0..4).map(|_| KvCache::with_capacity(6)).collect();
+    let mut gpu_caches: Vec<KvCache> = (0..4).map(|_| KvCache::with_capacity(6)).collect();
     let mut seed = 100;
     let mut rows = |n: usize, width: usize| {
         seed += 1;
         uniform(&[n, width], 1.0, seed)
     };
-    for (i, n) in [5, 1, 17].into_iter().enumerate() {
+    for (i, n) in [5, 1, 17, 300].into_iter().enumerate() {
         let (q, k, v) = (rows(n, qd), rows(n, kvd), rows(n, kvd));
         let seqs = [SeqSpan {
             start: 0,
@@ -308,7 +294,7 @@ fn decode_attention_matches_the_composite_and_fills_the_caches() {
         .unwrap();
         assert!(rel(&got, &want) < TOL, "prefill of {n}");
     }
-    let seqs: Vec<SeqSpan> = (0..3)
+    let seqs: Vec<SeqSpan> = (0..4)
         .map(|i| SeqSpan {
             start: i,
             len: 1,
@@ -316,7 +302,7 @@ fn decode_attention_matches_the_composite_and_fills_the_caches() {
         })
         .collect();
     for step in 0..4 {
-        let (q, k, v) = (rows(3, qd), rows(3, kvd), rows(3, kvd));
+        let (q, k, v) = (rows(4, qd), rows(4, kvd), rows(4, kvd));
         let mut cpu_refs: Vec<&mut KvCache> = cpu.iter_mut().collect();
         let want = kv::cached_attention(
             Backend::Device,

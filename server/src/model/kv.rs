@@ -154,7 +154,12 @@ pub fn cached_attention(
         return host_attention(index, q, k, v, seqs, caches, heads);
     }
     #[cfg(feature = "cuda")]
-    if be.cuda(q) && seqs.iter().all(|s| s.len == 1) {
+    if be.cuda(q)
+        && seqs
+            .iter()
+            .enumerate()
+            .all(|(i, s)| s.len == 1 && s.start == i)
+    {
         if let Some(out) = decode_on_gpu(index, q, k, v, caches, heads, kv_heads)? {
             return Ok(out);
         }

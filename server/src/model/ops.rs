@@ -46,12 +46,17 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 }
 
 /// Whether the last two dims of `t` are a packed row-major or transposed matrix (a
-/// dim of one may have any stride), as cuBLAS requires.
+/// dim of one may have any stride), as cuBLAS requires of the rank-2 and rank-3 operands
+/// Lathe multiplies; a higher rank counts only when contiguous (candle's CUDA matmul also
+/// asks its batch strides to merge).
 pub fn gemm_packed(t: &Tensor) -> bool {
     let (dims, stride) = (t.dims(), t.stride());
     let r = dims.len();
     if r < 2 {
         return true;
+    }
+    if r > 3 {
+        return t.is_contiguous();
     }
     let (rows, cols, s_row, s_col) = (dims[r - 2], dims[r - 1], stride[r - 2], stride[r - 1]);
     let row_major = (s_col == 1 || cols == 1) && (s_row == cols || rows == 1);

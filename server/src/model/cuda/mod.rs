@@ -127,6 +127,23 @@ fn rows_of(t: &Tensor) -> Result<(usize, usize)> {
     Ok((t.elem_count() / d.max(1), d))
 }
 
+/// Checks that `t` has `dims` and lives on `dev`. The kernels index by the shapes they
+/// are given, so a mismatch that candle would broadcast or refuse would read or write
+/// out of bounds instead.
+fn expect(t: &Tensor, dims: &[usize], what: &str, dev: &Device) -> Result<()> {
+    if t.dims() != dims {
+        bail!("{what}: expected a tensor of {dims:?}, got {:?}", t.dims());
+    }
+    if !t.device().same_device(dev) {
+        bail!(
+            "{what}: on {:?}, not {:?}",
+            t.device().location(),
+            dev.location()
+        );
+    }
+    Ok(())
+}
+
 fn row_count(n: usize) -> Result<usize> {
     if n > i32::MAX as usize {
         bail!("{n} rows are more than a CUDA grid holds");
@@ -138,6 +155,7 @@ fn row_count(n: usize) -> Result<usize> {
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
     let (x, weight) = (x.contiguous()?, weight.contiguous()?);
     let (n, d) = rows_of(&x)?;
+    expect(&weight, &[d], "rms_norm weight", x.device())?;
     let dev = device(&x)?;
     let (y, rstd) = (alloc(&dev, n * d)?, alloc(&dev, n)?);
     let (xi, wi) = (input(&x)?, input(&weight)?);
@@ -164,6 +182,9 @@ pub fn rms_norm_backward(
         rstd.contiguous()?,
     );
     let (n, d) = rows_of(&x)?;
+    expect(&dy, x.dims(), "rms_norm_backward dy", x.device())?;
+    expect(&weight, &[d], "rms_norm_backward weight", x.device())?;
+    expect(&rstd, &[n], "rms_norm_backward rstd", x.device())?;
     let dev = device(&x)?;
     let dx = alloc(&dev, n * d)?;
     let (dyi, xi, wi, ri) = (input(&dy)?, input(&x)?, input(&weight)?, input(&rstd)?);
@@ -186,6 +207,11 @@ pub fn rms_norm_backward(
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, sign: f32) -> Result<Tensor> {
     let (x, cos, sin) = (x.contiguous()?, cos.contiguous()?, sin.contiguous()?);
     let (n, heads, hd) = x.dims3()?;
+    if hd % 2 != 0 {
+        bail!("rope: odd head width {hd}");
+    }
+    expect(&cos, &[n, hd / 2], "rope cos", x.device())?;
+    expect(&sin, &[n, hd / 2], "rope sin", x.device())?;
     let dev = device(&x)?;
     let y = alloc(&dev, n * heads * hd)?;
     let (xi, ci, si) = (input(&x)?, input(&cos)?, input(&sin)?);
@@ -209,6 +235,9 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, sign: f32) -> Result<Tensor>
 pub fn swiglu(gate_up: &Tensor) -> Result<Tensor> {
     let gate_up = gate_up.contiguous()?;
     let (n, f2) = gate_up.dims2()?;
+    if f2 % 2 != 0 {
+        bail!("swiglu: odd stacked width {f2}");
+    }
     let f = f2 / 2;
     let dev = device(&gate_up)?;
     let y = alloc(&dev, n * f)?;
@@ -226,7 +255,11 @@ pub fn swiglu(gate_up: &Tensor) -> Result<Tensor> {
 pub fn swiglu_backward(dy: &Tensor, gate_up: &Tensor) -> Result<Tensor> {
     let (dy, gate_up) = (dy.contiguous()?, gate_up.contiguous()?);
     let (n, f2) = gate_up.dims2()?;
+    if f2 % 2 != 0 {
+        bail!("swiglu_backward: odd stacked width {f2}");
+    }
     let f = f2 / 2;
+    expect(&dy, &[n, f], "swiglu_backward dy", gate_up.device())?;
     let dev = device(&gate_up)?;
     let dgu = alloc(&dev, n * f2)?;
     let (di, gi) = (input(&dy)?, input(&gate_up)?);
@@ -264,6 +297,7 @@ pub fn causal_softmax(scores: &Tensor, tq: usize, scale: f64) -> Result<Tensor> 
 pub fn softmax_backward(p: &Tensor, dp: &Tensor, scale: f64) -> Result<Tensor> {
     let (p, dp) = (p.contiguous()?, dp.contiguous()?);
     let (n, cols) = rows_of(&p)?;
+    expect(&dp, p.dims(), "softmax_backward dp", p.device())?;
     let dev = device(&p)?;
     let ds = alloc(&dev, n * cols)?;
     let (pi, di) = (input(&p)?, input(&dp)?);
@@ -285,6 +319,7 @@ pub fn logprobs_at(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)
     );
     let (n, v) = logits.dims2()?;
     let k = targets.dim(1)?;
+    expect(&targets, &[n, k], "logprobs_at targets", logits.device())?;
     let dev = device(&logits)?;
     let (lp, lse) = (alloc(&dev, n * k)?, alloc(&dev, n)?);
     let (li, ti) = (input(&logits)?, input(&targets)?);
@@ -309,6 +344,16 @@ pub fn logprobs_at_backward(
     let (targets, d) = (targets.to_dtype(DType::U32)?.contiguous()?, d.contiguous()?);
     let (n, v) = logits.dims2()?;
     let k = targets.dim(1)?;
+    expect(
+        &targets,
+        &[n, k],
+        "logprobs_at_backward targets",
+        logits.device(),
+    )?;
+    expect(&d, &[n, k], "logprobs_at_backward d", logits.device())?;
+    if lse.elem_count() != n || !lse.device().same_device(logits.device()) {
+        bail!("logprobs_at_backward: lse of {:?} for {n} rows", lse.dims());
+    }
     let dev = device(&logits)?;
     let dl = alloc(&dev, n * v)?;
     let (li, si, ti, di) = (input(&logits)?, input(&lse)?, input(&targets)?, input(&d)?);
@@ -341,6 +386,7 @@ pub fn sum_squares(tensors: &[&Tensor]) -> Result<f64> {
     let dev = device(first)?;
     let mut partial = dev.alloc_zeros::<f64>(tensors.len())?;
     for (slot, t) in tensors.iter().enumerate() {
+        expect(t, t.dims(), "sum_squares", first.device())?;
         let t = t.contiguous()?;
         let ti = input(&t)?;
         let tv = ti.view::<f32>()?;
@@ -384,9 +430,7 @@ pub fn adamw(
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let shape = param.shape().clone();
     for t in [grad, m, v] {
-        if t.shape() != &shape {
-            bail!("adamw: {:?} beside a parameter of {:?}", t.shape(), shape);
-        }
+        expect(t, shape.dims(), "adamw", param.device())?;
     }
     let (param, grad, m, v) = (
         param.contiguous()?,
@@ -455,7 +499,9 @@ pub fn decode_attention(
     }
     let hd = qd / heads;
     let kvd = kv_heads * hd;
-    if caches.len() != n || k_new.dims() != [n, kvd] || v_new.dims() != [n, kvd] {
+    expect(k_new, &[n, kvd], "decode_attention new keys", q.device())?;
+    expect(v_new, &[n, kvd], "decode_attention new values", q.device())?;
+    if caches.len() != n {
         bail!(
             "decode attention: {n} queries, {} caches, new keys {:?}",
             caches.len(),
@@ -465,7 +511,9 @@ pub fn decode_attention(
     let mut most = 0;
     for (k, v, len) in caches {
         let (cap, width) = k.dims2()?;
-        if v.dims() != [cap, width] || width != kvd || *len >= cap || *len + 1 > DECODE_MAX_KEYS {
+        expect(v, &[cap, width], "decode_attention value cache", q.device())?;
+        expect(k, &[cap, width], "decode_attention key cache", q.device())?;
+        if width != kvd || *len >= cap || *len + 1 > DECODE_MAX_KEYS {
             bail!(
                 "decode attention: a cache of {:?} holding {len} rows",
                 k.dims()
