@@ -261,6 +261,40 @@ fn decode_attention_matches_the_composite_and_fills_the_caches() {
         seed += 1;
         uniform(&[n, width], 1.0, seed)
     };
+    // One step of layer 0 for `seqs`, on the CPU (the composite) and on the GPU.
+    let both = |q: &Tensor,
+                k: &Tensor,
+                v: &Tensor,
+                seqs: &[SeqSpan],
+                caches: Vec<(&mut KvCache, &mut KvCache)>| {
+        let (mut cpu_refs, mut gpu_refs): (Vec<_>, Vec<_>) = caches.into_iter().unzip();
+        let want = kv::cached_attention(
+            Backend::Device,
+            0,
+            q,
+            k,
+            v,
+            seqs,
+            &mut cpu_refs,
+            heads,
+            kv_heads,
+        )
+        .unwrap();
+        let (q, k, v) = (on(q, &dev), on(k, &dev), on(v, &dev));
+        let got = kv::cached_attention(
+            Backend::Device,
+            0,
+            &q,
+            &k,
+            &v,
+            seqs,
+            &mut gpu_refs,
+            heads,
+            kv_heads,
+        )
+        .unwrap();
+        rel(&got, &want)
+    };
     for (i, n) in [5, 1, 17, 300].into_iter().enumerate() {
         let (q, k, v) = (rows(n, qd), rows(n, kvd), rows(n, kvd));
         let seqs = [SeqSpan {
@@ -268,31 +302,8 @@ fn decode_attention_matches_the_composite_and_fills_the_caches() {
             len: n,
             adapter: None,
         }];
-        let want = kv::cached_attention(
-            Backend::Device,
-            0,
-            &q,
-            &k,
-            &v,
-            &seqs,
-            &mut [&mut cpu[i]],
-            heads,
-            kv_heads,
-        )
-        .unwrap();
-        let got = kv::cached_attention(
-            Backend::Device,
-            0,
-            &on(&q, &dev),
-            &on(&k, &dev),
-            &on(&v, &dev),
-            &seqs,
-            &mut [&mut gpu_caches[i]],
-            heads,
-            kv_heads,
-        )
-        .unwrap();
-        assert!(rel(&got, &want) < TOL, "prefill of {n}");
+        let d = both(&q, &k, &v, &seqs, vec![(&mut cpu[i], &mut gpu_caches[i])]);
+        assert!(d < TOL, "prefill of {n}: {d}");
     }
     let seqs: Vec<SeqSpan> = (0..4)
         .map(|i| SeqSpan {
@@ -303,37 +314,14 @@ fn decode_attention_matches_the_composite_and_fills_the_caches() {
         .collect();
     for step in 0..4 {
         let (q, k, v) = (rows(4, qd), rows(4, kvd), rows(4, kvd));
-        let mut cpu_refs: Vec<&mut KvCache> = cpu.iter_mut().collect();
-        let want = kv::cached_attention(
-            Backend::Device,
-            0,
+        let d = both(
             &q,
             &k,
             &v,
             &seqs,
-            &mut cpu_refs,
-            heads,
-            kv_heads,
-        )
-        .unwrap();
-        let mut gpu_refs: Vec<&mut KvCache> = gpu_caches.iter_mut().collect();
-        let got = kv::cached_attention(
-            Backend::Device,
-            0,
-            &on(&q, &dev),
-            &on(&k, &dev),
-            &on(&v, &dev),
-            &seqs,
-            &mut gpu_refs,
-            heads,
-            kv_heads,
-        )
-        .unwrap();
-        assert!(
-            rel(&got, &want) < TOL,
-            "decode step {step}: {}",
-            rel(&got, &want)
+            cpu.iter_mut().zip(gpu_caches.iter_mut()).collect(),
         );
+        assert!(d < TOL, "decode step {step}: {d}");
     }
     // The kernel itself: 2 sequences with 3 and 0 cached rows in buffers of 4.
     let bufs: Vec<(Tensor, Tensor)> = (0..2)
