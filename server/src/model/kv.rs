@@ -210,7 +210,7 @@ fn decode_on_gpu(
     let mut buffers = Vec::with_capacity(caches.len());
     for cache in caches.iter_mut() {
         let Some(LayerKv::Device { k: ck, v: cv, len }) = cache.layers.get_mut(index) else {
-            unreachable!("checked above");
+            candle_core::bail!("KV cache built on another device");
         };
         reserve_rows(ck, *len, 1)?;
         reserve_rows(cv, *len, 1)?;
