@@ -261,14 +261,7 @@ fn the_device_backend_samples_like_the_cpu_fast_path() {
 #[cfg(feature = "cuda")]
 #[test]
 fn the_device_backend_on_a_gpu_trains_and_samples_like_the_cpu() {
-    let device = match lathe_server::model::DeviceSpec::Cuda(0).open() {
-        Ok(device) => device,
-        Err(e) if std::env::var("LATHE_REQUIRE_GPU").as_deref() == Ok("1") => panic!("{e}"),
-        Err(e) => {
-            eprintln!("skipped: {e}");
-            return;
-        }
-    };
+    let Some(device) = gpu() else { return };
     for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
         assert_trains_like_the_fast_path(arch, DType::F32, 1e-5, &device);
         assert_samples_like_the_fast_path(arch, DType::F32, 1e-4, &device);

@@ -9,23 +9,10 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor, D};
-use common::max_abs_diff;
+use common::{gpu, max_abs_diff};
 use lathe_server::model::transformer::SeqSpan;
-use lathe_server::model::{cuda, kv, ops, Backend, DeviceSpec, KvCache};
+use lathe_server::model::{cuda, kv, ops, Backend, KvCache};
 use rand::{rngs::StdRng, Rng, SeedableRng};
-
-/// The first GPU, or `None` (the test is skipped) when there is none and
-/// `LATHE_REQUIRE_GPU` is not 1.
-fn gpu() -> Option<Device> {
-    match DeviceSpec::Cuda(0).open() {
-        Ok(device) => Some(device),
-        Err(e) if std::env::var("LATHE_REQUIRE_GPU").as_deref() == Ok("1") => panic!("{e}"),
-        Err(e) => {
-            eprintln!("skipped: {e}");
-            None
-        }
-    }
-}
 
 /// Values uniform in `(-bound, bound)`, f64 on the CPU, deterministic in `seed`.
 fn uniform(shape: &[usize], bound: f64, seed: u64) -> Tensor {

@@ -303,7 +303,7 @@ pub fn backward(
 mod tests {
     use super::*;
     use crate::model::lora::{LoraSpec, Proj};
-    use crate::model::test_util::{max_abs_diff, uniform};
+    use crate::model::test_util::{max_abs_diff, max_entry, uniform};
     use crate::model::tiny::tiny_config;
     use crate::model::Arch;
     use candle_core::DType;
@@ -477,14 +477,7 @@ mod tests {
         let within = |got: &Tensor, want: &Tensor, scale: &Tensor, what: &str| {
             let err = (got - want).unwrap().abs().unwrap();
             let bound = ((scale * (2.0 * u + u * u)).unwrap() + 1e-5).unwrap();
-            let over = (err - bound)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .max(0)
-                .unwrap()
-                .to_scalar::<f64>()
-                .unwrap();
+            let over = max_entry(&(err - bound).unwrap());
             assert!(over <= 0.0, "{what}: {over} over the bf16 bound");
         };
         within(&y16, &y64, &y_scale, "y");

@@ -18,13 +18,16 @@ pub fn uniform_matrix(rows: usize, cols: usize, seed: u64) -> Tensor {
         .expect("f32")
 }
 
-/// `max |a - b|`, in f64.
-pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
-    (a - b)
-        .and_then(|d| d.abs())
-        .and_then(|d| d.flatten_all())
+/// The largest entry of `t`, in f64.
+pub fn max_entry(t: &Tensor) -> f64 {
+    t.flatten_all()
         .and_then(|d| d.max(0))
         .and_then(|d| d.to_dtype(DType::F64))
         .and_then(|d| d.to_scalar::<f64>())
-        .expect("same shapes")
+        .expect("a non-empty tensor")
+}
+
+/// `max |a - b|`, in f64.
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
+    max_entry(&(a - b).and_then(|d| d.abs()).expect("same shapes"))
 }

@@ -269,19 +269,12 @@ impl BaseWeights {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::test_util::uniform;
+    use crate::model::test_util::{max_entry, uniform};
 
     /// `max |got - want| / (sum |a b|)` over the entries of a product, `want` in f64.
     fn worst(got: &Tensor, want: &Tensor, scale: &Tensor) -> f64 {
         let got = got.to_dtype(DType::F64).unwrap();
-        ((got - want).unwrap().abs().unwrap() / scale)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f64>()
-            .unwrap()
+        max_entry(&((got - want).unwrap().abs().unwrap() / scale).unwrap())
     }
 
     /// A product against a weight stored in bf16 (the device backend's bf16): the input

@@ -10,6 +10,21 @@ use lathe_server::model::{Adapter, Arch, Backend, LoadedModel, LoraSpec};
 use lathe_server::train::{DatumJob, Loss, TokenInputs};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
+/// The first GPU for the tests that need one (`cargo test --features cuda`, as
+/// `scripts/gpu-check` runs them), or `None`, and the test is skipped with a word on
+/// stderr, when there is none; with `LATHE_REQUIRE_GPU=1` a missing GPU fails the test.
+#[cfg(feature = "cuda")]
+pub fn gpu() -> Option<Device> {
+    match lathe_server::model::DeviceSpec::Cuda(0).open() {
+        Ok(device) => Some(device),
+        Err(e) if std::env::var("LATHE_REQUIRE_GPU").as_deref() == Ok("1") => panic!("{e}"),
+        Err(e) => {
+            eprintln!("skipped: {e}");
+            None
+        }
+    }
+}
+
 /// The tiny `arch` model, on the backend `LATHE_TEST_BACKEND` names (`cpu`, the default,
 /// or `device`: candle's ops on candle's CPU device, what a GPU runs), so that the same
 /// tests hold both backends to their references.

@@ -385,13 +385,13 @@ pub fn sum_squares(tensors: &[&Tensor]) -> Result<f64> {
     };
     let dev = device(first)?;
     let mut partial = dev.alloc_zeros::<f64>(tensors.len())?;
+    let func = dev.get_or_load_custom_func("sum_squares_f32", MODULE, PTX)?;
     for (slot, t) in tensors.iter().enumerate() {
         expect(t, t.dims(), "sum_squares", first.device())?;
         let t = t.contiguous()?;
         let ti = input(&t)?;
         let tv = ti.view::<f32>()?;
         let (n, slot) = (t.elem_count() as i64, slot as i64);
-        let func = dev.get_or_load_custom_func("sum_squares_f32", MODULE, PTX)?;
         let mut b = func.builder();
         b.arg(&tv).arg(&n).arg(&mut partial).arg(&slot);
         run(b, rows(1))?;
