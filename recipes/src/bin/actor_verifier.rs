@@ -24,7 +24,7 @@ use lathe::types::LossFn;
 use lathe_recipes::credit::{Credit, Normalise, Objective};
 use lathe_recipes::data::{addition, batch_at, Problem};
 use lathe_recipes::env::{rate, Env, EnvGroup, Episode, Observation, Reply, Transition};
-use lathe_recipes::grade::{last_integer_reward, verdict};
+use lathe_recipes::grade::{last_integer, last_integer_reward, verdict};
 use lathe_recipes::play::Sampling;
 use lathe_recipes::rl::{run, Bar, Criterion, Curve, Recipe};
 use lathe_recipes::run::Curves;
@@ -70,12 +70,18 @@ struct Args {
     /// The verifier's training temperature (default: `--temperature`).
     #[arg(long, conflicts_with = "single_agent")]
     verifier_temperature: Option<f64>,
+    /// The verifier first answers the problem itself (a turn rewarded like the solver's),
+    /// then gives its verdict with both final numbers in view.
+    #[arg(long, conflicts_with = "single_agent")]
+    recompute: bool,
 }
 
 const SOLVER: usize = 0;
 const VERIFIER: usize = 1;
 const SOLVER_TOKENS: usize = 16;
 const VERIFIER_TOKENS: usize = 4;
+/// The verifier's own answer with `--recompute`: a line, like the solver's.
+const RECOMPUTE_TOKENS: usize = SOLVER_TOKENS;
 /// The criterion's gain, calibrated from measured runs (`recipes/actor_verifier.md`).
 const CRITERION_GAIN: f64 = 0.15;
 
@@ -105,10 +111,34 @@ fn verifier_prompt(p: &Problem, solution: &str) -> String {
     )
 }
 
-/// The team context of a retry: the rejected solution and the verifier's output on it.
-fn retry_context(solution: &str, review: &str) -> String {
+/// The verifier's first turn with `--recompute`: the problem, to answer itself.
+fn recompute_prompt(p: &Problem) -> String {
     format!(
-        "Solver: {}\nVerifier: <verify>{}",
+        "{}\n# Your role: Verifier. Before checking the Solver, solve the problem yourself and end with the final number.\nSolution:",
+        environment(p)
+    )
+}
+
+/// The verifier's verdict turn with `--recompute`: the Solver's final number beside its
+/// own, ending in the opening tag of its verdict.
+fn compare_prompt(p: &Problem, solution: &str, own: &str) -> String {
+    let number = |text: &str| last_integer(text).map_or("(none)".to_string(), |n| n.to_string());
+    format!(
+        "{}\n# The Solver's final number: {}\n# Your own final number: {}\n# Your role: Verifier. Answer <verify>approve</verify> if the Solver is correct, <verify>reject</verify> if not.\nVerdict: <verify>",
+        environment(p),
+        number(solution),
+        number(own)
+    )
+}
+
+/// The team context of a retry: the rejected solution and the verifier's output on it
+/// (with `--recompute`, its own final number first).
+fn retry_context(solution: &str, own: Option<&str>, review: &str) -> String {
+    let own = own
+        .and_then(last_integer)
+        .map_or(String::new(), |n| format!("my answer is {n}. "));
+    format!(
+        "Solver: {}\nVerifier: {own}<verify>{}",
         solution.trim(),
         review.trim()
     )
@@ -148,7 +178,20 @@ fn verifier_reward(review: &str, solver_reward: f64) -> f64 {
 struct Chain {
     problem: Problem,
     verify: bool,
+    /// The verifier answers the problem itself before its verdict (`--recompute`).
+    recompute: bool,
     replies: Vec<Reply>,
+}
+
+impl Chain {
+    /// The verifier's turns: its own answer (with `--recompute`), then its verdict.
+    fn verifier_turns(&self) -> usize {
+        if self.recompute {
+            2
+        } else {
+            1
+        }
+    }
 }
 
 impl Env for Chain {
@@ -163,14 +206,24 @@ impl Env for Chain {
     fn step(&mut self, mut replies: Vec<Reply>) -> Vec<Observation> {
         self.replies.append(&mut replies);
         let text = |i: usize| self.replies[i].sample.text.as_str();
+        let verdict_at = self.verifier_turns();
         match self.replies.len() {
-            1 if self.verify => {
-                let prompt = verifier_prompt(&self.problem, text(0));
+            1 if self.verify && self.recompute => {
+                let prompt = recompute_prompt(&self.problem);
+                vec![Observation::line(VERIFIER, prompt, RECOMPUTE_TOKENS)]
+            }
+            n if self.verify && n == verdict_at => {
+                let prompt = if self.recompute {
+                    compare_prompt(&self.problem, text(0), text(1))
+                } else {
+                    verifier_prompt(&self.problem, text(0))
+                };
                 vec![Observation::line(VERIFIER, prompt, VERIFIER_TOKENS)
                     .stop_at(&["</verify>", "\n"])]
             }
-            2 if !decision(text(1)).0 => {
-                let context = retry_context(text(0), text(1));
+            n if self.verify && n == verdict_at + 1 && !decision(text(verdict_at)).0 => {
+                let own = self.recompute.then(|| text(1));
+                let context = retry_context(text(0), own, text(verdict_at));
                 let prompt = solver_prompt(&self.problem, Some(&context));
                 vec![Observation::line(SOLVER, prompt, SOLVER_TOKENS)]
             }
@@ -190,6 +243,15 @@ impl Env for Chain {
         e.metrics.insert("final_correct".into(), first_reward);
         e.transitions
             .push(Transition::new(SOLVER, first, first_reward, 0));
+        if self.recompute {
+            if let Some(own) = replies.next() {
+                let reward = last_integer_reward(&own.sample.text, answer);
+                e.metrics.insert("verifier_own_correct".into(), reward);
+                e.transitions
+                    .push(Transition::new(VERIFIER, own, reward, 0));
+            }
+        }
+        let verdict_position = usize::from(self.recompute);
         if let Some(review) = replies.next() {
             let (approved, parsed) = decision(&review.sample.text);
             let reward = verifier_reward(&review.sample.text, first_reward);
@@ -206,7 +268,8 @@ impl Env for Chain {
             e.metrics
                 .insert(class.into(), rate(approved == judged_right));
             e.transitions.push(
-                Transition::new(VERIFIER, review, reward, 0).in_class(usize::from(judged_right)),
+                Transition::new(VERIFIER, review, reward, verdict_position)
+                    .in_class(usize::from(judged_right)),
             );
         }
         if let Some(retry) = replies.next() {
@@ -229,6 +292,7 @@ struct ActorVerifier {
     keep_zero_adv: bool,
     balance: bool,
     verifier_temperature: Option<f64>,
+    recompute: bool,
     train: Vec<Problem>,
     held_out: Vec<Problem>,
 }
@@ -238,6 +302,7 @@ impl ActorVerifier {
         Box::new(Chain {
             problem: problem.clone(),
             verify: self.verify,
+            recompute: self.recompute,
             replies: Vec::new(),
         })
     }
@@ -300,6 +365,12 @@ impl Recipe for ActorVerifier {
             curves.push(Curve::new("verifier accuracy", "verifier_accuracy"));
             curves.push(Curve::new("verifier approves right", "approve_right"));
             curves.push(Curve::new("verifier rejects wrong", "reject_wrong"));
+            if self.recompute {
+                curves.push(Curve::new(
+                    "verifier's own answer correct",
+                    "verifier_own_correct",
+                ));
+            }
         }
         curves
     }
@@ -347,8 +418,8 @@ impl Recipe for ActorVerifier {
 
     fn settings(&self) -> String {
         format!(
-            "verify={} group={} loss={:?} keep_zero_adv={} balance={} verifier_temperature={:?} max_operand={}",
-            self.verify, self.group, self.loss, self.keep_zero_adv, self.balance, self.verifier_temperature, self.max_operand
+            "verify={} group={} loss={:?} keep_zero_adv={} balance={} verifier_temperature={:?} recompute={} max_operand={}",
+            self.verify, self.group, self.loss, self.keep_zero_adv, self.balance, self.verifier_temperature, self.recompute, self.max_operand
         )
     }
 }
@@ -377,6 +448,7 @@ async fn main() -> anyhow::Result<()> {
         keep_zero_adv: args.keep_zero_adv,
         balance: !args.no_balance,
         verifier_temperature: args.verifier_temperature,
+        recompute: args.recompute,
         train,
         held_out,
     };
@@ -427,7 +499,7 @@ mod tests {
     fn prompts_carry_the_team_context() {
         let p = problem();
         assert!(solver_prompt(&p, None).contains("(none)"));
-        let retry = solver_prompt(&p, Some(&retry_context(" 6\n", "reject</verify>")));
+        let retry = solver_prompt(&p, Some(&retry_context(" 6\n", None, "reject</verify>")));
         assert!(retry.contains("Solver: 6\nVerifier: <verify>reject</verify>"));
         assert!(verifier_prompt(&p, " 6\n").ends_with("6\n# Your role: Verifier. Check the solution; answer <verify>approve</verify> if it is correct, <verify>reject</verify> if not.\nVerdict: <verify>"));
     }
@@ -437,6 +509,7 @@ mod tests {
         let mut chain = Box::new(Chain {
             problem: problem(),
             verify: true,
+            recompute: false,
             replies: Vec::new(),
         });
         chain.initial_observations();
@@ -470,10 +543,72 @@ mod tests {
         let mut chain = Box::new(Chain {
             problem: problem(),
             verify: false,
+            recompute: false,
             replies: Vec::new(),
         });
         chain.initial_observations();
         assert!(chain.step(vec![reply(" 5")]).is_empty());
+    }
+
+    #[test]
+    fn a_recomputing_verifier_answers_first_and_judges_with_both_numbers() {
+        let mut chain = Box::new(Chain {
+            problem: problem(),
+            verify: true,
+            recompute: true,
+            replies: Vec::new(),
+        });
+        chain.initial_observations();
+        let own = chain.step(vec![reply(" 2 + 3 = 6")]);
+        assert_eq!(own[0].role, VERIFIER);
+        assert!(own[0]
+            .prompt
+            .ends_with("solve the problem yourself and end with the final number.\nSolution:"));
+        let review = chain.step(vec![reply(" 5")]);
+        assert_eq!(review[0].role, VERIFIER);
+        assert!(review[0]
+            .prompt
+            .contains("# The Solver's final number: 6\n# Your own final number: 5\n"));
+        assert!(review[0].prompt.ends_with("Verdict: <verify>"));
+        let retry = chain.step(vec![reply("reject</verify>")]);
+        assert_eq!(retry[0].role, SOLVER);
+        assert!(retry[0]
+            .prompt
+            .contains("Solver: 2 + 3 = 6\nVerifier: my answer is 5. <verify>reject"));
+        assert!(chain.step(vec![reply(" 5")]).is_empty());
+        let e = chain.finish();
+        let turns: Vec<(usize, f64, usize, Option<usize>)> = e
+            .transitions
+            .iter()
+            .map(|t| (t.role, t.reward, t.position, t.class))
+            .collect();
+        // The own answer is rewarded like the solver's and has no class; the verdict is
+        // classed by the judged answer's correctness.
+        assert_eq!(
+            turns,
+            vec![
+                (SOLVER, 0.0, 0, None),
+                (VERIFIER, 1.0, 0, None),
+                (VERIFIER, 1.0, 1, Some(0)),
+                (SOLVER, 1.0, 1, None)
+            ]
+        );
+        assert_eq!(e.metrics["verifier_own_correct"], 1.0);
+        assert_eq!(e.metrics["verifier_accuracy"], 1.0);
+        // An approved answer ends the chain after the verdict.
+        let mut chain = Box::new(Chain {
+            problem: problem(),
+            verify: true,
+            recompute: true,
+            replies: Vec::new(),
+        });
+        chain.initial_observations();
+        chain.step(vec![reply(" 5")]);
+        chain.step(vec![reply(" 7")]);
+        assert!(chain.step(vec![reply("approve</verify>")]).is_empty());
+        let e = chain.finish();
+        assert_eq!(e.metrics["verifier_own_correct"], 0.0);
+        assert_eq!(e.metrics["final_correct"], 1.0);
     }
 
     #[test]
@@ -488,6 +623,7 @@ mod tests {
             keep_zero_adv: false,
             balance: true,
             verifier_temperature: None,
+            recompute: false,
             train: Vec::new(),
             held_out: Vec::new(),
         };
