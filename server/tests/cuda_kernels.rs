@@ -369,3 +369,107 @@ fn decode_attention_matches_the_composite_and_fills_the_caches() {
     )
     .is_err());
 }
+
+/// Rows `start..start + len` and their `(A, B, scale)`, if any, in f64 on the CPU.
+type RefSegment<'a> = (usize, usize, Option<(&'a Tensor, &'a Tensor, f64)>);
+
+/// The LoRA deltas of a packed batch, segment by segment in f64 on the CPU: each
+/// segment's rows get `base + scale (x Aᵀ) Bᵀ`, rows outside a segment with an adapter
+/// keep `base`; `u = x Aᵀ` on adapter rows, zero elsewhere.
+fn lora_reference(
+    x: &Tensor,
+    base: &Tensor,
+    segments: &[RefSegment<'_>],
+    r: usize,
+) -> (Tensor, Tensor) {
+    let n = x.dim(0).unwrap();
+    let mut y = base.clone();
+    let mut u = Tensor::zeros((n, r), DType::F64, &Device::Cpu).unwrap();
+    for &(start, len, pair) in segments {
+        let Some((a, b, scale)) = pair else { continue };
+        let xs = x.narrow(0, start, len).unwrap();
+        let us = xs.matmul(&a.t().unwrap()).unwrap();
+        let delta = (us.matmul(&b.t().unwrap()).unwrap() * scale).unwrap();
+        let ys = (base.narrow(0, start, len).unwrap() + delta).unwrap();
+        y = y
+            .slice_assign(&[start..start + len, 0..y.dim(1).unwrap()], &ys)
+            .unwrap();
+        u = u.slice_assign(&[start..start + len, 0..r], &us).unwrap();
+    }
+    (y, u)
+}
+
+#[test]
+fn lora_deltas_of_many_adapters_in_two_launches_match_the_composite() {
+    let Some(dev) = gpu() else { return };
+    // A width wider than a block and no multiple of a warp, ranks that do and do not
+    // fill the warps of a block, segments of one row (a decode step), a segment without
+    // an adapter, an adapter used by two segments, and rows no segment covers.
+    for (d, w, r, seed) in [(300, 1000, 8, 1), (576, 192, 12, 2), (64, 33, 1, 3)] {
+        let n = 14;
+        let x = uniform(&[n, d], 1.0, seed);
+        let base = uniform(&[n, w], 1.0, seed + 1);
+        let (a0, b0) = (
+            uniform(&[r, d], 0.3, seed + 2),
+            uniform(&[w, r], 0.3, seed + 3),
+        );
+        let (a1, b1) = (
+            uniform(&[r, d], 0.3, seed + 4),
+            uniform(&[w, r], 0.3, seed + 5),
+        );
+        let segments = [
+            (0, 5, Some((&a0, &b0, 4.0))),
+            (5, 1, None),
+            (6, 1, Some((&a1, &b1, 0.5))),
+            (7, 1, Some((&a0, &b0, 4.0))),
+            (8, 4, Some((&a1, &b1, 0.5))),
+        ];
+        let (want_y, want_u) = lora_reference(&x, &base, &segments, r);
+        let on_gpu: Vec<_> = segments
+            .iter()
+            .map(|&(start, len, pair)| {
+                let pair = pair.map(|(a, b, s)| (on(a, &dev), on(b, &dev), s as f32));
+                (start, len, pair)
+            })
+            .collect();
+        let parts: Vec<cuda::LoraSegment<'_>> = on_gpu
+            .iter()
+            .map(|(start, len, pair)| cuda::LoraSegment {
+                start: *start,
+                len: *len,
+                pair: pair.as_ref().map(|(a, b, s)| (a, b, *s)),
+            })
+            .collect();
+        let (y, u) = cuda::lora_deltas(&on(&x, &dev), &on(&base, &dev), &parts).unwrap();
+        assert!(
+            rel(&y, &want_y) < TOL,
+            "lora y {d}x{w} r{r}: {}",
+            rel(&y, &want_y)
+        );
+        assert!(
+            rel(&u, &want_u) < TOL,
+            "lora u {d}x{w} r{r}: {}",
+            rel(&u, &want_u)
+        );
+    }
+    // Shapes that disagree are errors, not out-of-bounds reads.
+    let x = on(&uniform(&[4, 16], 1.0, 7), &dev);
+    let base = on(&uniform(&[4, 8], 1.0, 8), &dev);
+    let (a, b) = (
+        on(&uniform(&[2, 16], 1.0, 9), &dev),
+        on(&uniform(&[8, 3], 1.0, 10), &dev),
+    );
+    let bad_rank = [cuda::LoraSegment {
+        start: 0,
+        len: 4,
+        pair: Some((&a, &b, 1.0)),
+    }];
+    assert!(cuda::lora_deltas(&x, &base, &bad_rank).is_err());
+    let b = on(&uniform(&[8, 2], 1.0, 11), &dev);
+    let outside = [cuda::LoraSegment {
+        start: 3,
+        len: 2,
+        pair: Some((&a, &b, 1.0)),
+    }];
+    assert!(cuda::lora_deltas(&x, &base, &outside).is_err());
+}

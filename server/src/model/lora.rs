@@ -373,6 +373,10 @@ pub fn lora_forward(
     if segments.iter().all(|s| pair_of(s).is_none()) {
         return Ok((base, vec![None; segments.len()]));
     }
+    #[cfg(feature = "cuda")]
+    if let Some(done) = lora_forward_cuda(be, x, &base, segments, &pair_of)? {
+        return Ok(done);
+    }
     let out_dim = base.dims()[1];
     let mut cache = Vec::with_capacity(segments.len());
     let mut deltas = Vec::with_capacity(segments.len());
@@ -400,6 +404,45 @@ pub fn lora_forward(
         Tensor::cat(&deltas, 0)?
     };
     Ok((base.add(&delta)?, cache))
+}
+
+/// [`lora_forward`] in two CUDA launches for every segment together
+/// ([`super::cuda::lora_deltas`]), where the kernels take the tensors and every adapter
+/// of the batch has the same rank for `target`; `None` where they do not.
+#[cfg(feature = "cuda")]
+fn lora_forward_cuda<'a>(
+    be: Backend,
+    x: &Tensor,
+    base: &Tensor,
+    segments: &[Segment],
+    pair_of: &impl Fn(&Segment) -> Option<(&'a LoraPair, f64)>,
+) -> candle_core::Result<Option<(Tensor, LoraCache)>> {
+    use super::cuda::{lora_deltas, LoraSegment};
+    if !(be.cuda(x) && be.cuda(base)) {
+        return Ok(None);
+    }
+    let mut rank = None;
+    let mut parts = Vec::with_capacity(segments.len());
+    for s in segments {
+        let pair = pair_of(s);
+        if let Some((p, _)) = pair {
+            let r = p.a.dim(0)?;
+            if *rank.get_or_insert(r) != r || !be.cuda(&p.a) || !be.cuda(&p.b) {
+                return Ok(None);
+            }
+        }
+        parts.push(LoraSegment {
+            start: s.start,
+            len: s.len,
+            pair: pair.map(|(p, scale)| (&p.a, &p.b, scale as f32)),
+        });
+    }
+    let (y, u) = lora_deltas(x, base, &parts)?;
+    let cache = segments
+        .iter()
+        .map(|s| pair_of(s).map(|_| u.narrow(0, s.start, s.len)).transpose())
+        .collect::<candle_core::Result<_>>()?;
+    Ok(Some((y, cache)))
 }
 
 /// Backward of [`lora_forward`]: accumulates `dA`, `dB` into `grads` (one entry per

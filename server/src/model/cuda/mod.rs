@@ -1,7 +1,7 @@
 //! The device backend's fused CUDA kernels: RMSNorm, RoPE, SwiGLU, the causal softmax
 //! and the output log-softmax, each with its backward, the AdamW step with its gradient
-//! norm, and a decode step's attention for many sequences in one launch, for f32 tensors
-//! on a CUDA device.
+//! norm, a decode step's attention for many sequences in one launch, and the LoRA deltas
+//! of a multi-adapter batch in two (SGMV), for f32 tensors on a CUDA device.
 //!
 //! They compute what the candle composites of [`super::ops`] compute, in one or two
 //! passes over memory instead of one kernel per elementwise step (the composite RMSNorm
@@ -112,7 +112,7 @@ fn elements(total: usize) -> LaunchConfig {
 
 /// Launches a kernel whose arguments are pushed, unless the launch would have no blocks.
 fn run(mut args: LaunchArgs<'_>, cfg: LaunchConfig) -> Result<()> {
-    if cfg.grid_dim.0 == 0 {
+    if cfg.grid_dim.0 == 0 || cfg.grid_dim.1 == 0 {
         return Ok(());
     }
     // SAFETY: each caller pushes the argument list of its kernel in kernels.cu, with
@@ -571,4 +571,148 @@ pub fn decode_attention(
     run(b, cfg)?;
     drop(guards);
     Ok(tensor(&dev, out, (n, qd)))
+}
+
+/// One segment of a packed batch for [`lora_deltas`]: rows `start..start + len` and the
+/// LoRA factors that apply to them.
+pub struct LoraSegment<'a> {
+    pub start: usize,
+    pub len: usize,
+    /// `(A (r, d), B (w, r), scale)`; `None` for rows that carry no adapter.
+    pub pair: Option<(&'a Tensor, &'a Tensor, f32)>,
+}
+
+/// The LoRA deltas of every segment of a packed batch in two launches (SGMV, as Punica
+/// and S-LoRA batch many adapters): returns `y = base + scale · u Bᵀ` on each segment's
+/// rows (`base` alone on rows without an adapter), `(n, w)`, and `u = x Aᵀ`, `(n, r)`,
+/// zero on rows without an adapter. `x` is `(n, d)`, `base` `(n, w)`; every pair has the
+/// same rank `r`, and segments lie within the `n` rows (they need not cover them). This
+/// is what `lora::lora_forward` computes segment by segment with a few launches each.
+pub fn lora_deltas(
+    x: &Tensor,
+    base: &Tensor,
+    segments: &[LoraSegment<'_>],
+) -> Result<(Tensor, Tensor)> {
+    let (n, d) = x.dims2()?;
+    let w = base.dim(1)?;
+    expect(base, &[n, w], "lora_deltas base", x.device())?;
+    let Some(r) = segments
+        .iter()
+        .find_map(|s| s.pair.map(|(a, ..)| a.dim(0)))
+        .transpose()?
+    else {
+        bail!("lora_deltas: no segment carries an adapter");
+    };
+    if r == 0 {
+        bail!("lora_deltas: rank 0");
+    }
+    let mut owners = vec![None; n];
+    for (si, s) in segments.iter().enumerate() {
+        let end = s.start.checked_add(s.len).filter(|&e| e <= n);
+        let Some(end) = end else {
+            bail!(
+                "lora_deltas: segment {}..+{} outside {n} rows",
+                s.start,
+                s.len
+            );
+        };
+        if let Some((a, b, _)) = s.pair {
+            expect(a, &[r, d], "lora_deltas A", x.device())?;
+            expect(b, &[w, r], "lora_deltas B", x.device())?;
+            if a.dtype() != DType::F32 || b.dtype() != DType::F32 {
+                bail!("lora_deltas: LoRA factors must be f32");
+            }
+        }
+        owners[s.start..end].fill(Some(si));
+    }
+    let (x, base) = (x.contiguous()?, base.contiguous()?);
+    let pairs: Vec<Option<(Tensor, Tensor, f32)>> = segments
+        .iter()
+        .map(|s| {
+            s.pair
+                .map(|(a, b, scale)| Ok((a.contiguous()?, b.contiguous()?, scale)))
+                .transpose()
+        })
+        .collect::<Result<_>>()?;
+    let dev = device(&x)?;
+    let stream = dev.cuda_stream();
+    let inputs: Vec<Option<(Input<'_>, Input<'_>)>> = pairs
+        .iter()
+        .map(|p| {
+            p.as_ref()
+                .map(|(a, b, _)| Ok((input(a)?, input(b)?)))
+                .transpose()
+        })
+        .collect::<Result<_>>()?;
+    let views: Vec<Option<(CudaView<'_, f32>, CudaView<'_, f32>)>> = inputs
+        .iter()
+        .map(|p| {
+            p.as_ref()
+                .map(|(a, b)| Ok((a.view::<f32>()?, b.view::<f32>()?)))
+                .transpose()
+        })
+        .collect::<Result<_>>()?;
+    // The pointers stay valid while the views (and their storage locks) live, past the
+    // launches; the guards record the factors' use on the stream when dropped.
+    let mut guards = Vec::new();
+    let mut seg_ptrs = Vec::with_capacity(views.len());
+    for v in &views {
+        seg_ptrs.push(match v {
+            Some((a, b)) => {
+                let (ap, ag) = a.device_ptr(&stream);
+                let (bp, bg) = b.device_ptr(&stream);
+                guards.push(ag);
+                guards.push(bg);
+                (ap, bp)
+            }
+            None => (0, 0),
+        });
+    }
+    let (mut a_ptrs, mut b_ptrs, mut scales) = (vec![0u64; n], vec![0u64; n], vec![0f32; n]);
+    for (i, owner) in owners.iter().enumerate() {
+        if let Some(si) = *owner {
+            if let Some((.., scale)) = &pairs[si] {
+                (a_ptrs[i], b_ptrs[i], scales[i]) = (seg_ptrs[si].0, seg_ptrs[si].1, *scale);
+            }
+        }
+    }
+    let a_ptrs = stream.clone_htod(&a_ptrs).w()?;
+    let b_ptrs = stream.clone_htod(&b_ptrs).w()?;
+    let scales = stream.clone_htod(&scales).w()?;
+    let u = alloc(&dev, n * r)?;
+    let y = alloc(&dev, n * w)?;
+    let (xi, bi) = (input(&x)?, input(&base)?);
+    let (xv, basev) = (xi.view::<f32>()?, bi.view::<f32>()?);
+    let (d64, r64, w64) = (d as i64, r as i64, w as i64);
+    let warps = THREADS / 32;
+    let shrink = dev.get_or_load_custom_func("lora_shrink_f32", MODULE, PTX)?;
+    let mut b = shrink.builder();
+    b.arg(&xv).arg(&a_ptrs).arg(&u).arg(&d64).arg(&r64);
+    run(
+        b,
+        LaunchConfig {
+            grid_dim: (row_count(n)? as u32, r.div_ceil(warps as usize) as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        },
+    )?;
+    let expand = dev.get_or_load_custom_func("lora_expand_f32", MODULE, PTX)?;
+    let mut b = expand.builder();
+    b.arg(&basev)
+        .arg(&u)
+        .arg(&b_ptrs)
+        .arg(&scales)
+        .arg(&y)
+        .arg(&w64)
+        .arg(&r64);
+    run(
+        b,
+        LaunchConfig {
+            grid_dim: (row_count(n)? as u32, w.div_ceil(THREADS as usize) as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: (r * std::mem::size_of::<f32>()) as u32,
+        },
+    )?;
+    drop(guards);
+    Ok((tensor(&dev, y, (n, w)), tensor(&dev, u, (n, r))))
 }
