@@ -284,19 +284,20 @@ extern "C" __global__ void decode_attention_f32(const float* q, const float* k_n
 
 // The LoRA deltas of a packed multi-adapter batch, Punica/S-LoRA's SGMV in two launches
 // per projection instead of a few per adapter segment. Row i of the batch carries the
-// factors of its segment's adapter: `a_ptrs[i]` points at A, (r, d), `b_ptrs[i]` at B,
-// (w, r), and `scales[i]` is its LoRA scale; a row without an adapter has null
+// factors of its segment's adapter through one table of 3n words (one copy to the
+// device): `table[i]` points at A, (r, d), `table[n + i]` at B, (w, r), and the low 32
+// bits of `table[2n + i]` are its LoRA scale (an f32); a row without an adapter has null
 // pointers.
 //
 // Shrink: u[i, j] = sum_k x[i, k] A_i[j, k], (n, r); zero for a row without an adapter.
 // One block per (row, group of 8 ranks); each warp reduces one rank over d.
-extern "C" __global__ void lora_shrink_f32(const float* x, const uint64_t* a_ptrs, float* u,
+extern "C" __global__ void lora_shrink_f32(const float* x, const uint64_t* table, float* u,
                                            int64_t d, int64_t r) {
     const int64_t i = blockIdx.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t j = (int64_t)blockIdx.y * (blockDim.x >> 5) + warp;
     if (j >= r) return;
-    const float* a = reinterpret_cast<const float*>(a_ptrs[i]);
+    const float* a = reinterpret_cast<const float*>(table[i]);
     float acc = 0.0f;
     if (a != nullptr) {
         const float* xr = x + i * d;
@@ -307,16 +308,17 @@ extern "C" __global__ void lora_shrink_f32(const float* x, const uint64_t* a_ptr
     if (lane == 0) u[i * r + j] = acc;
 }
 
-// Expand: y[i, c] = base[i, c] + scales[i] * sum_j u[i, j] B_i[c, j], (n, w); base
+// Expand: y[i, c] = base[i, c] + scale_i * sum_j u[i, j] B_i[c, j], (n, w); base
 // unchanged for a row without an adapter. One block per (row, ROW_THREADS columns); the
 // row of u is staged in shared memory (r floats).
 extern "C" __global__ void lora_expand_f32(const float* base, const float* u,
-                                           const uint64_t* b_ptrs, const float* scales,
-                                           float* y, int64_t w, int64_t r) {
+                                           const uint64_t* table, float* y, int64_t n,
+                                           int64_t w, int64_t r) {
     extern __shared__ float ur[];
     const int64_t i = blockIdx.x;
     const int64_t c = (int64_t)blockIdx.y * blockDim.x + threadIdx.x;
-    const float* b = reinterpret_cast<const float*>(b_ptrs[i]);
+    const float* b = reinterpret_cast<const float*>(table[n + i]);
+    const float scale = __uint_as_float((uint32_t)table[2 * n + i]);
     if (b != nullptr) {
         for (int64_t j = threadIdx.x; j < r; j += blockDim.x) ur[j] = u[i * r + j];
     }
@@ -327,7 +329,7 @@ extern "C" __global__ void lora_expand_f32(const float* base, const float* u,
         const float* br = b + c * r;
         float acc = 0.0f;
         for (int64_t j = 0; j < r; ++j) acc += ur[j] * br[j];
-        v += scales[i] * acc;
+        v += scale * acc;
     }
     y[i * w + c] = v;
 }

@@ -668,17 +668,18 @@ pub fn lora_deltas(
             None => (0, 0),
         });
     }
-    let (mut a_ptrs, mut b_ptrs, mut scales) = (vec![0u64; n], vec![0u64; n], vec![0f32; n]);
+    // One table, one copy: A pointers, B pointers, then each scale's f32 bits.
+    let mut table = vec![0u64; 3 * n];
     for (i, owner) in owners.iter().enumerate() {
         if let Some(si) = *owner {
             if let Some((.., scale)) = &pairs[si] {
-                (a_ptrs[i], b_ptrs[i], scales[i]) = (seg_ptrs[si].0, seg_ptrs[si].1, *scale);
+                table[i] = seg_ptrs[si].0;
+                table[n + i] = seg_ptrs[si].1;
+                table[2 * n + i] = u64::from(scale.to_bits());
             }
         }
     }
-    let a_ptrs = stream.clone_htod(&a_ptrs).w()?;
-    let b_ptrs = stream.clone_htod(&b_ptrs).w()?;
-    let scales = stream.clone_htod(&scales).w()?;
+    let table = stream.clone_htod(&table).w()?;
     let u = alloc(&dev, n * r)?;
     let y = alloc(&dev, n * w)?;
     let (xi, bi) = (input(&x)?, input(&base)?);
@@ -687,7 +688,7 @@ pub fn lora_deltas(
     let warps = THREADS / 32;
     let shrink = dev.get_or_load_custom_func("lora_shrink_f32", MODULE, PTX)?;
     let mut b = shrink.builder();
-    b.arg(&xv).arg(&a_ptrs).arg(&u).arg(&d64).arg(&r64);
+    b.arg(&xv).arg(&table).arg(&u).arg(&d64).arg(&r64);
     run(
         b,
         LaunchConfig {
@@ -698,11 +699,12 @@ pub fn lora_deltas(
     )?;
     let expand = dev.get_or_load_custom_func("lora_expand_f32", MODULE, PTX)?;
     let mut b = expand.builder();
+    let n64 = n as i64;
     b.arg(&basev)
         .arg(&u)
-        .arg(&b_ptrs)
-        .arg(&scales)
+        .arg(&table)
         .arg(&y)
+        .arg(&n64)
         .arg(&w64)
         .arg(&r64);
     run(
