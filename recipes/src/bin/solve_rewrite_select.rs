@@ -69,6 +69,11 @@ struct Args {
     /// selector learns from pipelines only).
     #[arg(long, default_value_t = 0)]
     select_drills: usize,
+    /// What a selector's pick that names no candidate earns for training (a pick of a
+    /// wrong candidate earns 0, a right one 1; both before the team weight). Below 0, the
+    /// update keeps picks to the `Judgment: N` format.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    invalid_pick_reward: f64,
 }
 
 const SOLVER: usize = 0;
@@ -129,6 +134,7 @@ struct Pipeline {
     n: usize,
     selectors: usize,
     pooled_selector: bool,
+    invalid_pick: f64,
     solvers: Vec<Reply>,
     rewriters: Vec<Reply>,
     picks: Vec<Reply>,
@@ -213,6 +219,10 @@ impl Env for Pipeline {
         let picks: Vec<f64> = (self.picks.iter())
             .map(|s| self.picked(s).map_or(0.0, |k| rewriter[k]))
             .collect();
+        // What each pick is trained on: its accuracy, or the invalid pick's reward.
+        let credited: Vec<f64> = (self.picks.iter())
+            .map(|s| self.picked(s).map_or(self.invalid_pick, |k| rewriter[k]))
+            .collect();
         let team = if picks.is_empty() { 0.0 } else { mean(&picks) };
         let weight = TEAM_WRONG + (TEAM_RIGHT - TEAM_WRONG) * team;
         let mut e = Episode::default();
@@ -254,7 +264,7 @@ impl Env for Pipeline {
             e.transitions
                 .push(Transition::new(role, reply, reward * weight, 0));
         }
-        for (reply, pick) in selectors.into_iter().zip(picks) {
+        for (reply, pick) in selectors.into_iter().zip(credited) {
             e.transitions.push(if pooled_selector {
                 Transition::new(SELECTOR, reply, pick * weight, 0)
             } else {
@@ -302,6 +312,7 @@ struct SelectExam {
     texts: Vec<String>,
     right: Vec<bool>,
     picks: usize,
+    invalid_pick: f64,
     replies: Vec<Reply>,
 }
 
@@ -325,7 +336,8 @@ impl Env for SelectExam {
             let right = pick_index(&reply).and_then(|k| self.right.get(k).copied());
             let score = rate(right.unwrap_or(false));
             scores.push(score);
-            e.transitions.push(against_chance(reply, score, random));
+            let credited = right.map_or(self.invalid_pick, rate);
+            e.transitions.push(against_chance(reply, credited, random));
         }
         e.metrics.insert("exam_pick_accuracy".into(), mean(&scores));
         e.metrics.insert("exam_random_accuracy".into(), random);
@@ -339,6 +351,7 @@ struct SolveRewriteSelect {
     selectors: usize,
     pooled_selector: bool,
     select_drills: usize,
+    invalid_pick: f64,
     seed: u64,
     batch: usize,
     temperature: f64,
@@ -353,6 +366,7 @@ impl SolveRewriteSelect {
             n: self.n,
             selectors: self.selectors,
             pooled_selector: self.pooled_selector,
+            invalid_pick: self.invalid_pick,
             solvers: Vec::new(),
             rewriters: Vec::new(),
             picks: Vec::new(),
@@ -369,6 +383,7 @@ impl SolveRewriteSelect {
             texts,
             right,
             picks: self.selectors,
+            invalid_pick: self.invalid_pick,
             replies: Vec::new(),
         })
     }
@@ -474,8 +489,8 @@ impl Recipe for SolveRewriteSelect {
 
     fn settings(&self) -> String {
         format!(
-            "num_parallel={} selectors={} pooled_selector={} select_drills={} max_operand={}",
-            self.n, self.selectors, self.pooled_selector, self.select_drills, self.max_operand
+            "num_parallel={} selectors={} pooled_selector={} select_drills={} invalid_pick_reward={} max_operand={}",
+            self.n, self.selectors, self.pooled_selector, self.select_drills, self.invalid_pick, self.max_operand
         )
     }
 
@@ -503,6 +518,7 @@ async fn main() -> anyhow::Result<()> {
         selectors: args.selectors.max(1),
         pooled_selector: args.pooled_selector,
         select_drills: args.select_drills,
+        invalid_pick: args.invalid_pick_reward,
         seed: c.seed,
         batch: c.batch,
         temperature: c.temperature,
@@ -548,6 +564,7 @@ mod tests {
             n: 2,
             selectors: picks.len(),
             pooled_selector,
+            invalid_pick: 0.0,
             solvers: Vec::new(),
             rewriters: Vec::new(),
             picks: Vec::new(),
@@ -646,14 +663,17 @@ mod tests {
             problem: p,
             texts,
             right: ok,
-            picks: 2,
+            picks: 3,
+            invalid_pick: -0.5,
             replies: Vec::new(),
         });
-        assert_eq!(exam.initial_observations().len(), 2);
+        assert_eq!(exam.initial_observations().len(), 3);
         let picks = [format!(" {first_right}"), format!(" {first_wrong}")];
-        assert!(exam.step(replies(&[&picks[0], &picks[1]])).is_empty());
+        assert!(exam
+            .step(replies(&[&picks[0], &picks[1], " Compare."]))
+            .is_empty());
         let e = exam.finish();
-        assert_eq!(e.metrics["exam_pick_accuracy"], 0.5);
+        assert!((e.metrics["exam_pick_accuracy"] - 1.0 / 3.0).abs() < 1e-12);
         assert_eq!(e.metrics["exam_random_accuracy"], 0.4);
         let credited: Vec<(f64, Option<f64>)> = e
             .transitions
@@ -662,7 +682,12 @@ mod tests {
             .collect();
         assert_eq!(
             credited,
-            vec![(1.2, Some(0.4 * 1.2)), (0.0, Some(0.4 * 1.2))]
+            // A pick that names no candidate earns the invalid pick's reward.
+            vec![
+                (1.2, Some(0.4 * 1.2)),
+                (0.0, Some(0.4 * 1.2)),
+                (-0.5 * 1.2, Some(0.4 * 1.2))
+            ]
         );
     }
 
@@ -674,6 +699,7 @@ mod tests {
             selectors: 8,
             pooled_selector: false,
             select_drills: 0,
+            invalid_pick: 0.0,
             seed: 0,
             batch: 4,
             temperature: 0.7,

@@ -406,9 +406,16 @@ pub fn lora_forward(
     Ok((base.add(&delta)?, cache))
 }
 
+/// Most rows a segment may have for [`lora_forward_cuda`]: each row reads its adapter's
+/// factors whole, which beats a few launches per segment for the short segments of a
+/// decode step, not a cuBLAS product over a long segment of a training pass or prefill.
+#[cfg(feature = "cuda")]
+const SGMV_MAX_SEGMENT_ROWS: usize = 16;
+
 /// [`lora_forward`] in two CUDA launches for every segment together
-/// ([`super::cuda::lora_deltas`]), where the kernels take the tensors and every adapter
-/// of the batch has the same rank for `target`; `None` where they do not.
+/// ([`super::cuda::lora_deltas`]), where the kernels take the tensors, the segments tile
+/// the rows in order, none is longer than [`SGMV_MAX_SEGMENT_ROWS`], and every adapter
+/// of the batch has the same rank for `target`; `None` where not.
 #[cfg(feature = "cuda")]
 fn lora_forward_cuda<'a>(
     be: Backend,
@@ -423,7 +430,12 @@ fn lora_forward_cuda<'a>(
     }
     let mut rank = None;
     let mut parts = Vec::with_capacity(segments.len());
+    let mut next = 0;
     for s in segments {
+        if s.start != next || s.len > SGMV_MAX_SEGMENT_ROWS {
+            return Ok(None);
+        }
+        next += s.len;
         let pair = pair_of(s);
         if let Some((p, _)) = pair {
             let r = p.a.dim(0)?;
@@ -436,6 +448,9 @@ fn lora_forward_cuda<'a>(
             len: s.len,
             pair: pair.map(|(p, scale)| (&p.a, &p.b, scale as f32)),
         });
+    }
+    if next != x.dim(0)? {
+        return Ok(None);
     }
     let (y, u) = lora_deltas(x, base, &parts)?;
     let cache = segments

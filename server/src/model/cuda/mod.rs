@@ -606,6 +606,13 @@ pub fn lora_deltas(
     if r == 0 {
         bail!("lora_deltas: rank 0");
     }
+    if n == 0 {
+        // CUDA allocates no empty buffers; there is nothing to launch.
+        return Ok((
+            base.contiguous()?,
+            Tensor::zeros((0, r), DType::F32, x.device())?,
+        ));
+    }
     let mut owners = vec![None; n];
     for (si, s) in segments.iter().enumerate() {
         let end = s.start.checked_add(s.len).filter(|&e| e <= n);
