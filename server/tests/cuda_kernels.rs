@@ -557,3 +557,130 @@ fn lora_forward_and_backward_through_sgmv_match_the_cpu() {
         }
     }
 }
+
+/// Whether `token` is where the walk of `u` over `candidates` (in walking order, with
+/// their weights) lands, up to `tol` of the walked mass: the cumulative weight before it
+/// is at most `u · mass` and with it at least that.
+fn walk_lands_on(candidates: &[(usize, f64)], u: f64, token: usize, tol: f64) -> bool {
+    let mass: f64 = candidates.iter().map(|c| c.1).sum();
+    let target = u * mass;
+    let mut before = 0.0;
+    for &(id, w) in candidates {
+        if id == token {
+            return before <= target + tol * mass && before + w >= target - tol * mass;
+        }
+        before += w;
+    }
+    false
+}
+
+#[test]
+fn pick_tokens_picks_as_the_host_picker_does() {
+    use lathe_server::sample::logits::token_logprob;
+    use lathe_server::sample::Picker;
+    let Some(dev) = gpu() else { return };
+    let picker = |temperature: f64, top_k: Option<usize>, top_p: f64| Picker {
+        temperature,
+        top_k,
+        top_p,
+    };
+    let pickers = [
+        picker(0.0, None, 1.0),
+        picker(1.0, None, 1.0),
+        picker(0.7, None, 1.0),
+        picker(1.0, Some(1), 1.0),
+        picker(1.0, Some(5), 1.0),
+        picker(0.8, Some(64), 0.9),
+        picker(1.3, Some(40), 0.5),
+        picker(1.0, Some(1 << 20), 1.0),
+    ];
+    let mut agree = 0;
+    let mut total = 0;
+    for (vocab, seed) in [(1000, 1), (49_152, 2), (7, 3)] {
+        let n = 16;
+        let mut rng = StdRng::seed_from_u64(seed);
+        // Quarter steps: many exact ties, which rank by lower id first.
+        let rows: Vec<Vec<f32>> = (0..n)
+            .map(|_| {
+                (0..vocab)
+                    .map(|_| (rng.random_range(-12.0f32..12.0) * 4.0).round() / 4.0)
+                    .collect()
+            })
+            .collect();
+        let flat: Vec<f32> = rows.concat();
+        let logits = Tensor::from_vec(flat, (n, vocab), &dev).unwrap();
+        for (pi, p) in pickers.iter().enumerate() {
+            if !p.on_device(vocab) {
+                // A top-k as large as the vocabulary with a nucleus: the host's case.
+                assert!(p.top_k.unwrap_or(0) >= vocab && p.top_p < 1.0, "{p:?}");
+                continue;
+            }
+            let mut host_rngs: Vec<StdRng> = (0..n)
+                .map(|i| StdRng::seed_from_u64(seed * 1000 + (pi * n + i) as u64))
+                .collect();
+            let mut dev_rngs = host_rngs.clone();
+            let picks: Vec<_> = dev_rngs
+                .iter_mut()
+                .map(|r| p.device_row(vocab, r).unwrap())
+                .collect();
+            let got = cuda::pick_tokens(&logits, &picks).unwrap();
+            for (i, row) in rows.iter().enumerate() {
+                let host = p.pick(row, &mut host_rngs[i]);
+                // The device row drew exactly what the host pick drew.
+                assert_eq!(host_rngs[i].random::<u64>(), dev_rngs[i].random::<u64>());
+                let (tok, lp) = (got[i].0 as usize, got[i].1);
+                let want_lp = token_logprob(row, tok);
+                assert!(
+                    (lp as f64 - want_lp).abs() < 1e-4,
+                    "logprob {lp} vs {want_lp}"
+                );
+                // Candidates in walking order, with their weights.
+                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let inv_t = 1.0 / p.temperature;
+                let weight = |i: usize| (((row[i] - max) as f64) * inv_t).exp();
+                let k = p.top_k.unwrap_or(vocab).clamp(1, vocab);
+                let candidates: Vec<(usize, f64)> = if p.temperature <= 0.0 {
+                    Vec::new()
+                } else if k < vocab {
+                    let mut ranked: Vec<usize> = (0..vocab).collect();
+                    ranked.sort_by(|a, b| row[*b].total_cmp(&row[*a]).then(a.cmp(b)));
+                    let ws: Vec<(usize, f64)> =
+                        ranked[..k].iter().map(|&i| (i, weight(i))).collect();
+                    let mass: f64 = ws.iter().map(|c| c.1).sum();
+                    let mut keep = k;
+                    let mut cum = 0.0;
+                    for (r, c) in ws.iter().enumerate() {
+                        cum += c.1 / mass;
+                        if cum >= p.top_p {
+                            keep = r + 1;
+                            break;
+                        }
+                    }
+                    ws[..keep].to_vec()
+                } else {
+                    (0..vocab).map(|i| (i, weight(i))).collect()
+                };
+                if p.temperature <= 0.0 {
+                    assert_eq!(tok, host, "greedy");
+                } else {
+                    let u = picks[i].u;
+                    assert!(
+                        walk_lands_on(&candidates, u, tok, 1e-5),
+                        "{p:?} vocab {vocab}: token {tok} is not where u = {u} lands"
+                    );
+                }
+                agree += usize::from(tok == host);
+                total += 1;
+            }
+        }
+    }
+    // Rounding at the walk's boundaries may part them, rarely.
+    assert!(
+        agree as f64 >= 0.97 * total as f64,
+        "{agree} of {total} picks agree"
+    );
+    // Pickers the kernel does not implement are left to the host.
+    assert!(!picker(1.0, None, 0.9).on_device(100));
+    assert!(!picker(1.0, Some(65), 1.0).on_device(100));
+    assert!(picker(0.0, None, 0.5).on_device(100));
+}

@@ -92,6 +92,55 @@ impl Picker {
     }
 }
 
+/// The device's pick of this picker for a vocabulary of `vocab`, drawing its uniform
+/// point from `rng` as [`Picker::pick`] would; `None` (drawing nothing) where the device
+/// kernel does not pick as `pick` does: a nucleus over the whole vocabulary, or a top-k
+/// above [`crate::model::cuda::PICK_MAX_K`].
+#[cfg(feature = "cuda")]
+impl Picker {
+    /// Whether [`Picker::device_row`] gives a row for a vocabulary of `vocab`.
+    pub fn on_device(&self, vocab: usize) -> bool {
+        use crate::model::cuda::PICK_MAX_K;
+        if self.temperature <= 0.0 {
+            return true;
+        }
+        let k = self.top_k.unwrap_or(vocab).clamp(1, vocab.max(1));
+        if k < vocab {
+            k <= PICK_MAX_K
+        } else {
+            self.top_p >= 1.0
+        }
+    }
+
+    /// The row for [`crate::model::cuda::pick_tokens`], drawing from `rng` exactly what
+    /// `pick` draws; `None` (drawing nothing) where [`Picker::on_device`] is false.
+    pub fn device_row(
+        &self,
+        vocab: usize,
+        rng: &mut StdRng,
+    ) -> Option<crate::model::cuda::PickRow> {
+        use crate::model::cuda::PickRow;
+        if !self.on_device(vocab) {
+            return None;
+        }
+        if self.temperature <= 0.0 {
+            return Some(PickRow {
+                inv_temperature: 0.0,
+                top_k: None,
+                top_p: 1.0,
+                u: 0.0,
+            });
+        }
+        let k = self.top_k.unwrap_or(vocab).clamp(1, vocab.max(1));
+        Some(PickRow {
+            inv_temperature: 1.0 / self.temperature,
+            top_k: (k < vocab).then_some(k),
+            top_p: self.top_p,
+            u: rng.random::<f64>(),
+        })
+    }
+}
+
 /// The candidate at which the cumulative weight of `candidates` (in order) passes `u`;
 /// the last one if rounding leaves `u` beyond them all.
 fn walk(candidates: impl Iterator<Item = usize>, weights: &[f32], mut u: f64) -> usize {

@@ -22,6 +22,8 @@ use rayon::prelude::*;
 
 use super::jobs::{DecodeMode, Generated, SampleJob, SampleOutput, SampleTimings, Stop};
 use super::logits::token_logprob;
+#[cfg(feature = "cuda")]
+use super::logits::Picker;
 use super::progress::TokenProgress;
 use crate::model::cpu::decode_step::{HostAdapter, HostDecoder, StepRow};
 use crate::model::transformer::TopK;
@@ -74,6 +76,9 @@ struct Stream {
     cache: KvCache,
     /// Next-token logits, waiting for a pick.
     logits: Vec<f32>,
+    /// The next token and its log-probability, when the device picked it (the logits
+    /// then stay there).
+    chosen: Option<(u32, f32)>,
     rng: StdRng,
     out: Generated,
 }
@@ -270,6 +275,7 @@ impl<K> RunningDecode<K> {
                 sample,
                 cache: caches.next().expect("one cache per sample"),
                 logits: pre.first.clone(),
+                chosen: None,
                 rng,
                 out: nothing_yet(),
             });
@@ -408,9 +414,15 @@ impl<K> RunningDecode<K> {
             .collect();
         let pick = |st: &mut Stream| -> Result<bool, ModelError> {
             let job = jobs[st.request].expect("live request");
-            let tok = job.picker.pick(&st.logits, &mut st.rng);
+            let (tok, logprob) = match st.chosen.take() {
+                Some((tok, logprob)) => (tok as usize, logprob),
+                None => {
+                    let tok = job.picker.pick(&st.logits, &mut st.rng);
+                    (tok, token_logprob(&st.logits, tok) as f32)
+                }
+            };
             st.out.tokens.push(tok as u32);
-            st.out.logprobs.push(token_logprob(&st.logits, tok) as f32);
+            st.out.logprobs.push(logprob);
             let stopped = job.stop_tokens.contains(&(tok as u32))
                 || tokenizer.eos_ids().contains(&(tok as u32))
                 || (!job.stop_strings.is_empty()
@@ -490,11 +502,50 @@ impl<K> RunningDecode<K> {
         let mut caches: Vec<&mut KvCache> =
             self.streams.iter_mut().map(|st| &mut st.cache).collect();
         let logits = model.forward_cached(&batch, &adapters, &mut caches, quantized)?;
+        #[cfg(feature = "cuda")]
+        if self.pick_on_device(model, &logits)? {
+            return Ok(());
+        }
         let rows: Vec<Vec<f32>> = logits.to_dtype(DType::F32)?.to_vec2()?;
         for (st, row) in self.streams.iter_mut().zip(rows) {
             st.logits = row;
         }
         Ok(())
+    }
+
+    /// Picks every stream's next token on the GPU (`model::cuda::pick_tokens`), copying
+    /// back only the tokens and their log-probabilities, where the fused kernels run and
+    /// every stream's picker is one the kernel implements; `false` (nothing drawn or
+    /// picked) otherwise, and the host picks from the copied logits.
+    #[cfg(feature = "cuda")]
+    fn pick_on_device(&mut self, model: &Transformer, logits: &Tensor) -> Result<bool, ModelError> {
+        let logits = logits.to_dtype(DType::F32)?;
+        let vocab = logits.dim(1)?;
+        let picker = |st: &Stream| {
+            &self.requests[st.request]
+                .as_ref()
+                .expect("live request")
+                .job
+                .picker
+        };
+        if !model.backend().cuda(&logits)
+            || !self.streams.iter().all(|st| picker(st).on_device(vocab))
+        {
+            return Ok(false);
+        }
+        let pickers: Vec<Picker> = self.streams.iter().map(|st| picker(st).clone()).collect();
+        let rows: Vec<_> = self
+            .streams
+            .iter_mut()
+            .zip(&pickers)
+            .map(|(st, p)| p.device_row(vocab, &mut st.rng).expect("checked on_device"))
+            .collect();
+        let picked = crate::model::cuda::pick_tokens(&logits, &rows)?;
+        for (st, p) in self.streams.iter_mut().zip(picked) {
+            st.logits.clear();
+            st.chosen = Some(p);
+        }
+        Ok(true)
     }
 
     /// Removes request `index` and releases its adapter slot.

@@ -333,3 +333,154 @@ extern "C" __global__ void lora_expand_f32(const float* base, const float* u,
     }
     y[i * w + c] = v;
 }
+
+// Token choice on the device: one block of PICK_THREADS per row of `logits` (n, vocab),
+// copying back only each row's token and its log-probability. `params` holds four
+// doubles per row: the inverse temperature (0: the most likely token, lowest id on
+// ties), top-k (0: none; at most PICK_MAX_K), top-p, and a uniform draw u in [0, 1).
+// `out` gets two doubles per row: the token and log_softmax(logits)[token].
+//
+// The pick is the host picker's (`sample::logits::Picker::pick`): without top-k, the
+// cumulative weight exp((l - max) / T) walked in id order to u times the total; with
+// top-k, the k most likely tokens (by logit, lower id first on ties) in that order,
+// truncated to the nucleus that first reaches top-p of their mass, walked to u times
+// the nucleus's mass. Up to rounding at the boundaries the two give the same token.
+#define PICK_THREADS 1024
+#define PICK_MAX_K 64
+
+// The better of two candidates: higher logit, lower id on ties; id -1 loses.
+__device__ __forceinline__ bool pick_better(float lv, int64_t li, float rv, int64_t ri) {
+    if (ri < 0) return li >= 0;
+    if (li < 0) return false;
+    return lv > rv || (lv == rv && li < ri);
+}
+
+// The block's best candidate; every thread gets it.
+__device__ void pick_block_best(float& v, int64_t& id, float* sv, int64_t* si) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffff, v, o);
+        const int64_t oi = __shfl_xor_sync(0xffffffff, id, o);
+        if (pick_better(ov, oi, v, id)) { v = ov; id = oi; }
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) { sv[warp] = v; si[warp] = id; }
+    __syncthreads();
+    const int warps = (blockDim.x + 31) >> 5;
+    v = lane < warps ? sv[lane] : -INFINITY;
+    id = lane < warps ? si[lane] : -1;
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffff, v, o);
+        const int64_t oi = __shfl_xor_sync(0xffffffff, id, o);
+        if (pick_better(ov, oi, v, id)) { v = ov; id = oi; }
+    }
+}
+
+extern "C" __global__ void pick_tokens_f32(const float* logits, const double* params,
+                                           double* out, int64_t vocab) {
+    __shared__ float sv[32];
+    __shared__ int64_t si[32];
+    __shared__ double sd[PICK_THREADS];
+    __shared__ int64_t top[PICK_MAX_K];
+    __shared__ int64_t chosen;
+    const int64_t row = blockIdx.x;
+    const float* l = logits + row * vocab;
+    const double inv_t = params[4 * row], top_p = params[4 * row + 2], u = params[4 * row + 3];
+    const int64_t k = (int64_t)params[4 * row + 1];
+    const int tid = threadIdx.x;
+
+    // The most likely token (lowest id on ties) and the log-softmax normaliser.
+    float bv = -INFINITY;
+    int64_t bi = -1;
+    for (int64_t i = tid; i < vocab; i += blockDim.x) {
+        if (pick_better(l[i], i, bv, bi)) { bv = l[i]; bi = i; }
+    }
+    pick_block_best(bv, bi, sv, si);
+    const float max = bv;
+    float se = 0.0f;
+    for (int64_t i = tid; i < vocab; i += blockDim.x) se += expf(l[i] - max);
+    const float lse = logf(block_sum(se, sv));
+    if (tid == 0) chosen = bi;
+    __syncthreads();
+
+    if (inv_t > 0.0 && k == 0) {
+        // Walk the whole vocabulary in id order: each thread owns a contiguous chunk,
+        // an exclusive scan of the chunks' sums finds the chunk holding u * total.
+        const float it = (float)inv_t;
+        const int64_t chunk = (vocab + blockDim.x - 1) / blockDim.x;
+        const int64_t lo = min(vocab, tid * chunk), hi = min(vocab, lo + chunk);
+        double mine = 0.0;
+        for (int64_t i = lo; i < hi; ++i) mine += (double)expf((l[i] - max) * it);
+        sd[tid] = mine;
+        __syncthreads();
+        // Inclusive scan (Hillis-Steele) over the block's chunk sums.
+        for (int o = 1; o < (int)blockDim.x; o <<= 1) {
+            const double add = tid >= o ? sd[tid - o] : 0.0;
+            __syncthreads();
+            sd[tid] += add;
+            __syncthreads();
+        }
+        const double total = sd[blockDim.x - 1];
+        const double before = tid > 0 ? sd[tid - 1] : 0.0;
+        double target = u * total;
+        if (tid == 0) chosen = vocab - 1;  // rounding past every weight: the last id
+        __syncthreads();
+        if (target >= before && target < sd[tid]) {
+            target -= before;
+            for (int64_t i = lo; i < hi; ++i) {
+                const double w = (double)expf((l[i] - max) * it);
+                if (target < w) { chosen = i; break; }
+                target -= w;
+            }
+        }
+        __syncthreads();
+    } else if (inv_t > 0.0) {
+        // The k most likely tokens in rank order: each round takes the best token ranked
+        // after the previous round's.
+        float pv = INFINITY;
+        int64_t pi = -1;
+        for (int64_t r = 0; r < k; ++r) {
+            float cv = -INFINITY;
+            int64_t ci = -1;
+            for (int64_t i = tid; i < vocab; i += blockDim.x) {
+                const bool after = l[i] < pv || (l[i] == pv && i > pi);
+                if (after && pick_better(l[i], i, cv, ci)) { cv = l[i]; ci = i; }
+            }
+            pick_block_best(cv, ci, sv, si);
+            if (tid == 0) top[r] = ci;
+            pv = cv;
+            pi = ci;
+        }
+        __syncthreads();
+        if (tid == 0) {
+            const float it = (float)inv_t, top_max = l[top[0]];
+            float w[PICK_MAX_K];
+            float total = 0.0f;
+            for (int64_t r = 0; r < k; ++r) {
+                w[r] = expf((l[top[r]] - top_max) * it);
+                total += w[r];
+            }
+            int64_t keep = k;
+            if (top_p < 1.0) {
+                double mass = 0.0;
+                for (int64_t r = 0; r < k; ++r) {
+                    mass += (double)w[r] / (double)total;
+                    if (mass >= top_p) { keep = r + 1; break; }
+                }
+            }
+            double mass = 0.0;
+            for (int64_t r = 0; r < keep; ++r) mass += (double)w[r];
+            double target = u * mass;
+            chosen = top[keep - 1];
+            for (int64_t r = 0; r < keep; ++r) {
+                if (target < (double)w[r]) { chosen = top[r]; break; }
+                target -= (double)w[r];
+            }
+        }
+        __syncthreads();
+    }
+    if (tid == 0) {
+        out[2 * row] = (double)chosen;
+        out[2 * row + 1] = (double)(l[chosen] - max - lse);
+    }
+}
