@@ -600,13 +600,19 @@ fn pick_tokens_picks_as_the_host_picker_does() {
         let n = 16;
         let mut rng = StdRng::seed_from_u64(seed);
         // Quarter steps: many exact ties, which rank by lower id first.
-        let rows: Vec<Vec<f32>> = (0..n)
+        let mut rows: Vec<Vec<f32>> = (0..n)
             .map(|_| {
                 (0..vocab)
                     .map(|_| (rng.random_range(-12.0f32..12.0) * 4.0).round() / 4.0)
                     .collect()
             })
             .collect();
+        // A diverged adapter's row: every logit NaN. The host picks id 0 greedily and the
+        // last candidate when walking; so must the device, without reading out of bounds.
+        rows[n - 1] = vec![f32::NAN; vocab];
+        // Signed zeros rank +0 above -0 (the host's total order).
+        rows[n - 2][0] = -0.0;
+        rows[n - 2][1] = 0.0;
         let flat: Vec<f32> = rows.concat();
         let logits = Tensor::from_vec(flat, (n, vocab), &dev).unwrap();
         for (pi, p) in pickers.iter().enumerate() {
@@ -629,6 +635,12 @@ fn pick_tokens_picks_as_the_host_picker_does() {
                 // The device row drew exactly what the host pick drew.
                 assert_eq!(host_rngs[i].random::<u64>(), dev_rngs[i].random::<u64>());
                 let (tok, lp) = (got[i].0 as usize, got[i].1);
+                assert!(tok < vocab);
+                if i == n - 1 {
+                    assert_eq!(tok, host, "{p:?} on a row of NaN");
+                    assert!(lp.is_nan());
+                    continue;
+                }
                 let want_lp = token_logprob(row, tok);
                 assert!(
                     (lp as f64 - want_lp).abs() < 1e-4,
@@ -665,7 +677,7 @@ fn pick_tokens_picks_as_the_host_picker_does() {
                 } else {
                     let u = picks[i].u;
                     assert!(
-                        walk_lands_on(&candidates, u, tok, 1e-5),
+                        walk_lands_on(&candidates, u, tok, 1e-6),
                         "{p:?} vocab {vocab}: token {tok} is not where u = {u} lands"
                     );
                 }
@@ -676,7 +688,7 @@ fn pick_tokens_picks_as_the_host_picker_does() {
     }
     // Rounding at the walk's boundaries may part them, rarely.
     assert!(
-        agree as f64 >= 0.97 * total as f64,
+        agree as f64 >= 0.99 * total as f64,
         "{agree} of {total} picks agree"
     );
     // Pickers the kernel does not implement are left to the host.

@@ -104,6 +104,11 @@ impl Picker {
         if self.temperature <= 0.0 {
             return true;
         }
+        // The kernel takes 1 / T as an f32, as the host does; a temperature so small that
+        // it overflows is left to the host.
+        if !((1.0 / self.temperature) as f32).is_finite() {
+            return false;
+        }
         let k = self.top_k.unwrap_or(vocab).clamp(1, vocab.max(1));
         if k < vocab {
             k <= PICK_MAX_K

@@ -348,17 +348,28 @@ extern "C" __global__ void lora_expand_f32(const float* base, const float* u,
 #define PICK_THREADS 1024
 #define PICK_MAX_K 64
 
-// The better of two candidates: higher logit, lower id on ties; id -1 loses.
-__device__ __forceinline__ bool pick_better(float lv, int64_t li, float rv, int64_t ri) {
+// A logit's place in IEEE 754's total order as an int, as Rust's `f32::total_cmp`
+// orders them (the host's ranking): -NaN < -inf < ... < -0 < +0 < ... < +inf < +NaN.
+__device__ __forceinline__ int pick_key(float x) {
+    int b = __float_as_int(x);
+    return b ^ (int)(((unsigned)(b >> 31)) >> 1);
+}
+
+// The better of two candidates by key (`pick_key` for ranking; a plain `>` on logits,
+// as the host's argmax, for the greedy pick): the higher, the lower id on ties; id -1
+// loses.
+template <typename K>
+__device__ __forceinline__ bool pick_better(K lv, int64_t li, K rv, int64_t ri) {
     if (ri < 0) return li >= 0;
     if (li < 0) return false;
     return lv > rv || (lv == rv && li < ri);
 }
 
-// The block's best candidate; every thread gets it.
-__device__ void pick_block_best(float& v, int64_t& id, float* sv, int64_t* si) {
+// The block's best candidate by key; every thread gets it. `sv` holds one key per warp.
+template <typename K>
+__device__ void pick_block_best(K& v, int64_t& id, K* sv, int64_t* si) {
     for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffff, v, o);
+        const K ov = __shfl_xor_sync(0xffffffff, v, o);
         const int64_t oi = __shfl_xor_sync(0xffffffff, id, o);
         if (pick_better(ov, oi, v, id)) { v = ov; id = oi; }
     }
@@ -367,18 +378,19 @@ __device__ void pick_block_best(float& v, int64_t& id, float* sv, int64_t* si) {
     if (lane == 0) { sv[warp] = v; si[warp] = id; }
     __syncthreads();
     const int warps = (blockDim.x + 31) >> 5;
-    v = lane < warps ? sv[lane] : -INFINITY;
+    v = lane < warps ? sv[lane] : sv[0];
     id = lane < warps ? si[lane] : -1;
     for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffff, v, o);
+        const K ov = __shfl_xor_sync(0xffffffff, v, o);
         const int64_t oi = __shfl_xor_sync(0xffffffff, id, o);
         if (pick_better(ov, oi, v, id)) { v = ov; id = oi; }
     }
 }
 
-extern "C" __global__ void pick_tokens_f32(const float* logits, const double* params,
-                                           double* out, int64_t vocab) {
+extern "C" __global__ void __launch_bounds__(PICK_THREADS)
+pick_tokens_f32(const float* logits, const double* params, double* out, int64_t vocab) {
     __shared__ float sv[32];
+    __shared__ int sk[32];
     __shared__ int64_t si[32];
     __shared__ double sd[PICK_THREADS];
     __shared__ int64_t top[PICK_MAX_K];
@@ -389,14 +401,16 @@ extern "C" __global__ void pick_tokens_f32(const float* logits, const double* pa
     const int64_t k = (int64_t)params[4 * row + 1];
     const int tid = threadIdx.x;
 
-    // The most likely token (lowest id on ties) and the log-softmax normaliser.
+    // The most likely token (lowest id on ties; NaN never wins, and a row of NaN gives
+    // id 0, as the host's argmax) and the log-softmax normaliser.
     float bv = -INFINITY;
     int64_t bi = -1;
     for (int64_t i = tid; i < vocab; i += blockDim.x) {
         if (pick_better(l[i], i, bv, bi)) { bv = l[i]; bi = i; }
     }
     pick_block_best(bv, bi, sv, si);
-    const float max = bv;
+    if (bi < 0) bi = 0;
+    const float max = l[bi];
     float se = 0.0f;
     for (int64_t i = tid; i < vocab; i += blockDim.x) se += expf(l[i] - max);
     const float lse = logf(block_sum(se, sv));
@@ -427,27 +441,33 @@ extern "C" __global__ void pick_tokens_f32(const float* logits, const double* pa
         __syncthreads();
         if (target >= before && target < sd[tid]) {
             target -= before;
+            // Rounding may walk past the chunk's end: then its last token with weight.
+            int64_t pick = -1, last = lo;
             for (int64_t i = lo; i < hi; ++i) {
                 const double w = (double)expf((l[i] - max) * it);
-                if (target < w) { chosen = i; break; }
+                if (w > 0.0) last = i;
+                if (target < w) { pick = i; break; }
                 target -= w;
             }
+            chosen = pick >= 0 ? pick : last;
         }
         __syncthreads();
     } else if (inv_t > 0.0) {
-        // The k most likely tokens in rank order: each round takes the best token ranked
-        // after the previous round's.
-        float pv = INFINITY;
+        // The k most likely tokens in rank order (the host's `total_cmp` order, lower id
+        // first on ties): each round takes the best token ranked after the previous
+        // round's. k < vocab, so every round finds one.
+        int pv = 0;
         int64_t pi = -1;
         for (int64_t r = 0; r < k; ++r) {
-            float cv = -INFINITY;
+            int cv = 0;
             int64_t ci = -1;
             for (int64_t i = tid; i < vocab; i += blockDim.x) {
-                const bool after = l[i] < pv || (l[i] == pv && i > pi);
-                if (after && pick_better(l[i], i, cv, ci)) { cv = l[i]; ci = i; }
+                const int key = pick_key(l[i]);
+                const bool after = pi < 0 || key < pv || (key == pv && i > pi);
+                if (after && pick_better(key, i, cv, ci)) { cv = key; ci = i; }
             }
-            pick_block_best(cv, ci, sv, si);
-            if (tid == 0) top[r] = ci;
+            pick_block_best(cv, ci, sk, si);
+            if (tid == 0) top[r] = ci < 0 ? 0 : ci;
             pv = cv;
             pi = ci;
         }

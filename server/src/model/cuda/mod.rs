@@ -728,6 +728,9 @@ pub fn lora_deltas(
 
 /// Most tokens [`pick_tokens`] ranks for top-k (one pass over the row per token).
 pub const PICK_MAX_K: usize = 64;
+/// Threads of [`pick_tokens`]'s block per row (the kernel's `PICK_THREADS` and its
+/// launch bound).
+const PICK_THREADS: u32 = 1024;
 
 /// How [`pick_tokens`] picks one row's token: what `sample::logits::Picker::pick` does
 /// with the same uniform draw.
@@ -792,7 +795,7 @@ pub fn pick_tokens(logits: &Tensor, rows: &[PickRow]) -> Result<Vec<(u32, f32)>>
         b,
         LaunchConfig {
             grid_dim: (row_count(n)? as u32, 1, 1),
-            block_dim: (1024, 1, 1),
+            block_dim: (PICK_THREADS, 1, 1),
             shared_mem_bytes: 0,
         },
     )?;
