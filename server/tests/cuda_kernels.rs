@@ -370,31 +370,50 @@ fn decode_attention_matches_the_composite_and_fills_the_caches() {
     .is_err());
 }
 
-/// Rows `start..start + len` and their `(A, B, scale)`, if any, in f64 on the CPU.
-type RefSegment<'a> = (usize, usize, Option<(&'a Tensor, &'a Tensor, f64)>);
+/// Each part's `(A, B)` of a segment, if any.
+type Factors = Vec<Option<(Tensor, Tensor)>>;
 
-/// The LoRA deltas of a packed batch, segment by segment in f64 on the CPU: each
-/// segment's rows get `base + scale (x Aᵀ) Bᵀ`, rows outside a segment with an adapter
-/// keep `base`; `u = x Aᵀ` on adapter rows, zero elsewhere.
+/// Rows `start..start + len`, their scale, and each part's `(A, B)`, if any, in f64 on
+/// the CPU.
+type RefSegment<'a> = (usize, usize, f64, Vec<Option<(&'a Tensor, &'a Tensor)>>);
+
+/// The LoRA deltas of a packed batch, segment by segment and part by part in f64 on the
+/// CPU: part p of each segment's rows gets `base + scale (x A_pᵀ) B_pᵀ`, rows or parts
+/// without factors keep `base`; `u`'s columns `p r ..` are `x A_pᵀ`, zero elsewhere.
 fn lora_reference(
     x: &Tensor,
     base: &Tensor,
+    widths: &[usize],
     segments: &[RefSegment<'_>],
     r: usize,
 ) -> (Tensor, Tensor) {
     let n = x.dim(0).unwrap();
     let mut y = base.clone();
-    let mut u = Tensor::zeros((n, r), DType::F64, &Device::Cpu).unwrap();
-    for &(start, len, pair) in segments {
-        let Some((a, b, scale)) = pair else { continue };
-        let xs = x.narrow(0, start, len).unwrap();
-        let us = xs.matmul(&a.t().unwrap()).unwrap();
-        let delta = (us.matmul(&b.t().unwrap()).unwrap() * scale).unwrap();
-        let ys = (base.narrow(0, start, len).unwrap() + delta).unwrap();
-        y = y
-            .slice_assign(&[start..start + len, 0..y.dim(1).unwrap()], &ys)
-            .unwrap();
-        u = u.slice_assign(&[start..start + len, 0..r], &us).unwrap();
+    let mut u = Tensor::zeros((n, widths.len() * r), DType::F64, &Device::Cpu).unwrap();
+    for (start, len, scale, pairs) in segments {
+        let (start, len) = (*start, *len);
+        let mut col = 0;
+        for (p, (pair, &w)) in pairs.iter().zip(widths).enumerate() {
+            if let Some((a, b)) = pair {
+                let xs = x.narrow(0, start, len).unwrap();
+                let us = xs.matmul(&a.t().unwrap()).unwrap();
+                let delta = (us.matmul(&b.t().unwrap()).unwrap() * *scale).unwrap();
+                let ys = (base
+                    .narrow(0, start, len)
+                    .unwrap()
+                    .narrow(1, col, w)
+                    .unwrap()
+                    + delta)
+                    .unwrap();
+                y = y
+                    .slice_assign(&[start..start + len, col..col + w], &ys)
+                    .unwrap();
+                u = u
+                    .slice_assign(&[start..start + len, p * r..(p + 1) * r], &us)
+                    .unwrap();
+            }
+            col += w;
+        }
     }
     (y, u)
 }
@@ -402,53 +421,88 @@ fn lora_reference(
 #[test]
 fn lora_deltas_of_many_adapters_in_two_launches_match_the_composite() {
     let Some(dev) = gpu() else { return };
-    // A width wider than a block and no multiple of a warp, ranks that do and do not
-    // fill the warps of a block, segments of one row (a decode step), a segment without
-    // an adapter, an adapter used by two segments, and rows no segment covers.
-    for (d, w, r, seed) in [(300, 1000, 8, 1), (576, 192, 12, 2), (64, 33, 1, 3)] {
+    // One part wider than a block and no multiple of a warp, three parts (q/k/v-like,
+    // one adapter lacking a part), ranks that do and do not fill the warps of a block,
+    // segments of one row (a decode step), a segment without an adapter, an adapter used
+    // by two segments, and rows no segment covers.
+    for (d, widths, r, seed) in [
+        (300, vec![1000], 8, 1),
+        (576, vec![192, 64, 64], 12, 2),
+        (64, vec![33, 7], 1, 3),
+    ] {
         let n = 14;
+        let w: usize = widths.iter().sum();
         let x = uniform(&[n, d], 1.0, seed);
         let base = uniform(&[n, w], 1.0, seed + 1);
-        let (a0, b0) = (
-            uniform(&[r, d], 0.3, seed + 2),
-            uniform(&[w, r], 0.3, seed + 3),
-        );
-        let (a1, b1) = (
-            uniform(&[r, d], 0.3, seed + 4),
-            uniform(&[w, r], 0.3, seed + 5),
-        );
-        let segments = [
-            (0, 5, Some((&a0, &b0, 4.0))),
-            (5, 1, None),
-            (6, 1, Some((&a1, &b1, 0.5))),
-            (7, 1, Some((&a0, &b0, 4.0))),
-            (8, 4, Some((&a1, &b1, 0.5))),
+        let factors = |s: u64| -> Vec<(Tensor, Tensor)> {
+            (widths.iter().enumerate())
+                .map(|(p, &wp)| {
+                    let s = s + 10 * p as u64;
+                    (uniform(&[r, d], 0.3, s), uniform(&[wp, r], 0.3, s + 1))
+                })
+                .collect()
+        };
+        let (f0, f1) = (factors(seed + 2), factors(seed + 50));
+        let all = |f: &[(Tensor, Tensor)]| -> Factors {
+            f.iter()
+                .map(|(a, b)| Some((a.clone(), b.clone())))
+                .collect()
+        };
+        // Adapter 1 has no factors for the last part when there are several.
+        let mut some1 = all(&f1);
+        if widths.len() > 1 {
+            *some1.last_mut().unwrap() = None;
+        }
+        let none: Factors = vec![None; widths.len()];
+        let layout: [(usize, usize, f64, &Factors); 5] = [
+            (0, 5, 4.0, &all(&f0)),
+            (5, 1, 0.0, &none),
+            (6, 1, 0.5, &some1),
+            (7, 1, 4.0, &all(&f0)),
+            (8, 4, 0.5, &some1),
         ];
-        let (want_y, want_u) = lora_reference(&x, &base, &segments, r);
-        let on_gpu: Vec<_> = segments
+        let reference: Vec<RefSegment<'_>> = layout
             .iter()
-            .map(|&(start, len, pair)| {
-                let pair = pair.map(|(a, b, s)| (on(a, &dev), on(b, &dev), s as f32));
-                (start, len, pair)
+            .map(|(start, len, scale, pairs)| {
+                let pairs = pairs
+                    .iter()
+                    .map(|p| p.as_ref().map(|(a, b)| (a, b)))
+                    .collect();
+                (*start, *len, *scale, pairs)
             })
             .collect();
-        let parts: Vec<cuda::LoraSegment<'_>> = on_gpu
+        let (want_y, want_u) = lora_reference(&x, &base, &widths, &reference, r);
+        let on_gpu: Vec<Factors> = layout
             .iter()
-            .map(|(start, len, pair)| cuda::LoraSegment {
+            .map(|(.., pairs)| {
+                (pairs.iter())
+                    .map(|p| p.as_ref().map(|(a, b)| (on(a, &dev), on(b, &dev))))
+                    .collect()
+            })
+            .collect();
+        let segments: Vec<cuda::LoraSegment<'_>> = layout
+            .iter()
+            .zip(&on_gpu)
+            .map(|((start, len, scale, _), pairs)| cuda::LoraSegment {
                 start: *start,
                 len: *len,
-                pair: pair.as_ref().map(|(a, b, s)| (a, b, *s)),
+                scale: *scale as f32,
+                pairs: pairs
+                    .iter()
+                    .map(|p| p.as_ref().map(|(a, b)| (a, b)))
+                    .collect(),
             })
             .collect();
-        let (y, u) = cuda::lora_deltas(&on(&x, &dev), &on(&base, &dev), &parts).unwrap();
+        let (y, u) =
+            cuda::lora_deltas(&on(&x, &dev), &on(&base, &dev), &widths, &segments).unwrap();
         assert!(
             rel(&y, &want_y) < TOL,
-            "lora y {d}x{w} r{r}: {}",
+            "lora y {d} {widths:?} r{r}: {}",
             rel(&y, &want_y)
         );
         assert!(
             rel(&u, &want_u) < TOL,
-            "lora u {d}x{w} r{r}: {}",
+            "lora u {d} {widths:?} r{r}: {}",
             rel(&u, &want_u)
         );
     }
@@ -459,19 +513,17 @@ fn lora_deltas_of_many_adapters_in_two_launches_match_the_composite() {
         on(&uniform(&[2, 16], 1.0, 9), &dev),
         on(&uniform(&[8, 3], 1.0, 10), &dev),
     );
-    let bad_rank = [cuda::LoraSegment {
-        start: 0,
-        len: 4,
-        pair: Some((&a, &b, 1.0)),
-    }];
-    assert!(cuda::lora_deltas(&x, &base, &bad_rank).is_err());
+    let seg = |start, len, pairs| cuda::LoraSegment {
+        start,
+        len,
+        scale: 1.0,
+        pairs,
+    };
+    assert!(cuda::lora_deltas(&x, &base, &[8], &[seg(0, 4, vec![Some((&a, &b))])]).is_err());
     let b = on(&uniform(&[8, 2], 1.0, 11), &dev);
-    let outside = [cuda::LoraSegment {
-        start: 3,
-        len: 2,
-        pair: Some((&a, &b, 1.0)),
-    }];
-    assert!(cuda::lora_deltas(&x, &base, &outside).is_err());
+    assert!(cuda::lora_deltas(&x, &base, &[8], &[seg(3, 2, vec![Some((&a, &b))])]).is_err());
+    assert!(cuda::lora_deltas(&x, &base, &[4, 4], &[seg(0, 4, vec![Some((&a, &b))])]).is_err());
+    assert!(cuda::lora_deltas(&x, &base, &[6], &[seg(0, 4, vec![Some((&a, &b))])]).is_err());
 }
 
 /// `lora_forward` and `lora_backward` of a decode-like batch (segments of a few rows,
@@ -695,4 +747,79 @@ fn pick_tokens_picks_as_the_host_picker_does() {
     assert!(!picker(1.0, None, 0.9).on_device(100));
     assert!(!picker(1.0, Some(65), 1.0).on_device(100));
     assert!(picker(0.0, None, 0.5).on_device(100));
+}
+
+/// The stacked q/k/v projection's deltas of a decode-like batch through
+/// `adapted::add_deltas` (every part in one pair of launches on a GPU) against the same
+/// call on the CPU, and each part's backward from the caches it returns (strided views
+/// of one `u` on the GPU).
+#[test]
+fn stacked_parts_through_sgmv_match_the_cpu() {
+    use lathe_server::model::adapted::add_deltas;
+    use lathe_server::model::lora::{lora_backward, Segment};
+    use lathe_server::model::{Adapter, AdapterGrads, Arch, Proj, Target};
+    let Some(dev) = gpu() else { return };
+    let model = common::tiny(Arch::Llama);
+    let cfg = &model.transformer.config;
+    let cpu_adapters =
+        [3, 4].map(|seed| common::random_adapter(&model, common::full_spec(4), seed));
+    let gpu_adapters = cpu_adapters.each_ref().map(|a| a.to_device(&dev).unwrap());
+    let segments = [
+        (0, 2, Some(1)),
+        (2, 1, None),
+        (3, 1, Some(0)),
+        (4, 3, Some(1)),
+    ]
+    .map(|(start, len, adapter)| Segment {
+        start,
+        len,
+        adapter,
+    });
+    let parts: Vec<(Target, usize)> = [Proj::Q, Proj::K, Proj::V]
+        .map(|p| (Target::Layer(1, p), Target::Layer(1, p).dims(cfg).0))
+        .to_vec();
+    let (n, d) = (7, cfg.hidden_size);
+    let w: usize = parts.iter().map(|p| p.1).sum();
+    let x = on(&uniform(&[n, d], 1.0, 60), &Device::Cpu);
+    let base = on(&uniform(&[n, w], 1.0, 61), &Device::Cpu);
+    let dy = on(&uniform(&[n, w], 1.0, 62), &Device::Cpu);
+    let run = |dev: &Device, adapters: &[Adapter]| {
+        let refs: Vec<&Adapter> = adapters.iter().collect();
+        let (x, base, dy) = (
+            x.to_device(dev).unwrap(),
+            base.to_device(dev).unwrap(),
+            dy.to_device(dev).unwrap(),
+        );
+        let (y, caches) = add_deltas(Backend::Device, &x, base, &parts, &segments, &refs).unwrap();
+        let mut grads = vec![AdapterGrads::default(); refs.len()];
+        let mut dxs = Vec::new();
+        let mut col = 0;
+        for (&(target, width), cache) in parts.iter().zip(&caches) {
+            let dyp = dy.narrow(1, col, width).unwrap().contiguous().unwrap();
+            let dx = lora_backward(&x, &dyp, target, &segments, &refs, cache, &mut grads)
+                .unwrap()
+                .expect("an input gradient");
+            dxs.push(dx);
+            col += width;
+        }
+        (y, dxs, grads)
+    };
+    let (want_y, want_dxs, want_grads) = run(&Device::Cpu, &cpu_adapters);
+    let (y, dxs, grads) = run(&dev, &gpu_adapters);
+    let f64s = |t: &Tensor| t.to_dtype(DType::F64).unwrap();
+    assert!(
+        rel(&y, &f64s(&want_y)) < TOL,
+        "y: {}",
+        rel(&y, &f64s(&want_y))
+    );
+    for (dx, want) in dxs.iter().zip(&want_dxs) {
+        assert!(rel(dx, &f64s(want)) < TOL, "dx: {}", rel(dx, &f64s(want)));
+    }
+    for (got, want) in grads.iter().zip(&want_grads) {
+        for &(target, _) in &parts {
+            let ((da, db), (wa, wb)) = (&got.pairs[&target], &want.pairs[&target]);
+            assert!(rel(da, &f64s(wa)) < TOL, "{target:?} dA");
+            assert!(rel(db, &f64s(wb)) < TOL, "{target:?} dB");
+        }
+    }
 }

@@ -179,6 +179,11 @@ pub fn add_deltas(
         let (y, cache) = lora_forward(be, x, y, *target, segs, adapters)?;
         return Ok((y, vec![cache]));
     }
+    // On a GPU, every part's deltas of a decode step in two launches.
+    #[cfg(feature = "cuda")]
+    if let Some(done) = super::lora::lora_forward_sgmv(be, x, &y, parts, segs, adapters)? {
+        return Ok(done);
+    }
     let mut outs = Vec::with_capacity(parts.len());
     let mut caches = Vec::with_capacity(parts.len());
     let mut col = 0;

@@ -374,8 +374,10 @@ pub fn lora_forward(
         return Ok((base, vec![None; segments.len()]));
     }
     #[cfg(feature = "cuda")]
-    if let Some(done) = lora_forward_cuda(be, x, &base, segments, &pair_of)? {
-        return Ok(done);
+    if let Some((y, mut caches)) =
+        lora_forward_sgmv(be, x, &base, &[(target, base.dim(1)?)], segments, adapters)?
+    {
+        return Ok((y, caches.pop().expect("one part")));
     }
     let out_dim = base.dims()[1];
     let mut cache = Vec::with_capacity(segments.len());
@@ -406,58 +408,83 @@ pub fn lora_forward(
     Ok((base.add(&delta)?, cache))
 }
 
-/// Most rows a segment may have for [`lora_forward_cuda`]: each row reads its adapter's
+/// Most rows a segment may have for [`lora_forward_sgmv`]: each row reads its adapter's
 /// factors whole, which beats a few launches per segment for the short segments of a
 /// decode step, not a cuBLAS product over a long segment of a training pass or prefill.
 #[cfg(feature = "cuda")]
 const SGMV_MAX_SEGMENT_ROWS: usize = 16;
 
-/// [`lora_forward`] in two CUDA launches for every segment together
-/// ([`super::cuda::lora_deltas`]), where the kernels take the tensors, the segments tile
-/// the rows in order, none is longer than [`SGMV_MAX_SEGMENT_ROWS`], and every adapter
-/// of the batch has the same rank for `target`; `None` where not.
+/// [`lora_forward`] for every part of a stacked projection (`parts`: each target with
+/// its width, the columns of `base` in order) in two CUDA launches for every segment
+/// together ([`super::cuda::lora_deltas`]), where the kernels take the tensors, the
+/// segments tile the rows in order, none is longer than [`SGMV_MAX_SEGMENT_ROWS`], and
+/// every factor pair of the batch has the same rank; `None` where not. Returns the
+/// output and each part's cache.
 #[cfg(feature = "cuda")]
-fn lora_forward_cuda<'a>(
+pub(crate) fn lora_forward_sgmv(
     be: Backend,
     x: &Tensor,
     base: &Tensor,
+    parts: &[(Target, usize)],
     segments: &[Segment],
-    pair_of: &impl Fn(&Segment) -> Option<(&'a LoraPair, f64)>,
-) -> candle_core::Result<Option<(Tensor, LoraCache)>> {
+    adapters: &[&Adapter],
+) -> candle_core::Result<Option<(Tensor, Vec<LoraCache>)>> {
     use super::cuda::{lora_deltas, LoraSegment};
     if !(be.cuda(x) && be.cuda(base)) {
         return Ok(None);
     }
+    let pair_of =
+        |s: &Segment, target: Target| s.adapter.and_then(|i| adapters[i].pairs.get(&target));
     let mut rank = None;
-    let mut parts = Vec::with_capacity(segments.len());
     let mut next = 0;
+    let mut segs = Vec::with_capacity(segments.len());
     for s in segments {
         if s.start != next || s.len > SGMV_MAX_SEGMENT_ROWS {
             return Ok(None);
         }
         next += s.len;
-        let pair = pair_of(s);
-        if let Some((p, _)) = pair {
-            let r = p.a.dim(0)?;
-            if *rank.get_or_insert(r) != r || !be.cuda(&p.a) || !be.cuda(&p.b) {
-                return Ok(None);
+        let mut pairs = Vec::with_capacity(parts.len());
+        for &(target, _) in parts {
+            let pair = pair_of(s, target);
+            if let Some(p) = pair {
+                let r = p.a.dim(0)?;
+                if *rank.get_or_insert(r) != r || !be.cuda(&p.a) || !be.cuda(&p.b) {
+                    return Ok(None);
+                }
             }
+            pairs.push(pair.map(|p| (&p.a, &p.b)));
         }
-        parts.push(LoraSegment {
+        let scale = s.adapter.map_or(0.0, |i| adapters[i].scale()) as f32;
+        segs.push(LoraSegment {
             start: s.start,
             len: s.len,
-            pair: pair.map(|(p, scale)| (&p.a, &p.b, scale as f32)),
+            scale,
+            pairs,
         });
     }
+    let Some(r) = rank else {
+        return Ok(None);
+    };
     if next != x.dim(0)? {
         return Ok(None);
     }
-    let (y, u) = lora_deltas(x, base, &parts)?;
-    let cache = segments
+    let widths: Vec<usize> = parts.iter().map(|&(_, w)| w).collect();
+    let (y, u) = lora_deltas(x, base, &widths, &segs)?;
+    let caches = parts
         .iter()
-        .map(|s| pair_of(s).map(|_| u.narrow(0, s.start, s.len)).transpose())
+        .enumerate()
+        .map(|(p, &(target, _))| {
+            segments
+                .iter()
+                .map(|s| {
+                    pair_of(s, target)
+                        .map(|_| u.narrow(0, s.start, s.len)?.narrow(1, p * r, r))
+                        .transpose()
+                })
+                .collect::<candle_core::Result<LoraCache>>()
+        })
         .collect::<candle_core::Result<_>>()?;
-    Ok(Some((y, cache)))
+    Ok(Some((y, caches)))
 }
 
 /// Backward of [`lora_forward`]: accumulates `dA`, `dB` into `grads` (one entry per

@@ -283,21 +283,26 @@ extern "C" __global__ void decode_attention_f32(const float* q, const float* k_n
 }
 
 // The LoRA deltas of a packed multi-adapter batch, Punica/S-LoRA's SGMV in two launches
-// per projection instead of a few per adapter segment. Row i of the batch carries the
-// factors of its segment's adapter through one table of 3n words (one copy to the
-// device): `table[i]` points at A, (r, d), `table[n + i]` at B, (w, r), and the low 32
-// bits of `table[2n + i]` are its LoRA scale (an f32); a row without an adapter has null
-// pointers.
+// per projection (all its parts: q/k/v or gate/up together) instead of a few per adapter
+// segment and part. The output's columns are `parts` parts, part p at columns
+// cols[p]..cols[p + 1]. Row i of the batch carries its segment's adapter through one
+// table (one copy to the device) of 2 * parts * n + n + parts + 1 words: `table[p * n +
+// i]` points at part p's A, (r, d), `table[(parts + p) * n + i]` at its B, (w_p, r), the
+// low 32 bits of `table[2 * parts * n + i]` are the LoRA scale (an f32), and the last
+// parts + 1 words are `cols`. A row or part without factors has null pointers.
 //
-// Shrink: u[i, j] = sum_k x[i, k] A_i[j, k], (n, r); zero for a row without an adapter.
-// One block per (row, group of 8 ranks); each warp reduces one rank over d.
+// Shrink: u[i, p * r + j] = sum_k x[i, k] A_pi[j, k], (n, parts * r); zero where there
+// are no factors. One block per (row, part and group of 8 ranks); each warp reduces one
+// rank over d.
 extern "C" __global__ void lora_shrink_f32(const float* x, const uint64_t* table, float* u,
-                                           int64_t d, int64_t r) {
+                                           int64_t n, int64_t parts, int64_t d, int64_t r) {
     const int64_t i = blockIdx.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int64_t j = (int64_t)blockIdx.y * (blockDim.x >> 5) + warp;
-    if (j >= r) return;
-    const float* a = reinterpret_cast<const float*>(table[i]);
+    const int64_t groups = (r + (blockDim.x >> 5) - 1) / (blockDim.x >> 5);
+    const int64_t p = blockIdx.y / groups;
+    const int64_t j = (blockIdx.y % groups) * (blockDim.x >> 5) + warp;
+    if (p >= parts || j >= r) return;
+    const float* a = reinterpret_cast<const float*>(table[p * n + i]);
     float acc = 0.0f;
     if (a != nullptr) {
         const float* xr = x + i * d;
@@ -305,30 +310,34 @@ extern "C" __global__ void lora_shrink_f32(const float* x, const uint64_t* table
         for (int64_t k = lane; k < d; k += 32) acc += xr[k] * ar[k];
         for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, o);
     }
-    if (lane == 0) u[i * r + j] = acc;
+    if (lane == 0) u[i * parts * r + p * r + j] = acc;
 }
 
-// Expand: y[i, c] = base[i, c] + scale_i * sum_j u[i, j] B_i[c, j], (n, w); base
-// unchanged for a row without an adapter. One block per (row, ROW_THREADS columns); the
-// row of u is staged in shared memory (r floats).
+// Expand: y[i, c] = base[i, c] + scale_i * sum_j u[i, p * r + j] B_pi[c - cols[p], j]
+// for column c of part p, (n, cols[parts]); base alone where there are no factors. One
+// block per (row, ROW_THREADS columns); the row of u is staged in shared memory
+// (parts * r floats).
 extern "C" __global__ void lora_expand_f32(const float* base, const float* u,
                                            const uint64_t* table, float* y, int64_t n,
-                                           int64_t w, int64_t r) {
+                                           int64_t parts, int64_t r) {
     extern __shared__ float ur[];
     const int64_t i = blockIdx.x;
+    const uint64_t* cols = table + 2 * parts * n + n;
+    const int64_t w = (int64_t)cols[parts];
     const int64_t c = (int64_t)blockIdx.y * blockDim.x + threadIdx.x;
-    const float* b = reinterpret_cast<const float*>(table[n + i]);
-    const float scale = __uint_as_float((uint32_t)table[2 * n + i]);
-    if (b != nullptr) {
-        for (int64_t j = threadIdx.x; j < r; j += blockDim.x) ur[j] = u[i * r + j];
-    }
+    for (int64_t j = threadIdx.x; j < parts * r; j += blockDim.x) ur[j] = u[i * parts * r + j];
     __syncthreads();
     if (c >= w) return;
+    int64_t p = 0;
+    while (p + 1 < parts && c >= (int64_t)cols[p + 1]) ++p;
+    const float* b = reinterpret_cast<const float*>(table[(parts + p) * n + i]);
     float v = base[i * w + c];
     if (b != nullptr) {
-        const float* br = b + c * r;
+        const float scale = __uint_as_float((uint32_t)table[2 * parts * n + i]);
+        const float* br = b + (c - (int64_t)cols[p]) * r;
+        const float* up = ur + p * r;
         float acc = 0.0f;
-        for (int64_t j = 0; j < r; ++j) acc += ur[j] * br[j];
+        for (int64_t j = 0; j < r; ++j) acc += up[j] * br[j];
         v += scale * acc;
     }
     y[i * w + c] = v;
