@@ -34,9 +34,10 @@ pub struct ServeArgs {
     max_sessions: usize,
     /// Tokens of one batch between two scheduling decisions: a fused multi-adapter
     /// forward/backward pass (a larger request runs as several passes), new prompts and a
-    /// decode step (one token per sequence) share it.
-    #[arg(long, default_value_t = lathe_server::train::PASS_TOKENS)]
-    max_batch_tokens: usize,
+    /// decode step (one token per sequence) share it. Default: 1024 on the CPU, 8192 on
+    /// a GPU (the most tokens of one training pass there).
+    #[arg(long)]
+    max_batch_tokens: Option<usize>,
     /// Most sequences decoded together, across all keys (a sampling request waits for
     /// room, and later ones wait behind it; one larger than this runs when nothing else
     /// decodes).
@@ -151,7 +152,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             .collect(),
         engine: EngineConfig {
             max_sessions: args.max_sessions.max(1),
-            max_batch_tokens: args.max_batch_tokens.max(1),
+            max_batch_tokens: args
+                .max_batch_tokens
+                .unwrap_or_else(|| lathe_server::train::pass_tokens(&model.transformer))
+                .max(1),
             max_sample_streams: args.max_sample_streams.max(1),
             session_timeout: Duration::from_secs(args.session_timeout.max(1)),
             limits: args.limits.limits(),

@@ -71,6 +71,22 @@ pub struct DatumResult {
 /// peaked at 14 GB as one pass. Tokens per second stay flat from 512 tokens per pass up.
 pub const PASS_TOKENS: usize = 1024;
 
+/// Most input tokens in one pass on a GPU. A pass of [`PASS_TOKENS`] leaves a GPU's
+/// products a few rows each and its time to kernel launches, one set per pass, while the
+/// activations of this many tokens (about 1 MB each, as above) fit any training GPU's
+/// memory beside the model.
+pub const GPU_PASS_TOKENS: usize = 8192;
+
+/// The most input tokens of one pass of `model`: [`GPU_PASS_TOKENS`] on a GPU,
+/// [`PASS_TOKENS`] otherwise.
+pub fn pass_tokens(model: &Transformer) -> usize {
+    if model.device().is_cuda() {
+        GPU_PASS_TOKENS
+    } else {
+        PASS_TOKENS
+    }
+}
+
 /// What one forward/backward call produced, adapter by adapter.
 #[derive(Debug)]
 pub struct Trained {
@@ -84,7 +100,7 @@ pub struct Trained {
 }
 
 /// Runs a batch whose datums may belong to different adapters (and use different
-/// losses) through the model, in passes of at most [`PASS_TOKENS`] tokens. With
+/// losses) through the model, in passes of at most [`pass_tokens`] tokens. With
 /// `with_grad`, returns each adapter's gradient; adapters without datums get an empty
 /// gradient. Any failure fails the call.
 pub fn forward_backward(
@@ -93,7 +109,7 @@ pub fn forward_backward(
     jobs: &[DatumJob],
     with_grad: bool,
 ) -> Result<(Vec<DatumResult>, Vec<AdapterGrads>), TrainError> {
-    let out = forward_backward_in_passes(model, adapters, jobs, with_grad, PASS_TOKENS)?;
+    let out = forward_backward_in_passes(model, adapters, jobs, with_grad, pass_tokens(model))?;
     match out.failed.into_iter().flatten().next() {
         Some(why) => Err(TrainError::Input(why)),
         None => Ok((out.results, out.grads)),

@@ -422,7 +422,7 @@ impl Worker {
             &adapters,
             &jobs,
             with_grad,
-            train::PASS_TOKENS,
+            train::pass_tokens(&self.model.transformer),
         )
         .map_err(train_failure)?;
         let mut outcomes = Vec::with_capacity(group.len());
