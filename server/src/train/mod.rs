@@ -71,10 +71,9 @@ pub struct DatumResult {
 /// peaked at 14 GB as one pass. Tokens per second stay flat from 512 tokens per pass up.
 pub const PASS_TOKENS: usize = 1024;
 
-/// Most input tokens in one pass on a GPU. A pass of [`PASS_TOKENS`] leaves a GPU's
-/// products a few rows each and its time to kernel launches, one set per pass, while the
-/// activations of this many tokens (about 1 MB each, as above) fit any training GPU's
-/// memory beside the model.
+/// Most input tokens in one pass on a GPU: fewer passes, each a fixed set of kernel
+/// launches, and larger products for the GPU to fill, while the activations of this
+/// many tokens (about 1 MB each, as above) fit a training GPU's memory beside the model.
 pub const GPU_PASS_TOKENS: usize = 8192;
 
 /// The most input tokens of one pass of `model`: [`GPU_PASS_TOKENS`] on a GPU,
