@@ -791,6 +791,15 @@ fn stacked_parts_through_sgmv_match_the_cpu() {
             dy.to_device(dev).unwrap(),
         );
         let (y, caches) = add_deltas(Backend::Device, &x, base, &parts, &segments, &refs).unwrap();
+        if dev.is_cuda() && cuda::enabled() {
+            // The kernels ran: each part's cache is a column view of one shared `u`.
+            let u = caches[1][0].as_ref().expect("segment 0 carries an adapter");
+            assert_eq!(u.dims(), &[2, 4]);
+            assert!(
+                !u.is_contiguous(),
+                "the stacked parts fell back to the composite"
+            );
+        }
         let mut grads = vec![AdapterGrads::default(); refs.len()];
         let mut dxs = Vec::new();
         let mut col = 0;

@@ -465,10 +465,10 @@ pub(crate) fn lora_forward_sgmv(
     let Some(r) = rank else {
         return Ok(None);
     };
-    if next != x.dim(0)? {
+    let widths: Vec<usize> = parts.iter().map(|&(_, w)| w).collect();
+    if next != x.dim(0)? || !super::cuda::lora_deltas_fit(parts.len(), r, widths.iter().sum()) {
         return Ok(None);
     }
-    let widths: Vec<usize> = parts.iter().map(|&(_, w)| w).collect();
     let (y, u) = lora_deltas(x, base, &widths, &segs)?;
     let caches = parts
         .iter()

@@ -573,6 +573,16 @@ pub fn decode_attention(
     Ok(tensor(&dev, out, (n, qd)))
 }
 
+/// Whether [`lora_deltas`] takes `parts` parts of rank `r` over `width` columns: its
+/// grids stay within CUDA's 65,535 blocks along y, and the staged row of `u` within a
+/// block's 48 KiB of shared memory.
+pub fn lora_deltas_fit(parts: usize, r: usize, width: usize) -> bool {
+    let warps = (THREADS / 32) as usize;
+    parts * r.div_ceil(warps) <= 65_535
+        && width.div_ceil(THREADS as usize) <= 65_535
+        && parts * r <= 12_000
+}
+
 /// One segment of a packed batch for [`lora_deltas`]: rows `start..start + len`, its
 /// adapter's LoRA scale, and each part's factors `(A (r, d), B (w_p, r))`, `None` where
 /// the adapter has none for that part or the rows carry no adapter.
@@ -641,9 +651,8 @@ pub fn lora_deltas(
         owners[s.start..end].fill(Some(si));
     }
     if n == 0 {
-        // CUDA allocates no empty buffers; there is nothing to launch.
-        let u = Tensor::zeros((0, parts * r), DType::F32, x.device())?;
-        return Ok((base.contiguous()?, u));
+        // CUDA allocates no empty buffers, so there would be no `u` to return.
+        bail!("lora_deltas: a batch of no rows");
     }
     let (x, base) = (x.contiguous()?, base.contiguous()?);
     // Each segment's factors, part by part (segment si's part p at si * parts + p), made
@@ -726,7 +735,7 @@ pub fn lora_deltas(
         .arg(&r64);
     let shrink_blocks = parts * r.div_ceil(warps);
     let expand_blocks = w.div_ceil(THREADS as usize);
-    if shrink_blocks > 65_535 || expand_blocks > 65_535 || parts * r > 12_000 {
+    if !lora_deltas_fit(parts, r, w) {
         bail!("lora_deltas: {parts} parts of rank {r} over {w} columns exceed a CUDA grid or a block's shared memory");
     }
     run(
