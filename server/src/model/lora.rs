@@ -430,7 +430,7 @@ pub(crate) fn lora_forward_sgmv(
     adapters: &[&Adapter],
 ) -> candle_core::Result<Option<(Tensor, Vec<LoraCache>)>> {
     use super::cuda::{lora_deltas, LoraSegment};
-    if !(be.cuda(x) && be.cuda(base)) {
+    if !(be.cuda(x) && be.cuda(base) && super::cuda::sgmv_enabled()) {
         return Ok(None);
     }
     let pair_of =

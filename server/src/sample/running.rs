@@ -529,6 +529,7 @@ impl<K> RunningDecode<K> {
                 .picker
         };
         if !model.backend().cuda(&logits)
+            || !crate::model::cuda::pick_enabled()
             || !self.streams.iter().all(|st| picker(st).on_device(vocab))
         {
             return Ok(false);

@@ -37,6 +37,26 @@ pub fn enabled() -> bool {
     *ENABLED.get_or_init(|| std::env::var("LATHE_CUDA_FUSED").map_or(true, |v| v.trim() != "0"))
 }
 
+/// Whether the segmented LoRA deltas ([`lora_deltas`]) are in use: with the fused
+/// kernels, unless `LATHE_CUDA_SGMV=0` (read once) asks for the per-segment products,
+/// to measure what they gain.
+pub fn sgmv_enabled() -> bool {
+    static ENABLED: OnceLock<bool> = OnceLock::new();
+    enabled()
+        && *ENABLED
+            .get_or_init(|| std::env::var("LATHE_CUDA_SGMV").map_or(true, |v| v.trim() != "0"))
+}
+
+/// Whether decode steps pick their tokens on the GPU ([`pick_tokens`]): with the fused
+/// kernels, unless `LATHE_CUDA_PICK=0` (read once) asks for the host's picks, to
+/// measure what they gain.
+pub fn pick_enabled() -> bool {
+    static ENABLED: OnceLock<bool> = OnceLock::new();
+    enabled()
+        && *ENABLED
+            .get_or_init(|| std::env::var("LATHE_CUDA_PICK").map_or(true, |v| v.trim() != "0"))
+}
+
 /// Whether the kernels take `t`: f32 on a CUDA device.
 pub fn supported(t: &Tensor) -> bool {
     t.device().is_cuda() && t.dtype() == DType::F32
