@@ -468,6 +468,17 @@ mod tests {
         }
     }
 
+    /// A chain on [`problem`], reviewed with `verify`, the verifier answering first
+    /// with `recompute`.
+    fn new_chain(verify: bool, recompute: bool) -> Box<Chain> {
+        Box::new(Chain {
+            problem: problem(),
+            verify,
+            recompute,
+            replies: Vec::new(),
+        })
+    }
+
     fn reply(text: &str) -> Reply {
         Reply {
             prompt: vec![1],
@@ -506,12 +517,7 @@ mod tests {
 
     #[test]
     fn a_rejected_answer_is_retried_and_the_retry_is_final() {
-        let mut chain = Box::new(Chain {
-            problem: problem(),
-            verify: true,
-            recompute: false,
-            replies: Vec::new(),
-        });
+        let mut chain = new_chain(true, false);
         chain.initial_observations();
         let review = chain.step(vec![reply(" 6")]);
         assert_eq!(review[0].role, VERIFIER);
@@ -540,24 +546,14 @@ mod tests {
             (0.0, 1.0)
         );
         // An approved answer ends the chain; alone, the solver is never reviewed.
-        let mut chain = Box::new(Chain {
-            problem: problem(),
-            verify: false,
-            recompute: false,
-            replies: Vec::new(),
-        });
+        let mut chain = new_chain(false, false);
         chain.initial_observations();
         assert!(chain.step(vec![reply(" 5")]).is_empty());
     }
 
     #[test]
     fn a_recomputing_verifier_answers_first_and_judges_with_both_numbers() {
-        let mut chain = Box::new(Chain {
-            problem: problem(),
-            verify: true,
-            recompute: true,
-            replies: Vec::new(),
-        });
+        let mut chain = new_chain(true, true);
         chain.initial_observations();
         let own = chain.step(vec![reply(" 2 + 3 = 6")]);
         assert_eq!(own[0].role, VERIFIER);
@@ -596,12 +592,7 @@ mod tests {
         assert_eq!(e.metrics["verifier_own_correct"], 1.0);
         assert_eq!(e.metrics["verifier_accuracy"], 1.0);
         // An approved answer ends the chain after the verdict.
-        let mut chain = Box::new(Chain {
-            problem: problem(),
-            verify: true,
-            recompute: true,
-            replies: Vec::new(),
-        });
+        let mut chain = new_chain(true, true);
         chain.initial_observations();
         chain.step(vec![reply(" 5")]);
         chain.step(vec![reply(" 7")]);
