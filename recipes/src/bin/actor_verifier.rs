@@ -71,8 +71,9 @@ struct Args {
     #[arg(long, conflicts_with = "single_agent")]
     verifier_temperature: Option<f64>,
     /// The verifier first answers the problem itself (a turn rewarded like the solver's),
-    /// then gives its verdict with both final numbers in view.
-    #[arg(long, conflicts_with = "single_agent")]
+    /// then gives its verdict with both final numbers in view. Needs the balanced credit,
+    /// which compares verdicts only with verdicts.
+    #[arg(long, conflicts_with_all = ["single_agent", "no_balance"])]
     recompute: bool,
 }
 
@@ -418,8 +419,10 @@ impl Recipe for ActorVerifier {
 
     fn settings(&self) -> String {
         format!(
-            "verify={} group={} loss={:?} keep_zero_adv={} balance={} verifier_temperature={:?} recompute={} max_operand={}",
-            self.verify, self.group, self.loss, self.keep_zero_adv, self.balance, self.verifier_temperature, self.recompute, self.max_operand
+            "verify={} group={} loss={:?} keep_zero_adv={} balance={} verifier_temperature={:?} max_operand={}{}",
+            self.verify, self.group, self.loss, self.keep_zero_adv, self.balance, self.verifier_temperature, self.max_operand,
+            // Named only when on, so runs saved before the flag resume without a warning.
+            if self.recompute { " recompute=true" } else { "" }
         )
     }
 }

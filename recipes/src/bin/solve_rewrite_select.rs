@@ -69,9 +69,9 @@ struct Args {
     /// selector learns from pipelines only).
     #[arg(long, default_value_t = 0)]
     select_drills: usize,
-    /// What a selector's pick that names no candidate earns for training (a pick of a
-    /// wrong candidate earns 0, a right one 1; both before the team weight). Below 0, the
-    /// update keeps picks to the `Judgment: N` format.
+    /// What a selector's pick that names no candidate earns for training, as a wrong
+    /// candidate earns 0 and a right one 1 (each then weighted and credited like any
+    /// pick). Below 0, it is meant to push picks towards the `Judgment: N` format.
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     invalid_pick_reward: f64,
 }
@@ -489,8 +489,18 @@ impl Recipe for SolveRewriteSelect {
 
     fn settings(&self) -> String {
         format!(
-            "num_parallel={} selectors={} pooled_selector={} select_drills={} invalid_pick_reward={} max_operand={}",
-            self.n, self.selectors, self.pooled_selector, self.select_drills, self.invalid_pick, self.max_operand
+            "num_parallel={} selectors={} pooled_selector={} select_drills={} max_operand={}{}",
+            self.n,
+            self.selectors,
+            self.pooled_selector,
+            self.select_drills,
+            self.max_operand,
+            // Named only when set, so runs saved before the flag resume without a warning.
+            if self.invalid_pick != 0.0 {
+                format!(" invalid_pick_reward={}", self.invalid_pick)
+            } else {
+                String::new()
+            }
         )
     }
 

@@ -157,6 +157,8 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<Value> {
     let mut direct = Direct::new(&reference, spec)?;
     let model = super::load_model(&a.model, a.device, Precision::F32)?;
     let vocab = model.transformer.config.vocab_size;
+    // The pass size `lathe serve` schedules on this device.
+    let pass = lathe_server::train::pass_tokens(&model.transformer);
     let data_dir = std::env::temp_dir().join(format!("lathe-bench-serve-{}", std::process::id()));
     let config = ServerConfig {
         port: 0,
@@ -165,6 +167,7 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<Value> {
         // The benchmark's clients send no heartbeats; its sessions must outlive it.
         engine: lathe_server::engine::EngineConfig {
             session_timeout: Duration::from_secs(24 * 3600),
+            max_batch_tokens: pass,
             ..Default::default()
         },
         ..Default::default()
@@ -288,7 +291,6 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<Value> {
                 "lora_config": {"rank": spec.rank, "seed": 99}});
             let id = hog.call("/api/v1/create_model", &body).await?["model_id"].as_str().context("id")?.to_string();
             let mut hog_run = Run { id, seq: 0 };
-            let pass = lathe_server::train::PASS_TOKENS;
             let hog_datum = datum(&tokens(4, pass + 1, vocab));
             let victim_tokens = tokens(5, a.train_tokens + 1, vocab);
             let victim = &mut runs[1];

@@ -501,25 +501,27 @@ impl<K> RunningDecode<K> {
         let batch = PackedBatch::new(&seqs, model.device())?;
         let mut caches: Vec<&mut KvCache> =
             self.streams.iter_mut().map(|st| &mut st.cache).collect();
-        let logits = model.forward_cached(&batch, &adapters, &mut caches, quantized)?;
+        let logits = model
+            .forward_cached(&batch, &adapters, &mut caches, quantized)?
+            .to_dtype(DType::F32)?;
         #[cfg(feature = "cuda")]
         if self.pick_on_device(model, &logits)? {
             return Ok(());
         }
-        let rows: Vec<Vec<f32>> = logits.to_dtype(DType::F32)?.to_vec2()?;
+        let rows: Vec<Vec<f32>> = logits.to_vec2()?;
         for (st, row) in self.streams.iter_mut().zip(rows) {
             st.logits = row;
         }
         Ok(())
     }
 
-    /// Picks every stream's next token on the GPU (`model::cuda::pick_tokens`), copying
-    /// back only the tokens and their log-probabilities, where the fused kernels run and
-    /// every stream's picker is one the kernel implements; `false` (nothing drawn or
-    /// picked) otherwise, and the host picks from the copied logits.
+    /// Picks the next token on the GPU (`model::cuda::pick_tokens`) for every stream whose
+    /// picker the kernel implements, copying back only their tokens and log-probabilities,
+    /// and copies the logits of the others for the host to pick from; where the fused
+    /// kernels run on f32 `logits` (`(streams, vocab)`) and at least one stream's picker
+    /// qualifies. `false` (nothing drawn, picked or copied) otherwise.
     #[cfg(feature = "cuda")]
     fn pick_on_device(&mut self, model: &Transformer, logits: &Tensor) -> Result<bool, ModelError> {
-        let logits = logits.to_dtype(DType::F32)?;
         let vocab = logits.dim(1)?;
         let picker = |st: &Stream| {
             &self.requests[st.request]
@@ -528,23 +530,43 @@ impl<K> RunningDecode<K> {
                 .job
                 .picker
         };
-        if !model.backend().cuda(&logits)
+        let on_device: Vec<bool> = self
+            .streams
+            .iter()
+            .map(|st| picker(st).on_device(vocab))
+            .collect();
+        if !model.backend().cuda(logits)
             || !crate::model::cuda::pick_enabled()
-            || !self.streams.iter().all(|st| picker(st).on_device(vocab))
+            || !on_device.contains(&true)
         {
             return Ok(false);
         }
         let pickers: Vec<Picker> = self.streams.iter().map(|st| picker(st).clone()).collect();
-        let rows: Vec<_> = self
-            .streams
-            .iter_mut()
-            .zip(&pickers)
-            .map(|(st, p)| p.device_row(vocab, &mut st.rng).expect("checked on_device"))
+        let device_rows: Vec<u32> = (0..self.streams.len() as u32)
+            .filter(|&i| on_device[i as usize])
             .collect();
-        let picked = crate::model::cuda::pick_tokens(&logits, &rows)?;
-        for (st, p) in self.streams.iter_mut().zip(picked) {
+        let picks: Vec<_> = device_rows
+            .iter()
+            .map(|&i| {
+                let (st, p) = (&mut self.streams[i as usize], &pickers[i as usize]);
+                p.device_row(vocab, &mut st.rng).expect("checked on_device")
+            })
+            .collect();
+        let chosen = if device_rows.len() == self.streams.len() {
+            crate::model::cuda::pick_tokens(logits, &picks)?
+        } else {
+            let idx = Tensor::new(device_rows.as_slice(), logits.device())?;
+            crate::model::cuda::pick_tokens(&logits.index_select(&idx, 0)?, &picks)?
+        };
+        for (&i, p) in device_rows.iter().zip(chosen) {
+            let st = &mut self.streams[i as usize];
             st.logits.clear();
             st.chosen = Some(p);
+        }
+        for (i, st) in self.streams.iter_mut().enumerate() {
+            if !on_device[i] {
+                st.logits = logits.get(i)?.to_vec1()?;
+            }
         }
         Ok(true)
     }
