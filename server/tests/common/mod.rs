@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod http;
+pub mod kernels;
 
 use candle_core::{DType, Device, Tensor};
 use lathe_server::model::tiny::tiny_model;
