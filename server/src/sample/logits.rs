@@ -146,6 +146,61 @@ impl Picker {
     }
 }
 
+/// What the device's pick of a decode step gives one stream.
+#[cfg(feature = "cuda")]
+pub enum StepPick {
+    /// The token and its log-probability, picked on the device.
+    Chosen(u32, f32),
+    /// The stream's row of logits, for the host to pick from.
+    Logits(Vec<f32>),
+}
+
+/// Picks the next token on the GPU (`model::cuda::pick_tokens`) for every stream of
+/// `streams` (its picker and generator) whose picker the kernel implements, copying back
+/// only their tokens and log-probabilities, and copies the logits rows of the others for
+/// the host; where the fused kernels run on `logits` (`(streams, vocab)`, f32, on `be`)
+/// and at least one picker qualifies. `None` (nothing drawn, picked or copied) otherwise.
+#[cfg(feature = "cuda")]
+pub fn pick_on_device(
+    be: crate::model::Backend,
+    logits: &candle_core::Tensor,
+    streams: &mut [(&Picker, &mut StdRng)],
+) -> candle_core::Result<Option<Vec<StepPick>>> {
+    use crate::model::cuda;
+    let vocab = logits.dim(1)?;
+    let on_device: Vec<bool> = streams.iter().map(|(p, _)| p.on_device(vocab)).collect();
+    if !be.cuda(logits) || !cuda::pick_enabled() || !on_device.contains(&true) {
+        return Ok(None);
+    }
+    let device_rows: Vec<u32> = (0..streams.len() as u32)
+        .filter(|&i| on_device[i as usize])
+        .collect();
+    let rows: Vec<cuda::PickRow> = device_rows
+        .iter()
+        .map(|&i| {
+            let (p, rng) = &mut streams[i as usize];
+            p.device_row(vocab, rng).expect("checked on_device")
+        })
+        .collect();
+    let mut chosen = if device_rows.len() == streams.len() {
+        cuda::pick_tokens(logits, &rows)?
+    } else {
+        let idx = candle_core::Tensor::new(device_rows.as_slice(), logits.device())?;
+        cuda::pick_tokens(&logits.index_select(&idx, 0)?, &rows)?
+    }
+    .into_iter();
+    (0..streams.len())
+        .map(|i| match on_device[i] {
+            true => {
+                let (token, logprob) = chosen.next().expect("one pick per device row");
+                Ok(StepPick::Chosen(token, logprob))
+            }
+            false => Ok(StepPick::Logits(logits.get(i)?.to_vec1()?)),
+        })
+        .collect::<candle_core::Result<_>>()
+        .map(Some)
+}
+
 /// The candidate at which the cumulative weight of `candidates` (in order) passes `u`;
 /// the last one if rounding leaves `u` beyond them all.
 fn walk(candidates: impl Iterator<Item = usize>, weights: &[f32], mut u: f64) -> usize {

@@ -23,7 +23,7 @@ use rayon::prelude::*;
 use super::jobs::{DecodeMode, Generated, SampleJob, SampleOutput, SampleTimings, Stop};
 use super::logits::token_logprob;
 #[cfg(feature = "cuda")]
-use super::logits::Picker;
+use super::logits::{pick_on_device, Picker, StepPick};
 use super::progress::TokenProgress;
 use crate::model::cpu::decode_step::{HostAdapter, HostDecoder, StepRow};
 use crate::model::transformer::TopK;
@@ -505,70 +505,32 @@ impl<K> RunningDecode<K> {
             .forward_cached(&batch, &adapters, &mut caches, quantized)?
             .to_dtype(DType::F32)?;
         #[cfg(feature = "cuda")]
-        if self.pick_on_device(model, &logits)? {
-            return Ok(());
+        {
+            let requests = &self.requests;
+            let mut pickers: Vec<(&Picker, &mut StdRng)> = (self.streams.iter_mut())
+                .map(|st| {
+                    let r = requests[st.request].as_ref().expect("live request");
+                    (&r.job.picker, &mut st.rng)
+                })
+                .collect();
+            if let Some(picks) = pick_on_device(model.backend(), &logits, &mut pickers)? {
+                for (st, pick) in self.streams.iter_mut().zip(picks) {
+                    match pick {
+                        StepPick::Chosen(token, logprob) => {
+                            st.logits.clear();
+                            st.chosen = Some((token, logprob));
+                        }
+                        StepPick::Logits(row) => st.logits = row,
+                    }
+                }
+                return Ok(());
+            }
         }
         let rows: Vec<Vec<f32>> = logits.to_vec2()?;
         for (st, row) in self.streams.iter_mut().zip(rows) {
             st.logits = row;
         }
         Ok(())
-    }
-
-    /// Picks the next token on the GPU (`model::cuda::pick_tokens`) for every stream whose
-    /// picker the kernel implements, copying back only their tokens and log-probabilities,
-    /// and copies the logits of the others for the host to pick from; where the fused
-    /// kernels run on f32 `logits` (`(streams, vocab)`) and at least one stream's picker
-    /// qualifies. `false` (nothing drawn, picked or copied) otherwise.
-    #[cfg(feature = "cuda")]
-    fn pick_on_device(&mut self, model: &Transformer, logits: &Tensor) -> Result<bool, ModelError> {
-        let vocab = logits.dim(1)?;
-        let picker = |st: &Stream| {
-            &self.requests[st.request]
-                .as_ref()
-                .expect("live request")
-                .job
-                .picker
-        };
-        let on_device: Vec<bool> = self
-            .streams
-            .iter()
-            .map(|st| picker(st).on_device(vocab))
-            .collect();
-        if !model.backend().cuda(logits)
-            || !crate::model::cuda::pick_enabled()
-            || !on_device.contains(&true)
-        {
-            return Ok(false);
-        }
-        let pickers: Vec<Picker> = self.streams.iter().map(|st| picker(st).clone()).collect();
-        let device_rows: Vec<u32> = (0..self.streams.len() as u32)
-            .filter(|&i| on_device[i as usize])
-            .collect();
-        let picks: Vec<_> = device_rows
-            .iter()
-            .map(|&i| {
-                let (st, p) = (&mut self.streams[i as usize], &pickers[i as usize]);
-                p.device_row(vocab, &mut st.rng).expect("checked on_device")
-            })
-            .collect();
-        let chosen = if device_rows.len() == self.streams.len() {
-            crate::model::cuda::pick_tokens(logits, &picks)?
-        } else {
-            let idx = Tensor::new(device_rows.as_slice(), logits.device())?;
-            crate::model::cuda::pick_tokens(&logits.index_select(&idx, 0)?, &picks)?
-        };
-        for (&i, p) in device_rows.iter().zip(chosen) {
-            let st = &mut self.streams[i as usize];
-            st.logits.clear();
-            st.chosen = Some(p);
-        }
-        for (i, st) in self.streams.iter_mut().enumerate() {
-            if !on_device[i] {
-                st.logits = logits.get(i)?.to_vec1()?;
-            }
-        }
-        Ok(true)
     }
 
     /// Removes request `index` and releases its adapter slot.
