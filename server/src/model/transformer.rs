@@ -22,7 +22,7 @@ use super::kv::{self, KvCache};
 use super::lora::{lora_forward, Adapter, AdapterGrads, LoraCache, Proj, Segment, Target};
 pub use super::ops::TopK;
 use super::ops::{self, AttnSaved, RmsSaved, Rope};
-use super::weights::{matmul_t, BaseWeights, LayerWeights};
+use super::weights::{BaseWeights, LayerWeights};
 use super::ModelError;
 
 mod backward;
@@ -32,6 +32,7 @@ mod head;
 mod precision;
 use head::HeadChunk;
 use precision::Bf16Weights;
+pub use precision::Frozen;
 
 /// Stacks each block's q/k/v and gate/up weights and points the separate weights at row
 /// ranges of the stacks.

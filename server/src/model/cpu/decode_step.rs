@@ -27,8 +27,7 @@ use super::vector_math::exp_f32;
 use crate::model::backend::Backend;
 use crate::model::kv::{self, HostQkv, KvCache};
 use crate::model::lora::{Adapter, Proj, Target};
-use crate::model::transformer::{SeqSpan, Transformer};
-use crate::model::weights::matmul_t_host;
+use crate::model::transformer::{Frozen, SeqSpan, Transformer};
 use crate::model::ModelError;
 
 /// One adapted projection in host form: `y += scale * B (A x)`.
@@ -305,9 +304,10 @@ impl<'m> HostDecoder<'m> {
             add_into(&mut h, &down);
         }
         let xf = rms_rows(&h, d, &self.final_norm, eps);
-        let mut logits = match self.dec {
-            Some(dec) => dec.lm_head.forward_host(&xf, m)?,
-            None => matmul_t_host(&xf, m, self.model.weights.lm_head())?,
+        let head = self.dec.map(|dec| &dec.lm_head);
+        let mut logits = match head.filter(|l| l.quantizes(m)) {
+            Some(l) => l.forward_host(&xf, m, self.model.block_arith())?,
+            None => self.model.frozen_product_host(Frozen::Head, &xf, m)?,
         };
         self.add_deltas(&xf, rows, vec![(Site::Head, &mut logits)]);
         Ok(logits)
@@ -325,15 +325,24 @@ impl<'m> HostDecoder<'m> {
     ) -> Result<[Vec<f32>; N], ModelError> {
         let m = rows.len();
         let gate_up = parts[0].0 == Proj::Gate;
-        let y = match self.dec {
-            Some(dec) => {
-                let l = &dec.layers[layer];
-                if gate_up { &l.gate_up } else { &l.qkv }.forward_host(x, m)?
+        let arith = self.model.block_arith();
+        let linear = self.dec.map(|dec| {
+            let l = &dec.layers[layer];
+            if gate_up {
+                &l.gate_up
+            } else {
+                &l.qkv
             }
+        });
+        let y = match linear.filter(|l| l.quantizes(m)) {
+            Some(l) => l.forward_host(x, m, arith)?,
             None => {
-                let st = self.model.stacked(layer);
-                let w = if gate_up { st.gate_up } else { st.qkv };
-                let mut y = matmul_t_host(x, m, w)?;
+                let w = if gate_up {
+                    Frozen::GateUp(layer)
+                } else {
+                    Frozen::Qkv(layer)
+                };
+                let mut y = self.model.frozen_product_host(w, x, m)?;
                 if let (false, Some(b)) = (gate_up, &self.blocks[layer].qkv_bias) {
                     add_bias(&mut y, b);
                 }
@@ -368,19 +377,23 @@ impl<'m> HostDecoder<'m> {
         p: Proj,
     ) -> Result<Vec<f32>, ModelError> {
         let m = rows.len();
-        let mut y = match self.dec {
-            Some(dec) => {
-                let l = &dec.layers[layer];
-                if p == Proj::O { &l.o } else { &l.down }.forward_host(x, m)?
+        let linear = self.dec.map(|dec| {
+            let l = &dec.layers[layer];
+            if p == Proj::O {
+                &l.o
+            } else {
+                &l.down
             }
+        });
+        let mut y = match linear.filter(|l| l.quantizes(m)) {
+            Some(l) => l.forward_host(x, m, self.model.block_arith())?,
             None => {
-                let l = &self.model.weights.layers[layer];
                 let w = if p == Proj::O {
-                    &l.o_proj
+                    Frozen::O(layer)
                 } else {
-                    &l.down_proj
+                    Frozen::Down(layer)
                 };
-                matmul_t_host(x, m, &w.weight)?
+                self.model.frozen_product_host(w, x, m)?
             }
         };
         self.add_deltas(x, rows, vec![(Site::Layer(layer, p), &mut y)]);

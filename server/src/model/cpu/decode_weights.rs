@@ -12,7 +12,7 @@
 use candle_core::{DType, Tensor};
 
 use super::kernels;
-use super::quant::{QuantMatrix, BLOCK};
+use super::quant::{BlockArith, QuantMatrix, BLOCK};
 use crate::model::backend::Backend;
 use crate::model::transformer::StackedWeights;
 use crate::model::weights::{matmul_t, matmul_t_host, BaseWeights, FrozenLinear};
@@ -83,10 +83,10 @@ impl DecodeLinear {
         self.quant.as_ref().filter(|q| m <= limit(q))
     }
 
-    /// `x W^T + b` with the decode weights.
-    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+    /// `x W^T + b` with the decode weights, the block weights' products in `arith`.
+    pub fn forward(&self, x: &Tensor, arith: BlockArith) -> candle_core::Result<Tensor> {
         let y = match self.quant_for(x.dims()[0]) {
-            Some(q) => q.matmul_t(x)?,
+            Some(q) => q.matmul_t(x, arith)?,
             None => matmul_t(Backend::Cpu, x, &self.f32.weight)?,
         };
         match &self.f32.bias {
@@ -96,9 +96,14 @@ impl DecodeLinear {
     }
 
     /// [`DecodeLinear::forward`] over a plain `(m, in)` buffer; returns `(m, out)`.
-    pub fn forward_host(&self, x: &[f32], m: usize) -> candle_core::Result<Vec<f32>> {
+    pub fn forward_host(
+        &self,
+        x: &[f32],
+        m: usize,
+        arith: BlockArith,
+    ) -> candle_core::Result<Vec<f32>> {
         let mut y = match self.quant_for(m) {
-            Some(q) => q.matmul_t_host(x, m)?,
+            Some(q) => q.matmul_t_host(x, m, arith)?,
             None => matmul_t_host(x, m, &self.f32.weight)?,
         };
         if let Some(b) = &self.bias_host {

@@ -15,12 +15,15 @@
 //!
 //! [`QuantMatrix::exact`] says which: when every decode matrix is exact, decoding
 //! multiplies by the trainer's own weights and the sampler needs no rescoring pass.
-//! Activations stay f32 in both (GGML also quantizes them to 8 bits).
+//! Activations stay f32 in both (GGML also quantizes them to 8 bits), except under
+//! `--precision bf16` on a CPU with AMX, where a product rounds weights and activations
+//! to bf16 exactly as the trainer's does ([`BlockArith::Bf16Tiles`]).
 
 use candle_core::{DType, Result, Tensor};
 use half::f16;
 use rayon::prelude::*;
 
+use super::bf16::blocks::{self, TileRows};
 use super::kernels::{from_transposed, grain, transpose, with};
 
 /// Block length of both formats, along the input dimension.
@@ -41,6 +44,19 @@ enum Blocks {
     },
     /// Per block: 32 signed codes and a scale.
     Q8 { quants: Vec<i8>, scales: Vec<f32> },
+}
+
+/// The arithmetic of a block-quantized product.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum BlockArith {
+    /// f32 activations times the block weights, f32 sums: with exact blocks, the
+    /// trainer's f32 products.
+    #[default]
+    F32,
+    /// Weights and activations rounded to bf16, f32 sums, on AMX tiles: the trainer's
+    /// `--precision bf16` products bit for bit ([`blocks`]). Only where
+    /// [`blocks::usable`] holds, and for up to [`blocks::MAX_ROWS`] activation rows.
+    Bf16Tiles,
 }
 
 /// A frozen `(rows, cols)` weight matrix in a block-quantized format, multiplied with few
@@ -127,7 +143,7 @@ impl QuantMatrix {
     }
 
     /// `x W^T` for f32 `x (m, cols)` with few rows.
-    pub fn matmul_t(&self, x: &Tensor) -> Result<Tensor> {
+    pub fn matmul_t(&self, x: &Tensor, arith: BlockArith) -> Result<Tensor> {
         let (m, k) = x.dims2()?;
         if k != self.cols {
             candle_core::bail!(
@@ -135,12 +151,12 @@ impl QuantMatrix {
                 self.cols
             );
         }
-        let yt = with::<f32, _>(x, |xs| Ok(self.product_t(xs, m)))?;
+        let yt = with::<f32, _>(x, |xs| self.product_t(xs, m, arith))?;
         from_transposed(yt, self.rows, m)
     }
 
     /// [`QuantMatrix::matmul_t`] over a plain `(m, cols)` buffer; returns `(m, rows)`.
-    pub fn matmul_t_host(&self, xs: &[f32], m: usize) -> Result<Vec<f32>> {
+    pub fn matmul_t_host(&self, xs: &[f32], m: usize, arith: BlockArith) -> Result<Vec<f32>> {
         if xs.len() != m * self.cols {
             candle_core::bail!(
                 "quantized matmul: {} inputs for {m} rows of {}",
@@ -148,13 +164,23 @@ impl QuantMatrix {
                 self.cols
             );
         }
-        Ok(transpose(self.product_t(xs, m), self.rows, m))
+        Ok(transpose(self.product_t(xs, m, arith)?, self.rows, m))
     }
 
     /// `(rows, m)`: the products, one weight row's outputs together.
-    fn product_t(&self, xs: &[f32], m: usize) -> Vec<f32> {
+    fn product_t(&self, xs: &[f32], m: usize, arith: BlockArith) -> Result<Vec<f32>> {
         let k = self.cols;
         let nb = k / BLOCK;
+        let tiles = match arith {
+            BlockArith::F32 => None,
+            BlockArith::Bf16Tiles if m <= blocks::MAX_ROWS && blocks::usable() => {
+                Some(TileRows::new(xs, m, k))
+            }
+            BlockArith::Bf16Tiles => candle_core::bail!(
+                "bf16 tile products take 1 to {} rows on a CPU with AMX; asked for {m}",
+                blocks::MAX_ROWS
+            ),
+        };
         let chunk = chunk_rows(self.rows);
         let mut yt = vec![0f32; self.rows * m];
         let out = yt.par_chunks_mut(chunk * m);
@@ -166,7 +192,10 @@ impl QuantMatrix {
                         .zip(scales.par_chunks(chunk * nb)),
                 )
                 .with_min_len(grain(chunk * k))
-                .for_each(|(out, (q, s))| q8_rows(xs, m, k, q, s, out)),
+                .for_each(|(out, (q, s))| match &tiles {
+                    Some(x) => blocks::q8(x, q, s, out),
+                    None => q8_rows(xs, m, k, q, s, out),
+                }),
             Blocks::Q41 {
                 nibbles,
                 scales,
@@ -181,9 +210,12 @@ impl QuantMatrix {
                 )
                 // Half the bytes of Q8 per weight, so twice the weights per thread.
                 .with_min_len(grain(chunk * k / 2))
-                .for_each(|(out, (q, (d, mn)))| q41_rows(xs, m, k, q, d, mn, out)),
+                .for_each(|(out, (q, (d, mn)))| match &tiles {
+                    Some(x) => blocks::q41(x, q, d, mn, out),
+                    None => q41_rows(xs, m, k, q, d, mn, out),
+                }),
         }
-        yt
+        Ok(yt)
     }
 }
 
@@ -193,7 +225,8 @@ impl QuantMatrix {
 /// products.
 fn chunk_rows(rows: usize) -> usize {
     let per_task = rows.div_ceil(2 * rayon::current_num_threads());
-    per_task.max(ROW_CHUNK).next_multiple_of(8)
+    // Whole groups of 16 rows for the tile kernels.
+    per_task.max(ROW_CHUNK).next_multiple_of(16)
 }
 
 /// Q4_1 blocks that reproduce `data` exactly, or `None`.
@@ -597,11 +630,11 @@ mod tests {
         for m in [1, 3, 8, 9, 16] {
             let x = randn(m, k, 10 + m as u64);
             let want = x.matmul(&w.t().unwrap()).unwrap();
-            let got = q.matmul_t(&x).unwrap();
+            let got = q.matmul_t(&x, BlockArith::F32).unwrap();
             assert_eq!(got.dims(), want.dims());
             assert!(max_abs_diff(&got, &want) < tol, "{} m={m}", q.format());
             let xs: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
-            let host = q.matmul_t_host(&xs, m).unwrap();
+            let host = q.matmul_t_host(&xs, m, BlockArith::F32).unwrap();
             let via_tensor: Vec<f32> = got.flatten_all().unwrap().to_vec1().unwrap();
             assert_eq!(host, via_tensor);
         }
@@ -676,7 +709,7 @@ mod tests {
                 } => q41_rows_generic(&xs, m, k, nibbles, scales, mins, &mut yt),
             }
             let generic = from_transposed(yt, n, m).unwrap();
-            assert!(max_abs_diff(&generic, &q.matmul_t(&x).unwrap()) < 1e-5);
+            assert!(max_abs_diff(&generic, &q.matmul_t(&x, BlockArith::F32).unwrap()) < 1e-5);
         }
     }
 }

@@ -87,9 +87,10 @@ impl Transformer {
             &self.weights.norm,
             self.config.rms_norm_eps,
         )?;
-        let base = match dec {
-            Some(d) => d.lm_head.forward(&xf)?,
-            None => matmul_t(self.backend, &xf, self.weights.lm_head())?,
+        // The block weights where they take these rows, else the trainer's own product.
+        let base = match dec.map(|d| &d.lm_head).filter(|l| l.quantizes(last.len())) {
+            Some(l) => l.forward(&xf, self.block_arith())?,
+            None => self.head_product(&xf)?,
         };
         let mut segs: Vec<Segment> = Vec::new();
         for (i, s) in batch.seqs.iter().enumerate() {

@@ -103,9 +103,14 @@ impl Transformer {
                        quantized: Option<&DecodeLinear>|
          -> candle_core::Result<(Tensor, PartCaches)> {
             match quantized.filter(|d| d.quantizes(x.dims()[0])) {
-                Some(d) => {
-                    adapted::add_deltas(self.backend, x, d.forward(x)?, p.parts, segs, adapters)
-                }
+                Some(d) => adapted::add_deltas(
+                    self.backend,
+                    x,
+                    d.forward(x, self.block_arith())?,
+                    p.parts,
+                    segs,
+                    adapters,
+                ),
                 None => adapted::forward(x, p, segs, adapters),
             }
         };

@@ -52,7 +52,7 @@ impl Tape {
 impl Transformer {
     /// `x Eᵀ`, the frozen head's logits of rows `x`: in bf16 when the model computes in
     /// bf16 (its weights are then f32 on the CPU, and so is `x`).
-    fn head_product(&self, x: &Tensor) -> Result<Tensor, ModelError> {
+    pub(super) fn head_product(&self, x: &Tensor) -> Result<Tensor, ModelError> {
         match self.bf16_head() {
             Some(p) => Ok(bf16::matmul_t(x, p)?),
             None => Ok(matmul_t(self.backend, x, self.weights.lm_head())?),

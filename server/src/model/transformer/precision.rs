@@ -7,6 +7,9 @@ use candle_core::DType;
 use super::Transformer;
 use crate::model::backend::Backend;
 use crate::model::cpu::bf16::{self, Bf16Ref, Precision};
+use crate::model::cpu::gemm::{Mat, MatMut};
+use crate::model::cpu::quant::BlockArith;
+use crate::model::weights::matmul_t_host;
 use crate::model::ModelError;
 
 /// The frozen weights packed for bf16 products, and the kernel that reads them.
@@ -19,6 +22,21 @@ pub(super) struct Bf16Weights {
     pub(super) head: bf16::PackedWeight,
 }
 
+/// A frozen matrix of the model, for [`Transformer::frozen_product_host`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Frozen {
+    /// Block `l`'s stacked q/k/v.
+    Qkv(usize),
+    /// Block `l`'s attention output.
+    O(usize),
+    /// Block `l`'s stacked gate/up.
+    GateUp(usize),
+    /// Block `l`'s MLP down.
+    Down(usize),
+    /// The output head.
+    Head,
+}
+
 impl Transformer {
     /// Chooses the element type of the frozen products of training and prefill, and
     /// returns the one in effect. Activations, LoRA factors, gradients and optimizer
@@ -27,7 +45,9 @@ impl Transformer {
     /// On the CPU backend, bf16 needs f32 weights and a CPU with a bf16 kernel (AMX or
     /// AVX512-BF16); without one the model stays in f32 (and says so in the log).
     /// Packing the weights takes a moment and holds as many bytes again as the f32
-    /// weights (two bf16 layouts of each); decoding keeps the f32 weights.
+    /// weights (two bf16 layouts of each). Decoding reads the block-quantized decode
+    /// weights either way; with the AMX kernel their products are the same bf16 products
+    /// ([`Transformer::block_arith`]).
     ///
     /// On the device backend, bf16 stores the projection matrices, the embedding and
     /// the output head in bf16 in place of f32 (half the memory); every product then
@@ -120,6 +140,64 @@ impl Transformer {
         } else {
             Precision::F32
         }
+    }
+
+    /// The arithmetic of the decode weights' products. With bf16 products on AMX tiles
+    /// they are the trainer's bf16 products on tiles too, so sampling computes what
+    /// training computes; otherwise f32 (with AVX512-BF16 alone the trainer's sums run in
+    /// another order, which the decode kernels do not reproduce, so decoding stays f32).
+    pub fn block_arith(&self) -> BlockArith {
+        match &self.bf16 {
+            Some(b) if b.kernel == bf16::Kernel::Amx && bf16::blocks::usable() => {
+                BlockArith::Bf16Tiles
+            }
+            _ => BlockArith::F32,
+        }
+    }
+
+    /// `x Wᵀ` (no bias) for `m` rows `x` (`(m, in)`, row-major) and the frozen matrix
+    /// `w`, computed as the trainer computes it: bf16 products from the packed weights
+    /// in bf16 precision, f32 otherwise. For decoding where the block weights do not take
+    /// a product (a width that is not whole blocks, exact mode). CPU backend only.
+    pub fn frozen_product_host(
+        &self,
+        w: Frozen,
+        x: &[f32],
+        m: usize,
+    ) -> Result<Vec<f32>, ModelError> {
+        if let Some(b) = &self.bf16 {
+            let packed = match w {
+                Frozen::Qkv(l) => &b.layers[l][0],
+                Frozen::O(l) => &b.layers[l][1],
+                Frozen::GateUp(l) => &b.layers[l][2],
+                Frozen::Down(l) => &b.layers[l][3],
+                Frozen::Head => &b.head,
+            };
+            let (k, n) = (packed.forward.k(), packed.forward.n());
+            if x.len() != m * k {
+                return Err(ModelError::Input(format!(
+                    "a frozen product of {m} rows of {k} got {} values",
+                    x.len()
+                )));
+            }
+            let mut out = vec![0f32; m * n];
+            bf16::gemm(
+                b.kernel,
+                &mut MatMut::new(&mut out, m, n, n),
+                Mat::new(x, m, k),
+                &packed.forward,
+                false,
+            );
+            return Ok(out);
+        }
+        let weight = match w {
+            Frozen::Qkv(l) => self.stacked(l).qkv,
+            Frozen::O(l) => &self.weights.layers[l].o_proj.weight,
+            Frozen::GateUp(l) => self.stacked(l).gate_up,
+            Frozen::Down(l) => &self.weights.layers[l].down_proj.weight,
+            Frozen::Head => self.weights.lm_head(),
+        };
+        Ok(matmul_t_host(x, m, weight)?)
     }
 
     /// The packed output head, in bf16 precision.

@@ -52,31 +52,52 @@ fn request_permission() -> bool {
     false
 }
 
-/// The 64-byte tile configuration (palette 1): all eight tiles 16 rows of 64 bytes.
+/// A 64-byte tile configuration (palette 1): each tile's rows and bytes per row.
 #[repr(C, align(64))]
-struct TileConfig([u8; 64]);
+pub(super) struct TileConfig([u8; 64]);
 
 impl TileConfig {
+    /// All eight tiles 16 rows of 64 bytes.
     fn all_full() -> Self {
+        Self::with(&[(16, 64); 8])
+    }
+
+    /// Tile `t` gets `shapes[t]` = (rows, bytes per row); tiles past the list stay
+    /// unconfigured (using one then faults).
+    pub(super) fn with(shapes: &[(u8, u16)]) -> Self {
+        assert!(shapes.len() <= 8, "eight tiles at most");
         let mut c = [0u8; 64];
         c[0] = 1; // palette
-        for t in 0..8 {
-            c[16 + 2 * t] = 64; // bytes per row (u16, little-endian)
-            c[48 + t] = 16; // rows
+        for (t, &(rows, bytes)) in shapes.iter().enumerate() {
+            assert!(
+                rows <= 16 && bytes <= 64,
+                "a tile holds 16 rows of 64 bytes"
+            );
+            c[16 + 2 * t..18 + 2 * t].copy_from_slice(&bytes.to_le_bytes());
+            c[48 + t] = rows;
         }
         Self(c)
     }
 }
 
 /// Releases the tiles when dropped, so that a panic cannot leave them configured.
-struct Tiles;
+pub(super) struct Tiles;
 
 impl Tiles {
     /// # Safety
     /// The CPU must support AMX and the process must hold the tile-data permission.
     unsafe fn configure() -> Self {
-        let cfg = TileConfig::all_full();
-        // SAFETY: a valid palette-1 configuration; the caller guarantees AMX.
+        // SAFETY: as this function's own contract.
+        unsafe { Self::configure_as(&TileConfig::all_full()) }
+    }
+
+    /// Loads `cfg` (zeroing every tile).
+    ///
+    /// # Safety
+    /// The CPU must support AMX and the process must hold the tile-data permission.
+    pub(super) unsafe fn configure_as(cfg: &TileConfig) -> Self {
+        // SAFETY: a palette-1 configuration within the tile limits (`TileConfig::with`);
+        // the caller guarantees AMX.
         unsafe { asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly)) };
         Tiles
     }

@@ -27,6 +27,7 @@ use super::gemm::{Mat, MatMut};
 mod amx;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+pub mod blocks;
 mod pack;
 #[cfg(test)]
 mod tests;

@@ -170,7 +170,7 @@ impl Lhs {
 
 /// Rounds a contiguous row into pair words (the row may be shorter than `out` holds; the
 /// rest stays zero).
-fn round_row(row: &[f32], out: &mut [u32]) {
+pub(super) fn round_row(row: &[f32], out: &mut [u32]) {
     #[cfg(target_arch = "x86_64")]
     if super::avx512::usable() {
         // SAFETY: the CPU has AVX512-F and AVX512-BF16 (checked just above).

@@ -224,3 +224,57 @@ fn a_strided_left_hand_side_is_read_through_its_strides() {
         assert_rounded_product(&out, (m, k, n), |i, q| at[q * m + i], |q, j| w[j * k + q]);
     }
 }
+
+/// The decode weights' tile products (Q4_1 and Q8 blocks, `BlockArith::Bf16Tiles`) equal
+/// the trainer's bf16 product of the same f32 weights bit for bit: for one row (a
+/// stream), a decode step's few rows, one and two right-hand tiles, partial groups of
+/// weight rows and several threads' chunks. More rows than the tiles take are refused.
+#[test]
+fn decode_tiles_reproduce_the_trainers_products() {
+    use crate::model::cpu::quant::{BlockArith, QuantMatrix};
+    use candle_core::quantized::{GgmlDType, QTensor};
+    if !blocks::usable() {
+        eprintln!("this CPU has no AMX tiles: the decode tile kernels are not run");
+        return;
+    }
+    for (dtype, format) in [(GgmlDType::Q4_1, "q4_1"), (GgmlDType::Q8_0, "q8")] {
+        for (rows, k) in [(40, 64), (200, 160), (16, 32)] {
+            let w = candle_core::Tensor::from_vec(
+                data(rows * k, 7 + rows as u64),
+                (rows, k),
+                &candle_core::Device::Cpu,
+            )
+            .unwrap();
+            let w = QTensor::quantize(&w, dtype)
+                .unwrap()
+                .dequantize(&candle_core::Device::Cpu)
+                .unwrap();
+            let q = QuantMatrix::new(&w).unwrap();
+            assert_eq!((q.format(), q.exact()), (format, true));
+            let wf: Vec<f32> = w.flatten_all().unwrap().to_vec1().unwrap();
+            let packed = PackedWeight::new(&wf, rows, k);
+            for m in [1, 2, 7, 16, 17, 32] {
+                let x = data(m * k, 3 + m as u64);
+                let got = q.matmul_t_host(&x, m, BlockArith::Bf16Tiles).unwrap();
+                let mut want = vec![0f32; m * rows];
+                gemm(
+                    Kernel::Amx,
+                    &mut MatMut::new(&mut want, m, rows, rows),
+                    Mat::new(&x, m, k),
+                    &packed.forward,
+                    false,
+                );
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert_eq!(
+                        g.to_bits(),
+                        w.to_bits(),
+                        "{format} {rows}x{k}, {m} rows: element {i}: {g} vs {w}"
+                    );
+                }
+            }
+            let x = data(33 * k, 5);
+            let refused = q.matmul_t_host(&x, 33, BlockArith::Bf16Tiles).unwrap_err();
+            assert!(refused.to_string().contains("1 to 32 rows"), "{refused}");
+        }
+    }
+}
