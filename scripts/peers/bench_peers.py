@@ -1,8 +1,8 @@
 """Lathe and its peers on the same machine, interleaved, as one JSON object.
 
 Each round runs, one after another: `lathe bench train` in f32 and in bf16, PyTorch +
-PEFT on the same shapes in f32 and with bf16 autocast, `lathe bench sample` and
-llama.cpp decoding the same GGUF. Rounds interleave the systems so that a machine
+PEFT on the same shapes in f32 and with bf16 autocast, `lathe bench sample` (f32
+and bf16) and llama.cpp decoding the same GGUF. Rounds interleave the systems so that a machine
 getting busier or quieter affects all of them alike. Before each run the script samples
 how busy the CPUs are with other work, and during it counts the CPU time not spent by the
 run itself; the summary says whether every run was on a quiet machine (llama.cpp's OpenMP threads in
@@ -108,7 +108,7 @@ def main() -> None:
     threads = str(os.cpu_count())
     shape = ["--batch", str(a.batch), "--seq-len", str(a.seq_len), "--rank", str(a.rank)]
     py = sys.executable
-    runs: dict[str, list] = {k: [] for k in ["lathe_f32", "lathe_bf16", "torch_f32", "torch_bf16", "lathe_decode", "llama_decode"]}
+    runs: dict[str, list] = {k: [] for k in ["lathe_f32", "lathe_bf16", "torch_f32", "torch_bf16", "lathe_decode", "lathe_decode_bf16", "llama_decode"]}
     torch_cmd = [py, os.path.join(PEERS, "torch_train.py"), "--model", a.model, "--iters", str(a.iters), "--threads", threads] + shape
     jobs = [
         ("lathe_f32", [LATHE, "bench", "train", "--model", a.model, "--precision", "f32", "--iters", str(a.iters)] + shape),
@@ -119,6 +119,7 @@ def main() -> None:
     if not a.skip_decode:
         jobs += [
             ("lathe_decode", [LATHE, "bench", "sample", "--model", a.model, "--iters", "3", "--streams", "8", "--adapters", "4"]),
+            ("lathe_decode_bf16", [LATHE, "bench", "sample", "--model", a.model, "--precision", "bf16", "--iters", "3", "--streams", "8", "--adapters", "4"]),
             ("llama_decode", [py, os.path.join(PEERS, "llama_decode.py"), "--model", a.model, "--threads", threads, "--iters", "3"]),
         ]
     for r in range(a.rounds):
@@ -159,6 +160,17 @@ def main() -> None:
         }
         report["ratios"]["lathe_over_llama_cpp_decode"] = round(single / llama, 3)
         report["ratios"]["lathe_batched_over_single"] = median([x["batched_over_single_ratio_median"] for x in runs["lathe_decode"]])
+        bf16 = runs["lathe_decode_bf16"]
+        report["decode_bf16"] = {
+            # Under --precision bf16 the decode products are the trainer's bf16 ones
+            # (AMX tiles) where the CPU has AMX, f32 otherwise.
+            "single_stream_tokens_per_s": median([x["single_stream_phases"]["decode_only_tokens_per_s"] for x in bf16]),
+            "streams_8_adapters_4_tokens_per_s": median([x["batched_phases"]["decode_only_tokens_per_s"] for x in bf16]),
+            "batched_over_single": median([x["batched_over_single_ratio_median"] for x in bf16]),
+            "trainer_ratio_mean": median([x["trainer_agreement"]["ratio_mean"] for x in bf16]),
+            "trainer_max_abs_logprob_diff": max(x["trainer_agreement"]["max_abs_logprob_diff"] for x in bf16),
+        }
+        report["ratios"]["lathe_bf16_over_llama_cpp_decode"] = round(report["decode_bf16"]["single_stream_tokens_per_s"] / llama, 3)
         report["versions"]["llama_cpp_python"] = runs["llama_decode"][0].get("llama_cpp_python")
     busy = [max(x["_busy_before"], x["_others_busy_during"]) for v in runs.values() for x in v]
     report["busiest_other_load"] = max(busy)

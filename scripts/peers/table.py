@@ -54,6 +54,33 @@ def main() -> None:
                 None,
             )
         )
+    b = r.get("decode_bf16")
+    if b:
+        rows.append(
+            (
+                "| single-stream decode, `--precision bf16` (products on AMX tiles where the CPU "
+                f"has them) | {b['single_stream_tokens_per_s']:.0f} tokens/s | llama.cpp: "
+                f"{d['llama_cpp_single_stream']:.0f} | {x['lathe_bf16_over_llama_cpp_decode']:.2f}x | |",
+                None,
+            )
+        )
+        rows.append(
+            (
+                "| 8 streams over 4 adapters, aggregate, `--precision bf16` | "
+                f"{b['streams_8_adapters_4_tokens_per_s']:.0f} tokens/s = "
+                f"{b['batched_over_single']:.2f}x one stream | | | 4x{met(b['batched_over_single'] >= 4)} |",
+                None,
+            )
+        )
+        rows.append(
+            (
+                "| bf16 sampler against the bf16 trainer: mean importance ratio, largest "
+                f"logprob difference | {b['trainer_ratio_mean']:.5f}, "
+                f"{b['trainer_max_abs_logprob_diff']:.3f} nats | | | 1 ± 0.01"
+                f"{met(abs(b['trainer_ratio_mean'] - 1) <= 0.01)} |",
+                None,
+            )
+        )
     for line, _ in rows:
         print(line)
     if not r.get("quiet", False):
