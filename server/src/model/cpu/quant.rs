@@ -24,6 +24,7 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::bf16::blocks::{self, TileRows};
+use super::bf16::split::{self, SplitRows};
 use super::kernels::{from_transposed, grain, transpose, with};
 
 /// Block length of both formats, along the input dimension.
@@ -50,7 +51,9 @@ enum Blocks {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum BlockArith {
     /// f32 activations times the block weights, f32 sums: with exact blocks, the
-    /// trainer's f32 products.
+    /// trainer's f32 products up to f32 rounding. Two to 16 rows go through AMX tiles
+    /// where [`split::enabled`] (activations cut exactly into bf16 parts), others
+    /// through the f32 kernels below.
     #[default]
     F32,
     /// Weights and activations rounded to bf16, f32 sums, on AMX tiles: the trainer's
@@ -171,10 +174,14 @@ impl QuantMatrix {
     fn product_t(&self, xs: &[f32], m: usize, arith: BlockArith) -> Result<Vec<f32>> {
         let k = self.cols;
         let nb = k / BLOCK;
-        let tiles = match arith {
-            BlockArith::F32 => None,
+        let prepared = match arith {
+            // One row is bound by reading the weights, which the f32 kernels do as fast.
+            BlockArith::F32 if (2..=split::MAX_ROWS).contains(&m) && split::enabled() => {
+                Prepared::Split(SplitRows::new(xs, m, k))
+            }
+            BlockArith::F32 => Prepared::F32,
             BlockArith::Bf16Tiles if m <= blocks::MAX_ROWS && blocks::usable() => {
-                Some(TileRows::new(xs, m, k))
+                Prepared::Bf16(TileRows::new(xs, m, k))
             }
             BlockArith::Bf16Tiles => candle_core::bail!(
                 "bf16 tile products take 1 to {} rows on a CPU with AMX; asked for {m}",
@@ -192,9 +199,10 @@ impl QuantMatrix {
                         .zip(scales.par_chunks(chunk * nb)),
                 )
                 .with_min_len(grain(chunk * k))
-                .for_each(|(out, (q, s))| match &tiles {
-                    Some(x) => blocks::q8(x, q, s, out),
-                    None => q8_rows(xs, m, k, q, s, out),
+                .for_each(|(out, (q, s))| match &prepared {
+                    Prepared::Bf16(x) => blocks::q8(x, q, s, out),
+                    Prepared::Split(x) => split::q8(x, q, s, out),
+                    Prepared::F32 => q8_rows(xs, m, k, q, s, out),
                 }),
             Blocks::Q41 {
                 nibbles,
@@ -210,13 +218,24 @@ impl QuantMatrix {
                 )
                 // Half the bytes of Q8 per weight, so twice the weights per thread.
                 .with_min_len(grain(chunk * k / 2))
-                .for_each(|(out, (q, (d, mn)))| match &tiles {
-                    Some(x) => blocks::q41(x, q, d, mn, out),
-                    None => q41_rows(xs, m, k, q, d, mn, out),
+                .for_each(|(out, (q, (d, mn)))| match &prepared {
+                    Prepared::Bf16(x) => blocks::q41(x, q, d, mn, out),
+                    Prepared::Split(x) => split::q41(x, q, d, mn, out),
+                    Prepared::F32 => q41_rows(xs, m, k, q, d, mn, out),
                 }),
         }
         Ok(yt)
     }
+}
+
+/// The activation rows of a product, prepared for its kernel.
+enum Prepared {
+    /// As they are, for the f32 kernels.
+    F32,
+    /// Cut into bf16 parts for the tiles, to f32 rounding ([`split`]).
+    Split(SplitRows),
+    /// Rounded to bf16 for the tiles ([`blocks`]).
+    Bf16(TileRows),
 }
 
 /// Weight rows per parallel task: two tasks per thread (enough for work stealing to

@@ -278,3 +278,83 @@ fn decode_tiles_reproduce_the_trainers_products() {
         }
     }
 }
+
+/// The f32 decode tiles (`split`: activations cut into three bf16 parts, codes in the
+/// tiles, each block's scale and minimum applied after) against the f64 product of the
+/// same f32 weights. Every tile term is exact; a block's 96 terms are summed in f32
+/// (error at most `96 ε Σ|x| (|d code| + |m|)`, and `|d code| + |m| <= 3 max|w|`), its
+/// sum of x likewise (32 terms), the scaling rounds twice and the blocks' results add in
+/// f32, so the error stays under `(k + 128) ε Σ|x| 3 max|w|` per output. That bound is
+/// loose (a kernel that dropped the third part would meet it), so the typical error is
+/// held too: rounding errors of either sign add up like a random walk, and the median
+/// output's error is within 16 ε of the root sum of squares of its terms; dropping the
+/// third part (an error of up to 2⁻¹⁶ per activation) gives hundreds.
+#[test]
+fn split_tiles_compute_f32_products_to_f32_rounding() {
+    use crate::model::cpu::bf16::split;
+    use crate::model::cpu::quant::{BlockArith, QuantMatrix};
+    use candle_core::quantized::{GgmlDType, QTensor};
+    if !split::enabled() {
+        eprintln!("no AMX tiles (or LATHE_CPU_TILES=0): the split tile kernels are not run");
+        return;
+    }
+    for dtype in [GgmlDType::Q4_1, GgmlDType::Q8_0] {
+        for (rows, k) in [(40, 64), (200, 160)] {
+            let w = candle_core::Tensor::from_vec(
+                data(rows * k, 11 + rows as u64),
+                (rows, k),
+                &candle_core::Device::Cpu,
+            )
+            .unwrap();
+            let w = QTensor::quantize(&w, dtype)
+                .unwrap()
+                .dequantize(&candle_core::Device::Cpu)
+                .unwrap();
+            let q = QuantMatrix::new(&w).unwrap();
+            assert!(q.exact());
+            let wf: Vec<f32> = w.flatten_all().unwrap().to_vec1().unwrap();
+            for m in [2, 5, 8, 16] {
+                // Activations of mixed scales, so that all three parts matter.
+                let x: Vec<f32> = data(m * k, 13 + m as u64)
+                    .iter()
+                    .enumerate()
+                    .map(|(i, v)| v * [1.0, 1e-3, 37.0][i % 3])
+                    .collect();
+                let got = q.matmul_t_host(&x, m, BlockArith::F32).unwrap();
+                let mut typical = Vec::new();
+                for i in 0..m {
+                    let xi = &x[i * k..(i + 1) * k];
+                    let size: f64 = xi.iter().map(|v| f64::from(v.abs())).sum();
+                    for o in 0..rows {
+                        let wo = &wf[o * k..(o + 1) * k];
+                        let exact: f64 = xi
+                            .iter()
+                            .zip(wo)
+                            .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                            .sum();
+                        let largest = wo.iter().fold(0f64, |a, v| a.max(f64::from(v.abs())));
+                        let bound = (k as f64 + 128.0) * EPS * size * 3.0 * largest;
+                        let err = (f64::from(got[i * rows + o]) - exact).abs();
+                        let rss: f64 = xi
+                            .iter()
+                            .zip(wo)
+                            .map(|(a, b)| (f64::from(*a) * f64::from(*b)).powi(2))
+                            .sum::<f64>()
+                            .sqrt();
+                        typical.push(err / (EPS * rss));
+                        assert!(
+                            err <= bound,
+                            "{dtype:?} {rows}x{k}, {m} rows, ({i},{o}): error {err:e} over {bound:e}"
+                        );
+                    }
+                }
+                typical.sort_by(f64::total_cmp);
+                let median = typical[typical.len() / 2];
+                assert!(
+                    median <= 16.0,
+                    "{dtype:?} {rows}x{k}, {m} rows: median {median} ε"
+                );
+            }
+        }
+    }
+}
