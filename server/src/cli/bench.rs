@@ -5,10 +5,12 @@
 
 use std::time::Instant;
 
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use clap::{Args, Subcommand};
 use lathe_sdk::types::AdamParams;
-use lathe_server::model::cpu::bf16;
+use lathe_server::model::cpu::bf16::{self, blocks};
+use lathe_server::model::cpu::quant::{BlockArith, QuantMatrix};
 use lathe_server::model::{Adapter, Backend, LoadedModel, LoraSpec, Precision};
 use lathe_server::sample::{sample_timed, DecodeMode, Picker, SampleJob, SampleTimings};
 use lathe_server::train::adamw::{self, AdamState};
@@ -244,6 +246,50 @@ const GEMM_SHAPES: [(usize, usize, usize); 4] = [
     (512, 576, 8192),
 ];
 
+/// A decode step's frozen products on SmolLM2-135M's shapes, in the GGML formats of its
+/// Q4_1 file: `(name, rows, cols, format)`.
+const DECODE_SHAPES: [(&str, usize, usize, GgmlDType); 4] = [
+    ("qkv", 960, 576, GgmlDType::Q4_1),
+    ("gate_up", 3072, 576, GgmlDType::Q4_1),
+    ("down", 576, 1536, GgmlDType::Q4_1),
+    ("head", 49152, 576, GgmlDType::Q8_0),
+];
+
+/// Microseconds per decode product (`m` activation rows times exact block weights) in
+/// each arithmetic this CPU has, medians over `iters`.
+fn decode_products(iters: usize) -> anyhow::Result<Vec<serde_json::Value>> {
+    let mut ariths = vec![(BlockArith::F32, "f32")];
+    if blocks::usable() {
+        ariths.push((BlockArith::Bf16Tiles, "bf16_tiles"));
+    }
+    let mut out = Vec::new();
+    for (name, rows, cols, format) in DECODE_SHAPES {
+        let w = Tensor::randn(0f32, 0.05, (rows, cols), &Device::Cpu)?;
+        let w = QTensor::quantize(&w, format)?.dequantize(&Device::Cpu)?;
+        let q = QuantMatrix::new(&w)?;
+        for m in [1, 8] {
+            let x: Vec<f32> = Tensor::randn(0f32, 1.0, (m, cols), &Device::Cpu)?
+                .flatten_all()?
+                .to_vec1()?;
+            let mut row =
+                json!({"product": name, "rows": rows, "cols": cols, "m": m, "format": q.format()});
+            for &(arith, label) in &ariths {
+                q.matmul_t_host(&x, m, arith)?;
+                let mut times = Vec::with_capacity(iters);
+                for _ in 0..iters {
+                    let t = Instant::now();
+                    let y = q.matmul_t_host(&x, m, arith)?;
+                    times.push(t.elapsed().as_secs_f64() * 1e6);
+                    drop(y);
+                }
+                row[format!("{label}_us_median")] = json!(round(stats(times).median));
+            }
+            out.push(row);
+        }
+    }
+    Ok(out)
+}
+
 fn bench_gemm(a: &GemmArgs) -> anyhow::Result<serde_json::Value> {
     let mut per_shape = Vec::new();
     let mut best = 0f64;
@@ -268,6 +314,7 @@ fn bench_gemm(a: &GemmArgs) -> anyhow::Result<serde_json::Value> {
         "gflops": round(best),
         "bf16_gflops": best_bf16,
         "shapes": per_shape,
+        "decode_products": decode_products(a.iters)?,
     }))
 }
 

@@ -24,7 +24,6 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::bf16::blocks::{self, TileRows};
-use super::bf16::split::{self, SplitRows};
 use super::kernels::{from_transposed, grain, transpose, with};
 
 /// Block length of both formats, along the input dimension.
@@ -51,9 +50,7 @@ enum Blocks {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum BlockArith {
     /// f32 activations times the block weights, f32 sums: with exact blocks, the
-    /// trainer's f32 products up to f32 rounding. Two to 16 rows go through AMX tiles
-    /// where [`split::enabled`] (activations cut exactly into bf16 parts), others
-    /// through the f32 kernels below.
+    /// trainer's f32 products up to f32 rounding.
     #[default]
     F32,
     /// Weights and activations rounded to bf16, f32 sums, on AMX tiles: the trainer's
@@ -175,16 +172,15 @@ impl QuantMatrix {
         let k = self.cols;
         let nb = k / BLOCK;
         let prepared = match arith {
-            // One row is bound by reading the weights, which the f32 kernels do as fast.
-            BlockArith::F32 if (2..=split::MAX_ROWS).contains(&m) && split::enabled() => {
-                Prepared::Split(SplitRows::new(xs, m, k))
-            }
             BlockArith::F32 => Prepared::F32,
-            BlockArith::Bf16Tiles if m <= blocks::MAX_ROWS && blocks::usable() => {
+            BlockArith::Bf16Tiles if !blocks::usable() => {
+                candle_core::bail!("this CPU has no AMX tiles for bf16 tile products")
+            }
+            BlockArith::Bf16Tiles if m <= blocks::MAX_ROWS => {
                 Prepared::Bf16(TileRows::new(xs, m, k))
             }
             BlockArith::Bf16Tiles => candle_core::bail!(
-                "bf16 tile products take 1 to {} rows on a CPU with AMX; asked for {m}",
+                "bf16 tile products take 1 to {} rows; asked for {m}",
                 blocks::MAX_ROWS
             ),
         };
@@ -201,7 +197,6 @@ impl QuantMatrix {
                 .with_min_len(grain(chunk * k))
                 .for_each(|(out, (q, s))| match &prepared {
                     Prepared::Bf16(x) => blocks::q8(x, q, s, out),
-                    Prepared::Split(x) => split::q8(x, q, s, out),
                     Prepared::F32 => q8_rows(xs, m, k, q, s, out),
                 }),
             Blocks::Q41 {
@@ -220,7 +215,6 @@ impl QuantMatrix {
                 .with_min_len(grain(chunk * k / 2))
                 .for_each(|(out, (q, (d, mn)))| match &prepared {
                     Prepared::Bf16(x) => blocks::q41(x, q, d, mn, out),
-                    Prepared::Split(x) => split::q41(x, q, d, mn, out),
                     Prepared::F32 => q41_rows(xs, m, k, q, d, mn, out),
                 }),
         }
@@ -232,8 +226,6 @@ impl QuantMatrix {
 enum Prepared {
     /// As they are, for the f32 kernels.
     F32,
-    /// Cut into bf16 parts for the tiles, to f32 rounding ([`split`]).
-    Split(SplitRows),
     /// Rounded to bf16 for the tiles ([`blocks`]).
     Bf16(TileRows),
 }
@@ -647,13 +639,18 @@ mod tests {
     fn products_match(q: &QuantMatrix, w: &Tensor, tol: f64) {
         let (_, k) = w.dims2().unwrap();
         for m in [1, 3, 8, 9, 16] {
+            let arith = BlockArith::F32;
             let x = randn(m, k, 10 + m as u64);
             let want = x.matmul(&w.t().unwrap()).unwrap();
-            let got = q.matmul_t(&x, BlockArith::F32).unwrap();
+            let got = q.matmul_t(&x, arith).unwrap();
             assert_eq!(got.dims(), want.dims());
-            assert!(max_abs_diff(&got, &want) < tol, "{} m={m}", q.format());
+            assert!(
+                max_abs_diff(&got, &want) < tol,
+                "{} m={m} {arith:?}",
+                q.format()
+            );
             let xs: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
-            let host = q.matmul_t_host(&xs, m, BlockArith::F32).unwrap();
+            let host = q.matmul_t_host(&xs, m, arith).unwrap();
             let via_tensor: Vec<f32> = got.flatten_all().unwrap().to_vec1().unwrap();
             assert_eq!(host, via_tensor);
         }

@@ -144,8 +144,8 @@ impl Transformer {
 
     /// The arithmetic of the decode weights' products. With bf16 products on AMX tiles
     /// they are the trainer's bf16 products on tiles too, so sampling computes what
-    /// training computes; otherwise f32 (with AVX512-BF16 alone the trainer's sums run in
-    /// another order, which the decode kernels do not reproduce, so decoding stays f32).
+    /// training computes (with AVX512-BF16 alone the trainer's sums run in another order,
+    /// which the decode kernels do not reproduce, so decoding stays f32).
     pub fn block_arith(&self) -> BlockArith {
         match &self.bf16 {
             Some(b) if b.kernel == bf16::Kernel::Amx && bf16::blocks::usable() => {

@@ -29,7 +29,6 @@ mod amx;
 mod avx512;
 pub mod blocks;
 mod pack;
-pub mod split;
 #[cfg(test)]
 mod tests;
 
