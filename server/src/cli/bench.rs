@@ -274,11 +274,11 @@ fn decode_products(iters: usize) -> anyhow::Result<Vec<serde_json::Value>> {
             let mut row =
                 json!({"product": name, "rows": rows, "cols": cols, "m": m, "format": q.format()});
             for &(arith, label) in &ariths {
-                q.matmul_t_host(&x, m, arith)?;
+                q.matmul_t_host(&x, m, arith, None)?;
                 let mut times = Vec::with_capacity(iters);
                 for _ in 0..iters {
                     let t = Instant::now();
-                    let y = q.matmul_t_host(&x, m, arith)?;
+                    let y = q.matmul_t_host(&x, m, arith, None)?;
                     times.push(t.elapsed().as_secs_f64() * 1e6);
                     drop(y);
                 }

@@ -307,7 +307,7 @@ impl<'m> HostDecoder<'m> {
         let head = self.dec.map(|dec| &dec.lm_head);
         let mut logits = match head.filter(|l| l.quantizes(m)) {
             Some(l) => l.forward_host(&xf, m, self.model.block_arith())?,
-            None => self.model.frozen_product_host(Frozen::Head, &xf, m)?,
+            None => self.model.frozen_product_host(Frozen::Head, &xf, m, None)?,
         };
         self.add_deltas(&xf, rows, vec![(Site::Head, &mut logits)]);
         Ok(logits)
@@ -342,11 +342,8 @@ impl<'m> HostDecoder<'m> {
                 } else {
                     Frozen::Qkv(layer)
                 };
-                let mut y = self.model.frozen_product_host(w, x, m)?;
-                if let (false, Some(b)) = (gate_up, &self.blocks[layer].qkv_bias) {
-                    add_bias(&mut y, b);
-                }
-                y
+                let bias = self.blocks[layer].qkv_bias.as_deref().filter(|_| !gate_up);
+                self.model.frozen_product_host(w, x, m, bias)?
             }
         };
         let width: usize = parts.iter().map(|(_, w)| w).sum();
@@ -393,7 +390,7 @@ impl<'m> HostDecoder<'m> {
                 } else {
                     Frozen::Down(layer)
                 };
-                self.model.frozen_product_host(w, x, m)?
+                self.model.frozen_product_host(w, x, m, None)?
             }
         };
         self.add_deltas(x, rows, vec![(Site::Layer(layer, p), &mut y)]);

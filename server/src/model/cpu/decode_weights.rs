@@ -27,6 +27,12 @@ use crate::model::ModelError;
 /// projections, two threads); at 64 rows the widest projection is faster in f32.
 pub const EXACT_ROWS: usize = 32;
 
+// Every product the block weights take fits the bf16 tile kernels.
+const _: () = assert!(
+    EXACT_ROWS <= super::bf16::blocks::MAX_ROWS
+        && kernels::FEW_ROWS <= super::bf16::blocks::MAX_ROWS
+);
+
 #[derive(Debug, Clone)]
 pub struct DecodeLinear {
     quant: Option<QuantMatrix>,
@@ -85,13 +91,15 @@ impl DecodeLinear {
 
     /// `x W^T + b` with the decode weights, the block weights' products in `arith`.
     pub fn forward(&self, x: &Tensor, arith: BlockArith) -> candle_core::Result<Tensor> {
-        let y = match self.quant_for(x.dims()[0]) {
-            Some(q) => q.matmul_t(x, arith)?,
-            None => matmul_t(Backend::Cpu, x, &self.f32.weight)?,
-        };
-        match &self.f32.bias {
-            Some(b) => y.broadcast_add(b),
-            None => Ok(y),
+        match self.quant_for(x.dims()[0]) {
+            Some(q) => q.matmul_t(x, arith, self.bias_host.as_deref()),
+            None => {
+                let y = matmul_t(Backend::Cpu, x, &self.f32.weight)?;
+                match &self.f32.bias {
+                    Some(b) => y.broadcast_add(b),
+                    None => Ok(y),
+                }
+            }
         }
     }
 
@@ -102,14 +110,16 @@ impl DecodeLinear {
         m: usize,
         arith: BlockArith,
     ) -> candle_core::Result<Vec<f32>> {
-        let mut y = match self.quant_for(m) {
-            Some(q) => q.matmul_t_host(x, m, arith)?,
-            None => matmul_t_host(x, m, &self.f32.weight)?,
-        };
-        if let Some(b) = &self.bias_host {
-            super::decode_step::add_bias(&mut y, b);
+        match self.quant_for(m) {
+            Some(q) => q.matmul_t_host(x, m, arith, self.bias_host.as_deref()),
+            None => {
+                let mut y = matmul_t_host(x, m, &self.f32.weight)?;
+                if let Some(b) = &self.bias_host {
+                    super::decode_step::add_bias(&mut y, b);
+                }
+                Ok(y)
+            }
         }
-        Ok(y)
     }
 }
 

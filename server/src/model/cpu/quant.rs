@@ -53,9 +53,10 @@ pub enum BlockArith {
     /// trainer's f32 products up to f32 rounding.
     #[default]
     F32,
-    /// Weights and activations rounded to bf16, f32 sums, on AMX tiles: the trainer's
-    /// `--precision bf16` products bit for bit ([`blocks`]). Only where
-    /// [`blocks::usable`] holds, and for up to [`blocks::MAX_ROWS`] activation rows.
+    /// Weights and activations rounded to bf16, f32 sums, on AMX tiles: with exact
+    /// blocks, the trainer's `--precision bf16` products bit for bit ([`blocks`]). Only
+    /// where [`blocks::usable`] holds, and for up to [`blocks::MAX_ROWS`] activation
+    /// rows.
     Bf16Tiles,
 }
 
@@ -143,7 +144,7 @@ impl QuantMatrix {
     }
 
     /// `x W^T` for f32 `x (m, cols)` with few rows.
-    pub fn matmul_t(&self, x: &Tensor, arith: BlockArith) -> Result<Tensor> {
+    pub fn matmul_t(&self, x: &Tensor, arith: BlockArith, bias: Option<&[f32]>) -> Result<Tensor> {
         let (m, k) = x.dims2()?;
         if k != self.cols {
             candle_core::bail!(
@@ -151,12 +152,18 @@ impl QuantMatrix {
                 self.cols
             );
         }
-        let yt = with::<f32, _>(x, |xs| self.product_t(xs, m, arith))?;
+        let yt = with::<f32, _>(x, |xs| self.product_t(xs, m, arith, bias))?;
         from_transposed(yt, self.rows, m)
     }
 
     /// [`QuantMatrix::matmul_t`] over a plain `(m, cols)` buffer; returns `(m, rows)`.
-    pub fn matmul_t_host(&self, xs: &[f32], m: usize, arith: BlockArith) -> Result<Vec<f32>> {
+    pub fn matmul_t_host(
+        &self,
+        xs: &[f32],
+        m: usize,
+        arith: BlockArith,
+        bias: Option<&[f32]>,
+    ) -> Result<Vec<f32>> {
         if xs.len() != m * self.cols {
             candle_core::bail!(
                 "quantized matmul: {} inputs for {m} rows of {}",
@@ -164,12 +171,26 @@ impl QuantMatrix {
                 self.cols
             );
         }
-        Ok(transpose(self.product_t(xs, m, arith)?, self.rows, m))
+        Ok(transpose(self.product_t(xs, m, arith, bias)?, self.rows, m))
     }
 
-    /// `(rows, m)`: the products, one weight row's outputs together.
-    fn product_t(&self, xs: &[f32], m: usize, arith: BlockArith) -> Result<Vec<f32>> {
+    /// `(rows, m)`: the products plus `bias` (one per weight row), one weight row's
+    /// outputs together. The f32 kernels add the bias after the sums; the tiles start
+    /// from it, as the trainer's bf16 product does.
+    fn product_t(
+        &self,
+        xs: &[f32],
+        m: usize,
+        arith: BlockArith,
+        bias: Option<&[f32]>,
+    ) -> Result<Vec<f32>> {
         let k = self.cols;
+        if let Some(b) = bias.filter(|b| b.len() != self.rows) {
+            candle_core::bail!("{} biases for {} weight rows", b.len(), self.rows);
+        }
+        if m == 0 {
+            return Ok(Vec::new());
+        }
         let nb = k / BLOCK;
         let prepared = match arith {
             BlockArith::F32 => Prepared::F32,
@@ -186,7 +207,10 @@ impl QuantMatrix {
         };
         let chunk = chunk_rows(self.rows);
         let mut yt = vec![0f32; self.rows * m];
-        let out = yt.par_chunks_mut(chunk * m);
+        let out = yt.par_chunks_mut(chunk * m).enumerate();
+        // Task `i`'s output chunk and the biases of its rows.
+        let rows_of =
+            |i: usize, out: &[f32]| bias.map(|b| &b[i * chunk..i * chunk + out.len() / m]);
         match &self.blocks {
             Blocks::Q8 { quants, scales } => out
                 .zip(
@@ -195,9 +219,15 @@ impl QuantMatrix {
                         .zip(scales.par_chunks(chunk * nb)),
                 )
                 .with_min_len(grain(chunk * k))
-                .for_each(|(out, (q, s))| match &prepared {
-                    Prepared::Bf16(x) => blocks::q8(x, q, s, out),
-                    Prepared::F32 => q8_rows(xs, m, k, q, s, out),
+                .for_each(|((i, out), (q, s))| {
+                    let bias = rows_of(i, out);
+                    match &prepared {
+                        Prepared::Bf16(x) => blocks::q8(x, q, s, bias, out),
+                        Prepared::F32 => {
+                            q8_rows(xs, m, k, q, s, out);
+                            add_row_bias(out, m, bias);
+                        }
+                    }
                 }),
             Blocks::Q41 {
                 nibbles,
@@ -213,12 +243,27 @@ impl QuantMatrix {
                 )
                 // Half the bytes of Q8 per weight, so twice the weights per thread.
                 .with_min_len(grain(chunk * k / 2))
-                .for_each(|(out, (q, (d, mn)))| match &prepared {
-                    Prepared::Bf16(x) => blocks::q41(x, q, d, mn, out),
-                    Prepared::F32 => q41_rows(xs, m, k, q, d, mn, out),
+                .for_each(|((i, out), (q, (d, mn)))| {
+                    let bias = rows_of(i, out);
+                    match &prepared {
+                        Prepared::Bf16(x) => blocks::q41(x, q, d, mn, bias, out),
+                        Prepared::F32 => {
+                            q41_rows(xs, m, k, q, d, mn, out);
+                            add_row_bias(out, m, bias);
+                        }
+                    }
                 }),
         }
         Ok(yt)
+    }
+}
+
+/// Adds `bias[o]` to weight row `o`'s `m` outputs in `out` (`(rows, m)`).
+fn add_row_bias(out: &mut [f32], m: usize, bias: Option<&[f32]>) {
+    if let Some(bias) = bias {
+        for (row, b) in out.chunks_exact_mut(m).zip(bias) {
+            row.iter_mut().for_each(|y| *y += b);
+        }
     }
 }
 
@@ -642,7 +687,7 @@ mod tests {
             let arith = BlockArith::F32;
             let x = randn(m, k, 10 + m as u64);
             let want = x.matmul(&w.t().unwrap()).unwrap();
-            let got = q.matmul_t(&x, arith).unwrap();
+            let got = q.matmul_t(&x, arith, None).unwrap();
             assert_eq!(got.dims(), want.dims());
             assert!(
                 max_abs_diff(&got, &want) < tol,
@@ -650,7 +695,7 @@ mod tests {
                 q.format()
             );
             let xs: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
-            let host = q.matmul_t_host(&xs, m, arith).unwrap();
+            let host = q.matmul_t_host(&xs, m, arith, None).unwrap();
             let via_tensor: Vec<f32> = got.flatten_all().unwrap().to_vec1().unwrap();
             assert_eq!(host, via_tensor);
         }
@@ -725,7 +770,7 @@ mod tests {
                 } => q41_rows_generic(&xs, m, k, nibbles, scales, mins, &mut yt),
             }
             let generic = from_transposed(yt, n, m).unwrap();
-            assert!(max_abs_diff(&generic, &q.matmul_t(&x, BlockArith::F32).unwrap()) < 1e-5);
+            assert!(max_abs_diff(&generic, &q.matmul_t(&x, BlockArith::F32, None).unwrap()) < 1e-5);
         }
     }
 }

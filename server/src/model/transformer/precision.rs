@@ -45,9 +45,10 @@ impl Transformer {
     /// On the CPU backend, bf16 needs f32 weights and a CPU with a bf16 kernel (AMX or
     /// AVX512-BF16); without one the model stays in f32 (and says so in the log).
     /// Packing the weights takes a moment and holds as many bytes again as the f32
-    /// weights (two bf16 layouts of each). Decoding reads the block-quantized decode
-    /// weights either way; with the AMX kernel their products are the same bf16 products
-    /// ([`Transformer::block_arith`]).
+    /// weights (two bf16 layouts of each). With the AMX kernel, decoding computes the
+    /// same bf16 products ([`Transformer::block_arith`],
+    /// [`Transformer::frozen_product_host`]); with AVX512-BF16 alone it keeps f32
+    /// products.
     ///
     /// On the device backend, bf16 stores the projection matrices, the embedding and
     /// the output head in bf16 in place of f32 (half the memory); every product then
@@ -155,15 +156,18 @@ impl Transformer {
         }
     }
 
-    /// `x Wᵀ` (no bias) for `m` rows `x` (`(m, in)`, row-major) and the frozen matrix
-    /// `w`, computed as the trainer computes it: bf16 products from the packed weights
-    /// in bf16 precision, f32 otherwise. For decoding where the block weights do not take
-    /// a product (a width that is not whole blocks, exact mode). CPU backend only.
+    /// `x Wᵀ + bias` for `m` rows `x` (`(m, in)`, row-major) and the frozen matrix `w`,
+    /// computed as the trainer computes it: in bf16 precision the bf16 product from the
+    /// packed weights, its sums starting from the bias; otherwise f32, the bias added
+    /// after. For decoding where the block weights do not take a product (a width that
+    /// is not whole blocks, more rows than their kernels take, exact mode). CPU backend
+    /// only.
     pub fn frozen_product_host(
         &self,
         w: Frozen,
         x: &[f32],
         m: usize,
+        bias: Option<&[f32]>,
     ) -> Result<Vec<f32>, ModelError> {
         if let Some(b) = &self.bf16 {
             let packed = match w {
@@ -174,19 +178,22 @@ impl Transformer {
                 Frozen::Head => &b.head,
             };
             let (k, n) = (packed.forward.k(), packed.forward.n());
-            if x.len() != m * k {
+            if x.len() != m * k || bias.is_some_and(|b| b.len() != n) {
                 return Err(ModelError::Input(format!(
-                    "a frozen product of {m} rows of {k} got {} values",
+                    "a frozen product of {m} rows of {k} into {n} got {} values",
                     x.len()
                 )));
             }
-            let mut out = vec![0f32; m * n];
+            let mut out = match bias {
+                Some(b) => (0..m).flat_map(|_| b.iter().copied()).collect(),
+                None => vec![0f32; m * n],
+            };
             bf16::gemm(
                 b.kernel,
                 &mut MatMut::new(&mut out, m, n, n),
                 Mat::new(x, m, k),
                 &packed.forward,
-                false,
+                bias.is_some(),
             );
             return Ok(out);
         }
@@ -197,7 +204,20 @@ impl Transformer {
             Frozen::Down(l) => &self.weights.layers[l].down_proj.weight,
             Frozen::Head => self.weights.lm_head(),
         };
-        Ok(matmul_t_host(x, m, weight)?)
+        let mut y = matmul_t_host(x, m, weight)?;
+        if let Some(b) = bias {
+            if b.len() * m != y.len() {
+                return Err(ModelError::Input(format!(
+                    "{} biases for a product into {} columns",
+                    b.len(),
+                    y.len() / m.max(1)
+                )));
+            }
+            for row in y.chunks_exact_mut(b.len()) {
+                row.iter_mut().zip(b).for_each(|(y, b)| *y += b);
+            }
+        }
+        Ok(y)
     }
 
     /// The packed output head, in bf16 precision.

@@ -4,8 +4,9 @@
 //! tile loaded is used twice.
 //!
 //! Stable Rust has no AMX intrinsics, so the instructions are written as inline assembly.
-//! Nothing else in the program uses the tile registers; each call loads its own tile
-//! configuration and releases the tiles before returning.
+//! The decode kernels (`blocks.rs`) are the only other users of the tile registers, and
+//! follow the same rule: each call loads its own tile configuration and releases the
+//! tiles before returning.
 
 use std::arch::asm;
 use std::arch::x86_64::__cpuid_count;
@@ -105,7 +106,7 @@ impl Tiles {
 
 impl Drop for Tiles {
     fn drop(&mut self) {
-        // SAFETY: tiles were configured by `configure`.
+        // SAFETY: tiles were configured by `configure` or `configure_as`.
         unsafe { asm!("tilerelease", options(nostack, nomem)) };
     }
 }

@@ -11,14 +11,16 @@
 //!   tile;
 //! - the activation rows are rounded as the trainer rounds its left-hand side and laid
 //!   out as the other tile ([`TileRows`]);
-//! - `TDPBF16PS` takes the same 32-deep steps, in the same order, from zero.
+//! - `TDPBF16PS` takes the same 32-deep steps in the same order, starting from zero or,
+//!   for a projection with a bias (Qwen2's q/k/v), from the bias, as the trainer does.
 //!
 //! The trainer's tiles hold activations on the left and weights on the right, these the
-//! other way round. An element of a tile product is the sum of the same 32 exact
-//! products (a product of two bf16 values is exact in f32) in the same positions
-//! whichever operand is which, so decoding reproduces the trainer's products bit for bit
-//! (`tests::decode_tiles_reproduce_the_trainers_products`), and the logprobs the sampler
-//! reports stay the trainer's.
+//! other way round. An element of a tile product sums the same 32 products of two bf16
+//! values (exact in f32 unless they underflow, which both sides flush alike) in the same
+//! positions whichever operand is which, so with exact blocks decoding reproduces the
+//! trainer's products bit for bit (`tests::decode_tiles_reproduce_the_trainers_products`).
+//! What the sampler reports can still differ from the trainer's logprobs through the f32
+//! work around the products (attention, norms, LoRA deltas), summed in another order.
 //!
 //! The f32 decode kernels do one multiply-add per weight per row; here the tiles do the
 //! multiplications of up to 16 rows (32 with a second tile) in one instruction per block
@@ -37,11 +39,13 @@ const TILE_COLS: usize = 16;
 pub const MAX_ROWS: usize = 2 * TILE_COLS;
 
 /// Whether this CPU runs these kernels: AMX-BF16 tiles (with the permission to use
-/// them), and AVX512-BW and AVX512-BF16 for the dequantization.
+/// them), and AVX2, AVX-512 F and BW, and AVX512-BF16 for the dequantization.
 pub fn usable() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         super::available().contains(&super::Kernel::Amx)
+            && is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("avx512f")
             && is_x86_feature_detected!("avx512bw")
             && is_x86_feature_detected!("avx512bf16")
     }
@@ -107,45 +111,60 @@ fn tile_widths(m: usize) -> (usize, usize) {
     (m.min(TILE_COLS), m.saturating_sub(TILE_COLS))
 }
 
-/// Q4_1 weight rows times `x`: `out` is `(rows, x.rows())`, one weight row's outputs
-/// together. Block `i` (row `i / blocks`, block `i % blocks`) has 16 bytes of codes at
+/// Q4_1 weight rows times `x`, plus `bias` (one per weight row) if given: `out` is
+/// `(rows, x.rows())`, one weight row's outputs together. As in the trainer's product,
+/// the bias is where the sums start, not added after them. Block `i` (row `i / blocks`, block `i % blocks`) has 16 bytes of codes at
 /// `nibbles[16 i..]` (byte `j`: element `j` in the low nibble, `j + 16` in the high one,
 /// as GGML lays them out), scale `d[i]` and minimum `mn[i]`; each weight is
 /// `code * d + m`, as the dequantizer computes it.
 ///
 /// Panics if the slices disagree or [`usable`] does not hold.
-pub fn q41(x: &TileRows, nibbles: &[u8], d: &[f32], mn: &[f32], out: &mut [f32]) {
+pub fn q41(
+    x: &TileRows,
+    nibbles: &[u8],
+    d: &[f32],
+    mn: &[f32],
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+) {
     let rows = d.len() / x.blocks;
     assert!(
         d.len() == rows * x.blocks && mn.len() == d.len() && nibbles.len() == d.len() * 16,
         "Q4_1 blocks disagree with {rows} rows of {} blocks",
         x.blocks
     );
-    assert_eq!(out.len(), rows * x.m, "output is not {rows} x {}", x.m);
-    assert!(usable(), "this CPU cannot run the bf16 tile kernels");
+    check(x, rows, bias, out);
     #[cfg(target_arch = "x86_64")]
     // SAFETY: `usable` holds and the slices were checked above.
     unsafe {
-        tiles::q41(x, nibbles, d, mn, out)
+        tiles::q41(x, nibbles, d, mn, bias, out)
     }
 }
 
 /// Q8 weight rows (block `i`: 32 signed codes at `quants[32 i..]`, scale `s[i]`, each
 /// weight `code * s`) times `x`, as [`q41`].
-pub fn q8(x: &TileRows, quants: &[i8], s: &[f32], out: &mut [f32]) {
+pub fn q8(x: &TileRows, quants: &[i8], s: &[f32], bias: Option<&[f32]>, out: &mut [f32]) {
     let rows = s.len() / x.blocks;
     assert!(
         s.len() == rows * x.blocks && quants.len() == s.len() * BLOCK,
         "Q8 blocks disagree with {rows} rows of {} blocks",
         x.blocks
     );
-    assert_eq!(out.len(), rows * x.m, "output is not {rows} x {}", x.m);
-    assert!(usable(), "this CPU cannot run the bf16 tile kernels");
+    check(x, rows, bias, out);
     #[cfg(target_arch = "x86_64")]
     // SAFETY: as in `q41`.
     unsafe {
-        tiles::q8(x, quants, s, out)
+        tiles::q8(x, quants, s, bias, out)
     }
+}
+
+/// The checks both kernels share: the output's and the bias's lengths, and the CPU.
+fn check(x: &TileRows, rows: usize, bias: Option<&[f32]>, out: &[f32]) {
+    assert_eq!(out.len(), rows * x.m, "output is not {rows} x {}", x.m);
+    if let Some(b) = bias {
+        assert_eq!(b.len(), rows, "{} biases for {rows} rows", b.len());
+    }
+    assert!(usable(), "this CPU cannot run the bf16 tile kernels");
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -159,7 +178,14 @@ mod tiles {
     /// # Safety
     /// [`super::usable`]; the slices as [`super::q41`] checks them.
     #[target_feature(enable = "avx2,avx512f,avx512bw,avx512bf16")]
-    pub(super) unsafe fn q41(x: &TileRows, nibbles: &[u8], d: &[f32], mn: &[f32], out: &mut [f32]) {
+    pub(super) unsafe fn q41(
+        x: &TileRows,
+        nibbles: &[u8],
+        d: &[f32],
+        mn: &[f32],
+        bias: Option<&[f32]>,
+        out: &mut [f32],
+    ) {
         let nb = x.blocks;
         let iota = _mm512_setr_ps(
             0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.,
@@ -187,13 +213,19 @@ mod tiles {
             );
             _mm512_permutexvar_epi16(codes, table)
         };
-        product_t(x, d.len() / nb, out, block)
+        product_t(x, d.len() / nb, bias, out, block)
     }
 
     /// # Safety
     /// [`super::usable`]; the slices as [`super::q8`] checks them.
     #[target_feature(enable = "avx2,avx512f,avx512bw,avx512bf16")]
-    pub(super) unsafe fn q8(x: &TileRows, quants: &[i8], s: &[f32], out: &mut [f32]) {
+    pub(super) unsafe fn q8(
+        x: &TileRows,
+        quants: &[i8],
+        s: &[f32],
+        bias: Option<&[f32]>,
+        out: &mut [f32],
+    ) {
         let nb = x.blocks;
         let block = |o: usize, b: usize| {
             let i = o * nb + b;
@@ -209,7 +241,7 @@ mod tiles {
                 half(i * BLOCK),
             ))
         };
-        product_t(x, s.len() / nb, out, block)
+        product_t(x, s.len() / nb, bias, out, block)
     }
 
     /// `out` `(rows, m)` = weight rows times `x`, with `block(o, b)` giving block `b` of
@@ -225,6 +257,7 @@ mod tiles {
     unsafe fn product_t(
         x: &TileRows,
         rows: usize,
+        bias: Option<&[f32]>,
         out: &mut [f32],
         block: impl Fn(usize, usize) -> __m512i,
     ) {
@@ -240,8 +273,15 @@ mod tiles {
         let _tiles = unsafe { Tiles::configure_as(&config) };
         let mut staging = vec![0u32; GROUP * k / 2];
         let mut edge = [0f32; GROUP * 2 * TILE_COLS];
+        // Where each group's accumulators start: its rows' biases, or zero.
+        let mut seed = vec![0f32; GROUP * m];
         for g in (0..rows).step_by(GROUP) {
             let n = (rows - g).min(GROUP);
+            if let Some(bias) = bias {
+                for (r, row) in seed.chunks_exact_mut(m).enumerate() {
+                    row.fill(if r < n { bias[g + r] } else { 0.0 });
+                }
+            }
             for r in 0..GROUP {
                 let dst = staging.as_mut_ptr().add(r * k / 2);
                 for b in 0..nb {
@@ -263,7 +303,8 @@ mod tiles {
             };
             // SAFETY: `staging` holds 16 rows of 2k bytes (nb tiles of 64 bytes side by
             // side); `x.words` holds nb blocks of 16 m words, the first tile 16 rows of
-            // w0 words, the second 16 rows of w1 after it; `c` has 16 rows of m floats.
+            // w0 words, the second 16 rows of w1 after it; `seed` and `c` have 16 rows
+            // of m floats.
             unsafe {
                 multiply(
                     staging.as_ptr(),
@@ -272,6 +313,7 @@ mod tiles {
                     w0,
                     w1,
                     nb,
+                    seed.as_ptr(),
                     c,
                     4 * m,
                 )
@@ -282,9 +324,10 @@ mod tiles {
         }
     }
 
-    /// The accumulator tiles from zero through `nb` steps (one weight tile at `a`,
+    /// The accumulator tiles from `seed` through `nb` steps (one weight tile at `a`,
     /// advancing 64 bytes, and one or two activation tiles at `b`, advancing a block),
-    /// stored at `c` with row stride `c_stride` bytes (the second tile 16 floats on).
+    /// stored at `c`; `seed` and `c` have rows `c_stride` bytes apart, the second tile
+    /// 16 floats on.
     ///
     /// # Safety
     /// Tiles configured by [`product_t`]; the buffers as described there.
@@ -297,13 +340,14 @@ mod tiles {
         w0: usize,
         w1: usize,
         nb: usize,
+        seed: *const f32,
         c: *mut f32,
         c_stride: usize,
     ) {
         let block_bytes = 4 * GROUP * (w0 + w1);
         if w1 == 0 {
             asm!(
-                "tilezero tmm0",
+                "tileloadd tmm0, [{s0} + {sc}]",
                 "2:",
                 "tileloadd tmm2, [{a} + {sa}]",
                 "tileloadd tmm3, [{b} + {sb}]",
@@ -319,6 +363,7 @@ mod tiles {
                 sb = in(reg) 4 * w0,
                 step = in(reg) block_bytes,
                 n = inout(reg) nb => _,
+                s0 = in(reg) seed,
                 c = in(reg) c,
                 sc = in(reg) c_stride,
                 out("tmm0") _, out("tmm2") _, out("tmm3") _,
@@ -326,8 +371,9 @@ mod tiles {
             );
         } else {
             asm!(
-                "tilezero tmm0",
-                "tilezero tmm1",
+                "tileloadd tmm0, [{s0} + {sc}]",
+                // The second tile starts 16 floats (64 bytes) on.
+                "tileloadd tmm1, [{s0} + {sc} + 64]",
                 "2:",
                 "tileloadd tmm2, [{a} + {sa}]",
                 "tileloadd tmm3, [{b0} + {sb0}]",
@@ -340,7 +386,7 @@ mod tiles {
                 "dec {n}",
                 "jnz 2b",
                 "tilestored [{c0} + {sc}], tmm0",
-                "tilestored [{c1} + {sc}], tmm1",
+                "tilestored [{c0} + {sc} + 64], tmm1",
                 a = inout(reg) a => _,
                 sa = in(reg) a_stride,
                 b0 = inout(reg) b => _,
@@ -349,8 +395,8 @@ mod tiles {
                 sb1 = in(reg) 4 * w1,
                 step = in(reg) block_bytes,
                 n = inout(reg) nb => _,
+                s0 = in(reg) seed,
                 c0 = in(reg) c,
-                c1 = in(reg) c.add(TILE_COLS),
                 sc = in(reg) c_stride,
                 out("tmm0") _, out("tmm1") _, out("tmm2") _, out("tmm3") _, out("tmm4") _,
                 options(nostack),

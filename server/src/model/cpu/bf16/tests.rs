@@ -228,7 +228,8 @@ fn a_strided_left_hand_side_is_read_through_its_strides() {
 /// The decode weights' tile products (Q4_1 and Q8 blocks, `BlockArith::Bf16Tiles`) equal
 /// the trainer's bf16 product of the same f32 weights bit for bit: for one row (a
 /// stream), a decode step's few rows, one and two right-hand tiles, partial groups of
-/// weight rows and several threads' chunks. More rows than the tiles take are refused.
+/// weight rows and several threads' chunks, with and without a bias. More rows than the
+/// tiles take are refused.
 #[test]
 fn decode_tiles_reproduce_the_trainers_products() {
     use crate::model::cpu::quant::{BlockArith, QuantMatrix};
@@ -253,27 +254,37 @@ fn decode_tiles_reproduce_the_trainers_products() {
             assert_eq!((q.format(), q.exact()), (format, true));
             let wf: Vec<f32> = w.flatten_all().unwrap().to_vec1().unwrap();
             let packed = PackedWeight::new(&wf, rows, k);
+            let bias = data(rows, 17);
             for m in [1, 2, 7, 16, 17, 32] {
                 let x = data(m * k, 3 + m as u64);
-                let got = q.matmul_t_host(&x, m, BlockArith::Bf16Tiles).unwrap();
-                let mut want = vec![0f32; m * rows];
-                gemm(
-                    Kernel::Amx,
-                    &mut MatMut::new(&mut want, m, rows, rows),
-                    Mat::new(&x, m, k),
-                    &packed.forward,
-                    false,
-                );
-                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                    assert_eq!(
-                        g.to_bits(),
-                        w.to_bits(),
-                        "{format} {rows}x{k}, {m} rows: element {i}: {g} vs {w}"
+                // With a bias (Qwen2's q/k/v), the trainer's sums start from it.
+                for bias in [None, Some(bias.as_slice())] {
+                    let got = q.matmul_t_host(&x, m, BlockArith::Bf16Tiles, bias).unwrap();
+                    let mut want: Vec<f32> = match bias {
+                        Some(b) => (0..m).flat_map(|_| b.iter().copied()).collect(),
+                        None => vec![0f32; m * rows],
+                    };
+                    gemm(
+                        Kernel::Amx,
+                        &mut MatMut::new(&mut want, m, rows, rows),
+                        Mat::new(&x, m, k),
+                        &packed.forward,
+                        bias.is_some(),
                     );
+                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                        assert_eq!(
+                            g.to_bits(),
+                            w.to_bits(),
+                            "{format} {rows}x{k}, {m} rows, bias {}: element {i}: {g} vs {w}",
+                            bias.is_some()
+                        );
+                    }
                 }
             }
             let x = data(33 * k, 5);
-            let refused = q.matmul_t_host(&x, 33, BlockArith::Bf16Tiles).unwrap_err();
+            let refused = q
+                .matmul_t_host(&x, 33, BlockArith::Bf16Tiles, None)
+                .unwrap_err();
             assert!(refused.to_string().contains("1 to 32 rows"), "{refused}");
         }
     }
