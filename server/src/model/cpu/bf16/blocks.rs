@@ -35,6 +35,8 @@ const BLOCK: usize = 32;
 const GROUP: usize = 16;
 /// Activation rows per right-hand tile (16 pair words of 4 bytes: a full tile row).
 const TILE_COLS: usize = 16;
+/// Blocks of a group's weights staged at once: 16 rows of 8 blocks are 8 KiB.
+const SPAN_BLOCKS: usize = 8;
 /// Most activation rows one product takes (two right-hand tiles).
 pub const MAX_ROWS: usize = 2 * TILE_COLS;
 
@@ -173,7 +175,7 @@ mod tiles {
     use std::arch::x86_64::*;
 
     use super::super::amx::{TileConfig, Tiles};
-    use super::{tile_widths, TileRows, BLOCK, GROUP, TILE_COLS};
+    use super::{tile_widths, TileRows, BLOCK, GROUP, SPAN_BLOCKS, TILE_COLS};
 
     /// # Safety
     /// [`super::usable`]; the slices as [`super::q41`] checks them.
@@ -262,7 +264,6 @@ mod tiles {
         block: impl Fn(usize, usize) -> __m512i,
     ) {
         let (m, nb) = (x.m, x.blocks);
-        let k = nb * BLOCK;
         let (w0, w1) = tile_widths(m);
         let bytes = |w: usize| (4 * w) as u16;
         let second = if w1 > 0 { (16, bytes(w1)) } else { (0, 0) };
@@ -271,7 +272,10 @@ mod tiles {
             TileConfig::with(&[(16, bytes(w0)), second, (16, 64), (16, bytes(w0)), second]);
         // SAFETY: the caller guarantees AMX (`usable`).
         let _tiles = unsafe { Tiles::configure_as(&config) };
-        let mut staging = vec![0u32; GROUP * k / 2];
+        // A group's weights are staged a span of blocks at a time, so the staging stays
+        // in the first-level cache however wide the rows.
+        let span = nb.min(SPAN_BLOCKS);
+        let mut staging = vec![0u32; GROUP * span * 16];
         let mut edge = [0f32; GROUP * 2 * TILE_COLS];
         // Where each group's accumulators start: its rows' biases, or zero.
         let mut seed = vec![0f32; GROUP * m];
@@ -282,18 +286,6 @@ mod tiles {
                     row.fill(if r < n { bias[g + r] } else { 0.0 });
                 }
             }
-            for r in 0..GROUP {
-                let dst = staging.as_mut_ptr().add(r * k / 2);
-                for b in 0..nb {
-                    let v = if r < n {
-                        block(g + r, b)
-                    } else {
-                        _mm512_setzero_si512()
-                    };
-                    // SAFETY: row r's block b is words 16 b .. 16 b + 16 of its k / 2.
-                    _mm512_storeu_si512(dst.add(b * 16).cast(), v);
-                }
-            }
             // A whole group's outputs are rows g..g + 16 of `out`; a partial one goes
             // through `edge` and is clipped.
             let c = if n == GROUP {
@@ -301,23 +293,47 @@ mod tiles {
             } else {
                 edge.as_mut_ptr()
             };
-            // SAFETY: `staging` holds 16 rows of 2k bytes (nb tiles of 64 bytes side by
-            // side); `x.words` holds nb blocks of 16 m words, the first tile 16 rows of
-            // w0 words, the second 16 rows of w1 after it; `seed` and `c` have 16 rows
-            // of m floats.
-            unsafe {
-                multiply(
-                    staging.as_ptr(),
-                    2 * k,
-                    x.words.as_ptr(),
-                    w0,
-                    w1,
-                    nb,
-                    seed.as_ptr(),
-                    c,
-                    4 * m,
-                )
-            };
+            for first in (0..nb).step_by(span) {
+                let len = span.min(nb - first);
+                for r in 0..GROUP {
+                    let dst = staging.as_mut_ptr().add(r * span * 16);
+                    for i in 0..len {
+                        let v = if r < n {
+                            block(g + r, first + i)
+                        } else {
+                            _mm512_setzero_si512()
+                        };
+                        // SAFETY: row r's i-th staged block is words 16 i .. 16 i + 16
+                        // of its span * 16.
+                        _mm512_storeu_si512(dst.add(i * 16).cast(), v);
+                    }
+                }
+                // After the first span the accumulators continue from what the last
+                // one stored: the same steps in the same order, the sums exact f32.
+                let from = if first == 0 {
+                    seed.as_ptr()
+                } else {
+                    c.cast_const()
+                };
+                // SAFETY: `staging` holds 16 rows of 64 span bytes (span tiles of 64
+                // bytes side by side); `x.words` holds nb blocks of 16 m words (from
+                // block `first` on, `len` of them), the first tile 16 rows of w0 words,
+                // the second 16 rows of w1 after it; `from` and `c` have 16 rows of m
+                // floats.
+                unsafe {
+                    multiply(
+                        staging.as_ptr(),
+                        64 * span,
+                        x.words.as_ptr().add(first * GROUP * m),
+                        w0,
+                        w1,
+                        len,
+                        from,
+                        c,
+                        4 * m,
+                    )
+                };
+            }
             if n < GROUP {
                 out[g * m..(g + n) * m].copy_from_slice(&edge[..n * m]);
             }

@@ -239,7 +239,7 @@ fn decode_tiles_reproduce_the_trainers_products() {
         return;
     }
     for (dtype, format) in [(GgmlDType::Q4_1, "q4_1"), (GgmlDType::Q8_0, "q8")] {
-        for (rows, k) in [(40, 64), (200, 160), (16, 32)] {
+        for (rows, k) in [(40, 64), (200, 160), (16, 32), (24, 576)] {
             let w = candle_core::Tensor::from_vec(
                 data(rows * k, 7 + rows as u64),
                 (rows, k),
