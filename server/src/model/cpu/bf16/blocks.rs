@@ -215,7 +215,18 @@ mod tiles {
             );
             _mm512_permutexvar_epi16(codes, table)
         };
-        product_t(x, d.len() / nb, bias, out, block)
+        let bytes = |o: usize, b: usize| nibbles.as_ptr().wrapping_add((o * nb + b) * 16);
+        product_t(
+            x,
+            d.len() / nb,
+            bias,
+            out,
+            block,
+            Stream {
+                bytes,
+                block_bytes: 16,
+            },
+        )
     }
 
     /// # Safety
@@ -243,7 +254,18 @@ mod tiles {
                 half(i * BLOCK),
             ))
         };
-        product_t(x, s.len() / nb, bias, out, block)
+        let bytes = |o: usize, b: usize| quants.as_ptr().wrapping_add((o * nb + b) * BLOCK).cast();
+        product_t(
+            x,
+            s.len() / nb,
+            bias,
+            out,
+            block,
+            Stream {
+                bytes,
+                block_bytes: BLOCK,
+            },
+        )
     }
 
     /// `out` `(rows, m)` = weight rows times `x`, with `block(o, b)` giving block `b` of
@@ -262,6 +284,7 @@ mod tiles {
         bias: Option<&[f32]>,
         out: &mut [f32],
         block: impl Fn(usize, usize) -> __m512i,
+        stream: Stream<impl Fn(usize, usize) -> *const u8>,
     ) {
         let (m, nb) = (x.m, x.blocks);
         let (w0, w1) = tile_widths(m);
@@ -296,6 +319,11 @@ mod tiles {
             for first in (0..nb).step_by(span) {
                 let len = span.min(nb - first);
                 for r in 0..GROUP {
+                    // The next group's weights of this span, a group's work ahead: one
+                    // row after another, the hardware's prefetchers fall behind.
+                    if g + GROUP + r < rows {
+                        stream.prefetch(g + GROUP + r, first, len);
+                    }
                     let dst = staging.as_mut_ptr().add(r * span * 16);
                     for i in 0..len {
                         let v = if r < n {
@@ -336,6 +364,28 @@ mod tiles {
             }
             if n < GROUP {
                 out[g * m..(g + n) * m].copy_from_slice(&edge[..n * m]);
+            }
+        }
+    }
+
+    /// Where a weight row's blocks are in memory: `bytes(o, b)` is block `b` of row `o`
+    /// (blocks of a row are contiguous), `block_bytes` long.
+    pub(super) struct Stream<F> {
+        bytes: F,
+        block_bytes: usize,
+    }
+
+    impl<F: Fn(usize, usize) -> *const u8> Stream<F> {
+        /// Asks for the cache lines of blocks `first..first + len` of row `o`.
+        #[inline]
+        fn prefetch(&self, o: usize, first: usize, len: usize) {
+            let start = (self.bytes)(o, first);
+            let end = start.wrapping_add(len * self.block_bytes);
+            let mut line = start.wrapping_sub(start as usize % 64);
+            while line < end {
+                // SAFETY: a prefetch is only a hint; it never faults, whatever the address.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(line.cast()) };
+                line = line.wrapping_add(64);
             }
         }
     }
