@@ -540,6 +540,26 @@ pub fn dot(w: &[f32], x: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
+/// Asks the CPU to bring the cache lines of `len` bytes from `start` into the cache: for
+/// kernels that stream weight rows one after another, which the hardware prefetchers
+/// follow too late. A hint only: it never faults, whatever the address.
+#[inline(always)]
+pub(crate) fn prefetch_lines(start: *const u8, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let end = start.wrapping_add(len);
+        let mut line = start.wrapping_sub(start as usize % 64);
+        while line < end {
+            // SAFETY: a prefetch never faults and changes nothing but the cache.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(line.cast()) };
+            line = line.wrapping_add(64);
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (start, len);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -24,7 +24,7 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::bf16::blocks::{self, TileRows};
-use super::kernels::{from_transposed, grain, transpose, with};
+use super::kernels::{from_transposed, grain, prefetch_lines, transpose, with};
 
 /// Block length of both formats, along the input dimension.
 pub const BLOCK: usize = 32;
@@ -398,12 +398,18 @@ unsafe fn q8_rows_avx512(xs: &[f32], m: usize, k: usize, q: &[i8], s: &[f32], ou
             _mm512_mul_ps(widen(i * BLOCK + HALF), sv),
         )
     };
-    products_avx512(xs, m, k, rows, out, weights)
+    let ahead = |o: usize| {
+        if o < rows {
+            prefetch_lines(q.as_ptr().wrapping_add(o * k).cast(), k);
+        }
+    };
+    products_avx512(xs, m, k, rows, out, weights, ahead)
 }
 
 /// `(rows, m)` products of `m` activation rows with `rows` weight rows, `weights(o, b)`
-/// giving block `b` of row `o` as two vectors: [`one_row_avx512`] for one activation
-/// row, else [`Tile::run`] over up to eight activation rows at a time.
+/// giving block `b` of row `o` as two vectors and `ahead(o)` prefetching row `o` (if
+/// there is one): [`one_row_avx512`] for one activation row, else [`Tile::run`] over up
+/// to eight activation rows at a time.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
@@ -414,9 +420,10 @@ unsafe fn products_avx512(
     rows: usize,
     out: &mut [f32],
     weights: impl Fn(usize, usize) -> (std::arch::x86_64::__m512, std::arch::x86_64::__m512),
+    ahead: impl Fn(usize),
 ) {
     if m == 1 {
-        return one_row_avx512(xs, rows, k / BLOCK, out, weights);
+        return one_row_avx512(xs, rows, k / BLOCK, out, weights, ahead);
     }
     let tile = Tile { xs, m, k, rows };
     let mut first = 0;
@@ -424,14 +431,14 @@ unsafe fn products_avx512(
         let r = (m - first).min(8);
         // The row count is a constant inside, so the accumulators stay in registers.
         match r {
-            2 => tile.run::<2>(first, out, &weights),
-            3 => tile.run::<3>(first, out, &weights),
-            4 => tile.run::<4>(first, out, &weights),
-            5 => tile.run::<5>(first, out, &weights),
-            6 => tile.run::<6>(first, out, &weights),
-            7 => tile.run::<7>(first, out, &weights),
-            8 => tile.run::<8>(first, out, &weights),
-            _ => tile.run::<1>(first, out, &weights),
+            2 => tile.run::<2>(first, out, &weights, &ahead),
+            3 => tile.run::<3>(first, out, &weights, &ahead),
+            4 => tile.run::<4>(first, out, &weights, &ahead),
+            5 => tile.run::<5>(first, out, &weights, &ahead),
+            6 => tile.run::<6>(first, out, &weights, &ahead),
+            7 => tile.run::<7>(first, out, &weights, &ahead),
+            8 => tile.run::<8>(first, out, &weights, &ahead),
+            _ => tile.run::<1>(first, out, &weights, &ahead),
         }
         first += r;
     }
@@ -461,9 +468,13 @@ impl Tile<'_> {
         first: usize,
         out: &mut [f32],
         weights: &impl Fn(usize, usize) -> (std::arch::x86_64::__m512, std::arch::x86_64::__m512),
+        ahead: &impl Fn(usize),
     ) {
         let mut o = 0;
         while o + 2 <= self.rows {
+            // Two pairs of rows ahead.
+            ahead(o + 4);
+            ahead(o + 5);
             self.group::<R, 2>(first, o, out, weights);
             o += 2;
         }
@@ -523,6 +534,7 @@ unsafe fn one_row_avx512(
     nb: usize,
     out: &mut [f32],
     weights: impl Fn(usize, usize) -> (std::arch::x86_64::__m512, std::arch::x86_64::__m512),
+    ahead: impl Fn(usize),
 ) {
     use std::arch::x86_64::*;
     const GROUP: usize = 4;
@@ -533,6 +545,10 @@ unsafe fn one_row_avx512(
     };
     let mut o = 0;
     while o + GROUP <= rows {
+        // Two groups ahead.
+        for r in 2 * GROUP..3 * GROUP {
+            ahead(o + r);
+        }
         let mut acc = [_mm512_setzero_ps(); 2 * GROUP];
         for b in 0..nb {
             let (xl, xh) = xb(b);
@@ -608,7 +624,12 @@ unsafe fn q41_rows_avx512(
             _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table),
         )
     };
-    products_avx512(xs, m, k, rows, out, weights)
+    let ahead = |o: usize| {
+        if o < rows {
+            prefetch_lines(q.as_ptr().wrapping_add(o * nb * HALF), nb * HALF);
+        }
+    };
+    products_avx512(xs, m, k, rows, out, weights, ahead)
 }
 
 fn q8_rows_generic(xs: &[f32], m: usize, k: usize, q: &[i8], s: &[f32], out: &mut [f32]) {

@@ -176,6 +176,7 @@ mod tiles {
 
     use super::super::amx::{TileConfig, Tiles};
     use super::{tile_widths, TileRows, BLOCK, GROUP, SPAN_BLOCKS, TILE_COLS};
+    use crate::model::cpu::kernels::prefetch_lines;
 
     /// # Safety
     /// [`super::usable`]; the slices as [`super::q41`] checks them.
@@ -379,14 +380,7 @@ mod tiles {
         /// Asks for the cache lines of blocks `first..first + len` of row `o`.
         #[inline]
         fn prefetch(&self, o: usize, first: usize, len: usize) {
-            let start = (self.bytes)(o, first);
-            let end = start.wrapping_add(len * self.block_bytes);
-            let mut line = start.wrapping_sub(start as usize % 64);
-            while line < end {
-                // SAFETY: a prefetch is only a hint; it never faults, whatever the address.
-                unsafe { _mm_prefetch::<_MM_HINT_T0>(line.cast()) };
-                line = line.wrapping_add(64);
-            }
+            prefetch_lines((self.bytes)(o, first), len * self.block_bytes);
         }
     }
 
