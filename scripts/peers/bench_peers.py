@@ -167,7 +167,8 @@ def main() -> None:
             "single_stream_tokens_per_s": median([x["single_stream_phases"]["decode_only_tokens_per_s"] for x in bf16]),
             "streams_8_adapters_4_tokens_per_s": median([x["batched_phases"]["decode_only_tokens_per_s"] for x in bf16]),
             "batched_over_single": median([x["batched_over_single_ratio_median"] for x in bf16]),
-            "trainer_ratio_mean": median([x["trainer_agreement"]["ratio_mean"] for x in bf16]),
+            # Not `median`, which keeps two decimals.
+            "trainer_ratio_mean": round(statistics.median(x["trainer_agreement"]["ratio_mean"] for x in bf16), 5),
             "trainer_max_abs_logprob_diff": max(x["trainer_agreement"]["max_abs_logprob_diff"] for x in bf16),
         }
         report["ratios"]["lathe_bf16_over_llama_cpp_decode"] = round(report["decode_bf16"]["single_stream_tokens_per_s"] / llama, 3)
