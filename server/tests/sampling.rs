@@ -61,8 +61,7 @@ fn sampled_logprobs_equal_the_training_forward() {
 /// do not apply (exact mode). The rest of a step (attention, norms, LoRA deltas) is f32
 /// summed in another order, and a last-bit difference there can round an activation to
 /// the neighbouring bf16 value in the next product, so the bound is 5e-3 rather than
-/// f32's 1e-4; f32 decode products miss it. Batched decoding still equals decoding
-/// alone.
+/// f32's 1e-4. Batched decoding still equals decoding alone.
 #[test]
 fn bf16_sampled_logprobs_equal_the_bf16_trainers() {
     for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {

@@ -28,7 +28,8 @@ pub enum BenchCommand {
     /// Single-stream and multi-adapter batched decoding.
     Sample(SampleArgs),
     /// Matrix multiplication GFLOP/s at the model's shapes: f32, and bf16 on each bf16
-    /// kernel this CPU has.
+    /// kernel this CPU has; and the decode step's block-quantized products, in
+    /// microseconds, in each arithmetic this CPU has.
     Gemm(GemmArgs),
     /// The HTTP server: batching across sessions and protocol overhead, over loopback.
     Serve(super::bench_serve::ServeBenchArgs),

@@ -27,8 +27,9 @@ pub enum DecodeMode {
     /// log-probabilities are the trainer's either way.
     #[default]
     Fast,
-    /// The f32 trainer weights pick the tokens: the sampling distribution is exactly the
-    /// trained policy, at f32 decoding speed.
+    /// The trainer's own weights and products (f32, or bf16 under `--precision bf16`)
+    /// pick the tokens: the sampling distribution is exactly the trained policy, without
+    /// the block-quantized kernels' speed.
     Exact,
 }
 

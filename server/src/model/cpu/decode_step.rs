@@ -172,7 +172,8 @@ impl<'m> HostDecoder<'m> {
     }
 
     /// A decoder for `model` with `adapters`, using the block-quantized decode weights when
-    /// `quantized` and the f32 weights otherwise; `None` when the model is not on the CPU
+    /// `quantized` and the trainer's own products otherwise
+    /// ([`Transformer::frozen_product_host`]: f32, or bf16 in bf16 precision); `None` when the model is not on the CPU
     /// in `f32` (callers then use [`Transformer::forward_cached`]).
     pub fn new(
         model: &'m Transformer,

@@ -24,7 +24,9 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::bf16::blocks::{self, TileRows};
-use super::kernels::{from_transposed, grain, prefetch_lines, transpose, with};
+#[cfg(target_arch = "x86_64")]
+use super::kernels::prefetch_lines;
+use super::kernels::{from_transposed, grain, transpose, with};
 
 /// Block length of both formats, along the input dimension.
 pub const BLOCK: usize = 32;

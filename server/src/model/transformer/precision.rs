@@ -47,8 +47,9 @@ impl Transformer {
     /// Packing the weights takes a moment and holds as many bytes again as the f32
     /// weights (two bf16 layouts of each). With the AMX kernel, decoding computes the
     /// same bf16 products ([`Transformer::block_arith`],
-    /// [`Transformer::frozen_product_host`]); with AVX512-BF16 alone it keeps f32
-    /// products.
+    /// [`Transformer::frozen_product_host`]); with AVX512-BF16 alone the block weights'
+    /// products stay f32, and exact mode and the products they do not take use the
+    /// trainer's bf16 product.
     ///
     /// On the device backend, bf16 stores the projection matrices, the embedding and
     /// the output head in bf16 in place of f32 (half the memory); every product then
@@ -146,7 +147,8 @@ impl Transformer {
     /// The arithmetic of the decode weights' products. With bf16 products on AMX tiles
     /// they are the trainer's bf16 products on tiles too, so sampling computes what
     /// training computes (with AVX512-BF16 alone the trainer's sums run in another order,
-    /// which the decode kernels do not reproduce, so decoding stays f32).
+    /// which the decode kernels do not reproduce, so the block weights' products stay
+    /// f32).
     pub fn block_arith(&self) -> BlockArith {
         match &self.bf16 {
             Some(b) if b.kernel == bf16::Kernel::Amx && bf16::blocks::usable() => {
@@ -178,10 +180,16 @@ impl Transformer {
                 Frozen::Head => &b.head,
             };
             let (k, n) = (packed.forward.k(), packed.forward.n());
-            if x.len() != m * k || bias.is_some_and(|b| b.len() != n) {
+            if x.len() != m * k {
                 return Err(ModelError::Input(format!(
-                    "a frozen product of {m} rows of {k} into {n} got {} values",
+                    "a frozen product of {m} rows of {k} got {} values",
                     x.len()
+                )));
+            }
+            if let Some(b) = bias.filter(|b| b.len() != n) {
+                return Err(ModelError::Input(format!(
+                    "{} biases for a product into {n} columns",
+                    b.len()
                 )));
             }
             let mut out = match bias {

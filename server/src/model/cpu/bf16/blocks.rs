@@ -35,8 +35,6 @@ const BLOCK: usize = 32;
 const GROUP: usize = 16;
 /// Activation rows per right-hand tile (16 pair words of 4 bytes: a full tile row).
 const TILE_COLS: usize = 16;
-/// Blocks of a group's weights staged at once: 16 rows of 8 blocks are 8 KiB.
-const SPAN_BLOCKS: usize = 8;
 /// Most activation rows one product takes (two right-hand tiles).
 pub const MAX_ROWS: usize = 2 * TILE_COLS;
 
@@ -115,8 +113,8 @@ fn tile_widths(m: usize) -> (usize, usize) {
 
 /// Q4_1 weight rows times `x`, plus `bias` (one per weight row) if given: `out` is
 /// `(rows, x.rows())`, one weight row's outputs together. As in the trainer's product,
-/// the bias is where the sums start, not added after them. Block `i` (row `i / blocks`, block `i % blocks`) has 16 bytes of codes at
-/// `nibbles[16 i..]` (byte `j`: element `j` in the low nibble, `j + 16` in the high one,
+/// the bias is where the sums start, not added after them. Block `i` (row `i / blocks`,
+/// block `i % blocks`) has 16 bytes of codes at `nibbles[16 i..]` (byte `j`: element `j` in the low nibble, `j + 16` in the high one,
 /// as GGML lays them out), scale `d[i]` and minimum `mn[i]`; each weight is
 /// `code * d + m`, as the dequantizer computes it.
 ///
@@ -175,7 +173,10 @@ mod tiles {
     use std::arch::x86_64::*;
 
     use super::super::amx::{TileConfig, Tiles};
-    use super::{tile_widths, TileRows, BLOCK, GROUP, SPAN_BLOCKS, TILE_COLS};
+    use super::{tile_widths, TileRows, BLOCK, GROUP, TILE_COLS};
+
+    /// Blocks of a group's weights staged at once: 16 rows of 8 blocks are 8 KiB.
+    const SPAN_BLOCKS: usize = 8;
     use crate::model::cpu::kernels::prefetch_lines;
 
     /// # Safety

@@ -271,6 +271,7 @@ fn decode_tiles_reproduce_the_trainers_products() {
                         &packed.forward,
                         bias.is_some(),
                     );
+                    assert_eq!(got.len(), want.len());
                     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                         assert_eq!(
                             g.to_bits(),
