@@ -18,13 +18,9 @@ use crate::model::transformer::StackedWeights;
 use crate::model::weights::{matmul_t, matmul_t_host, BaseWeights, FrozenLinear};
 use crate::model::ModelError;
 
-/// A projection for decoding: block-quantized when its shape allows, else the f32 weight. Many
-/// rows at once (a prompt) go through the f32 weight: that product is compute-bound and
-/// f32 keeps the prompt's KV cache exact. Exact block weights compute the same products,
-/// and their kernels beat the f32 product up to [`EXACT_ROWS`] rows (a short prompt).
-/// Most rows multiplied by exact block weights rather than the f32 weights: up to 32
-/// rows their kernels took 0.5-0.9x the time of the f32 product (SmolLM2-135M's
-/// projections, two threads); at 64 rows the widest projection is faster in f32.
+/// Most rows multiplied by exact block weights rather than the trainer's product: up to
+/// this many (a short prompt) their kernels beat it, beyond it the compute-bound
+/// trainer's product is faster (ARCHITECTURE.md has the measurements).
 pub const EXACT_ROWS: usize = 32;
 
 // Every product the block weights take fits the bf16 tile kernels.
@@ -33,6 +29,9 @@ const _: () = assert!(
         && kernels::FEW_ROWS <= super::bf16::blocks::MAX_ROWS
 );
 
+/// A projection for decoding: block-quantized when its shape allows, beside the f32
+/// weight it was made from, which takes the products the block weights do not (more
+/// rows than [`EXACT_ROWS`], a width that is not whole blocks).
 #[derive(Debug, Clone)]
 pub struct DecodeLinear {
     quant: Option<QuantMatrix>,
