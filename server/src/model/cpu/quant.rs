@@ -194,14 +194,13 @@ impl QuantMatrix {
             return Ok(Vec::new());
         }
         let nb = k / BLOCK;
-        let prepared = match arith {
-            BlockArith::F32 => Prepared::F32,
+        // The activations rounded and laid out for the tiles, or `None` for the f32 kernels.
+        let tiles = match arith {
+            BlockArith::F32 => None,
             BlockArith::Bf16Tiles if !blocks::usable() => {
                 candle_core::bail!("this CPU has no AMX tiles for bf16 tile products")
             }
-            BlockArith::Bf16Tiles if m <= blocks::MAX_ROWS => {
-                Prepared::Bf16(TileRows::new(xs, m, k))
-            }
+            BlockArith::Bf16Tiles if m <= blocks::MAX_ROWS => Some(TileRows::new(xs, m, k)),
             BlockArith::Bf16Tiles => candle_core::bail!(
                 "bf16 tile products take 1 to {} rows; asked for {m}",
                 blocks::MAX_ROWS
@@ -223,9 +222,9 @@ impl QuantMatrix {
                 .with_min_len(grain(chunk * k))
                 .for_each(|((i, out), (q, s))| {
                     let bias = rows_of(i, out);
-                    match &prepared {
-                        Prepared::Bf16(x) => blocks::q8(x, q, s, bias, out),
-                        Prepared::F32 => {
+                    match &tiles {
+                        Some(x) => blocks::q8(x, q, s, bias, out),
+                        None => {
                             q8_rows(xs, m, k, q, s, out);
                             add_row_bias(out, m, bias);
                         }
@@ -247,9 +246,9 @@ impl QuantMatrix {
                 .with_min_len(grain(chunk * k / 2))
                 .for_each(|((i, out), (q, (d, mn)))| {
                     let bias = rows_of(i, out);
-                    match &prepared {
-                        Prepared::Bf16(x) => blocks::q41(x, q, d, mn, bias, out),
-                        Prepared::F32 => {
+                    match &tiles {
+                        Some(x) => blocks::q41(x, q, d, mn, bias, out),
+                        None => {
                             q41_rows(xs, m, k, q, d, mn, out);
                             add_row_bias(out, m, bias);
                         }
@@ -267,14 +266,6 @@ fn add_row_bias(out: &mut [f32], m: usize, bias: Option<&[f32]>) {
             row.iter_mut().for_each(|y| *y += b);
         }
     }
-}
-
-/// The activation rows of a product, prepared for its kernel.
-enum Prepared {
-    /// As they are, for the f32 kernels.
-    F32,
-    /// Rounded to bf16 for the tiles ([`blocks`]).
-    Bf16(TileRows),
 }
 
 /// Weight rows per parallel task: two tasks per thread (enough for work stealing to

@@ -221,9 +221,7 @@ impl Transformer {
                     y.len() / m.max(1)
                 )));
             }
-            for row in y.chunks_exact_mut(b.len()) {
-                row.iter_mut().zip(b).for_each(|(y, b)| *y += b);
-            }
+            crate::model::cpu::decode_step::add_bias(&mut y, b);
         }
         Ok(y)
     }
