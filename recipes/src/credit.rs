@@ -9,6 +9,7 @@ use lathe::Tokenizer;
 
 use crate::advantages::{group_centred, group_normalised};
 use crate::env::{Episode, Transition};
+use crate::kl::Penalty;
 use crate::rollout::{trajectory_data, Sample};
 
 /// How rewards become advantages within a baseline's set.
@@ -190,18 +191,20 @@ pub fn encoder(tok: &Tokenizer) -> impl Fn(&str) -> anyhow::Result<Vec<i64>> + '
 }
 
 /// Per role (of `roles`): the datums of `groups` under `objective`. RL datums carry the
-/// sampler's logprobs and the advantage on the reply's tokens; an episode's turns of one
-/// role that extend each other merge into one datum ([`trajectory_data`]). Supervised
-/// datums train each transition's prompt on its reference completion, encoded by
-/// `encode`.
+/// sampler's logprobs and the advantage on the reply's tokens, plus the KL `penalty`'s
+/// per-token addition when there is one ([`crate::kl`]); an episode's turns of one role
+/// that extend each other merge into one datum ([`trajectory_data`]). Supervised datums
+/// train each transition's prompt on its reference completion, encoded by `encode` (a
+/// penalty does not apply to them).
 pub fn role_data(
     groups: &[Vec<Episode>],
     objective: &Objective,
     roles: usize,
     encode: Encode,
+    penalty: Option<&Penalty>,
 ) -> anyhow::Result<Vec<Vec<Datum>>> {
     let mut out = vec![Vec::new(); roles];
-    for episode in episode_data(groups, objective, roles, encode)? {
+    for episode in episode_data(groups, objective, roles, encode, penalty)? {
         for (role, data) in episode.into_iter().enumerate() {
             out[role].extend(data);
         }
@@ -209,12 +212,16 @@ pub fn role_data(
     Ok(out)
 }
 
+/// A reply's prompt, its sample and each sampled token's advantage.
+type CreditedTurn<'a> = (&'a [i64], &'a Sample, Vec<f64>);
+
 /// [`role_data`] per episode (in order: group, episode), then per role.
 pub fn episode_data(
     groups: &[Vec<Episode>],
     objective: &Objective,
     roles: usize,
     encode: Encode,
+    penalty: Option<&Penalty>,
 ) -> anyhow::Result<Vec<Vec<Vec<Datum>>>> {
     let mut out = Vec::new();
     match objective {
@@ -232,15 +239,33 @@ pub fn episode_data(
         }
         Objective::Rl(_, credit) => {
             let mut advantages = advantages(groups, credit).into_iter();
+            let mut penalties = penalty.map(|p| p.per_token.iter());
             for e in groups.iter().flatten() {
-                let mut turns: Vec<Vec<(&[i64], &Sample, f64)>> = vec![Vec::new(); roles];
+                let mut turns: Vec<Vec<CreditedTurn>> = vec![Vec::new(); roles];
                 for t in &e.transitions {
                     let adv = advantages.next().expect("one advantage per transition");
-                    if !t.reply.sample.tokens.is_empty() && (credit.keep_zero || adv != 0.0) {
-                        turns[t.role].push((&t.reply.prompt, &t.reply.sample, adv));
+                    let n = t.reply.sample.tokens.len();
+                    let extra = penalties
+                        .as_mut()
+                        .map(|p| p.next().expect("a penalty each"));
+                    let per_token: Vec<f64> = match extra {
+                        Some(k) => k.iter().map(|k| adv + k).collect(),
+                        None => vec![adv; n],
+                    };
+                    // A penalised reply carries a gradient even with a zero advantage.
+                    let penalised = extra.is_some_and(|k| k.iter().any(|&k| k != 0.0));
+                    let kept = credit.keep_zero || adv != 0.0 || penalised;
+                    if n > 0 && kept {
+                        turns[t.role].push((&t.reply.prompt, &t.reply.sample, per_token));
                     }
                 }
-                out.push(turns.iter().map(|t| trajectory_data(t)).collect());
+                let data = turns.iter().map(|turns| {
+                    let borrowed: Vec<_> = (turns.iter())
+                        .map(|(prompt, sample, adv)| (*prompt, *sample, &adv[..]))
+                        .collect();
+                    trajectory_data(&borrowed)
+                });
+                out.push(data.collect());
             }
         }
     }
@@ -251,6 +276,7 @@ pub fn episode_data(
 mod tests {
     use super::*;
     use crate::env::Reply;
+    use crate::kl::Penalty;
 
     fn transition(role: usize, reward: f64, position: usize) -> Transition {
         let reply = Reply {
@@ -414,6 +440,40 @@ mod tests {
         assert_eq!(
             advantages(&groups, &standardised),
             vec![1.0, -1.0, 1.0, -1.0]
+        );
+    }
+
+    #[test]
+    fn a_kl_penalty_adds_to_each_sampled_tokens_advantage() {
+        let reply = |tokens: &[i64]| Reply {
+            prompt: vec![1, 2],
+            sample: Sample {
+                tokens: tokens.to_vec(),
+                logprobs: vec![-0.5; tokens.len()],
+                text: String::new(),
+            },
+            version: 0,
+        };
+        // Equal rewards: zero advantages, dropped without a penalty.
+        let groups = vec![vec![
+            episode(vec![Transition::new(0, reply(&[3, 4]), 1.0, 0)]),
+            episode(vec![Transition::new(0, reply(&[5]), 1.0, 0)]),
+        ]];
+        let objective = Objective::Rl(LossFn::ImportanceSampling, Credit::group(Normalise::Centre));
+        let none = |_: &str| -> anyhow::Result<Vec<i64>> { unreachable!() };
+        let plain = role_data(&groups, &objective, 1, &none, None).unwrap();
+        assert!(plain[0].is_empty());
+        let penalty = Penalty {
+            per_token: vec![vec![0.25, -0.5], vec![0.0]],
+            kl: vec![Some(0.1)],
+        };
+        let data = role_data(&groups, &objective, 1, &none, Some(&penalty)).unwrap();
+        // The first reply is kept with its tokens' additions; the second, whose addition
+        // is zero, still carries no gradient and is dropped.
+        assert_eq!(data[0].len(), 1);
+        assert_eq!(
+            data[0][0].loss_fn_inputs["advantages"].data,
+            vec![0.0, 0.25, -0.5]
         );
     }
 

@@ -11,6 +11,7 @@ pub mod credit;
 pub mod data;
 pub mod env;
 pub mod grade;
+pub mod kl;
 pub mod play;
 pub mod plot;
 pub mod resume;

@@ -44,11 +44,11 @@ pub fn rl_datum(prompt: &[i64], sample: &Sample, advantage: f64) -> Datum {
 }
 
 /// The RL datums of one multi-turn trajectory, each turn `(prompt, completion,
-/// advantage)`: a turn joins the previous datum when its prompt extends the previous
+/// advantage of each completion token)`: a turn joins the previous datum when its prompt extends the previous
 /// prompt plus completion token for token (the observation in between gets zeros), and
 /// starts a new datum otherwise — the Tinker cookbook's rule. One datum instead of one
 /// per turn trains each shared prefix once; the loss is the same.
-pub fn trajectory_data(turns: &[(&[i64], &Sample, f64)]) -> Vec<Datum> {
+pub fn trajectory_data(turns: &[(&[i64], &Sample, &[f64])]) -> Vec<Datum> {
     // Per position of the full sequence: the token, its sampler logprob and advantage
     // (zeros on observation tokens).
     struct Seq {
@@ -78,10 +78,15 @@ pub fn trajectory_data(turns: &[(&[i64], &Sample, f64)]) -> Vec<Datum> {
     }
     let mut out = Vec::new();
     let mut current: Option<Seq> = None;
-    for &(prompt, sample, advantage) in turns {
+    for &(prompt, sample, advantages) in turns {
         if sample.tokens.is_empty() || prompt.is_empty() {
             continue;
         }
+        assert_eq!(
+            advantages.len(),
+            sample.tokens.len(),
+            "an advantage per completion token"
+        );
         let extends = current
             .as_ref()
             .is_some_and(|c| prompt.len() >= c.tokens.len() && prompt.starts_with(&c.tokens));
@@ -104,7 +109,7 @@ pub fn trajectory_data(turns: &[(&[i64], &Sample, f64)]) -> Vec<Datum> {
         seq.logprobs
             .extend(sample.logprobs.iter().map(|&l| l as f32));
         seq.logprobs.resize(seq.tokens.len(), 0.0);
-        seq.advantages.resize(seq.tokens.len(), advantage as f32);
+        seq.advantages.extend(advantages.iter().map(|&a| a as f32));
         current = Some(seq);
     }
     out.extend(current.and_then(finish));
@@ -279,8 +284,8 @@ mod tests {
         let first = sample(&[4, 5], &[-0.5, -0.25]);
         let second = sample(&[7], &[-1.0]);
         let data = trajectory_data(&[
-            (&[1, 2, 3], &first, 0.5),
-            (&[1, 2, 3, 4, 5, 6], &second, 0.5),
+            (&[1, 2, 3], &first, &[0.5, 0.5]),
+            (&[1, 2, 3, 4, 5, 6], &second, &[0.5]),
         ]);
         assert_eq!(data.len(), 1);
         assert_eq!(
@@ -305,7 +310,7 @@ mod tests {
     fn one_turn_trajectories_equal_rl_datums() {
         let s = sample(&[4, 5], &[-0.5, -0.25]);
         assert_eq!(
-            trajectory_data(&[(&[1, 2, 3], &s, 0.75)]),
+            trajectory_data(&[(&[1, 2, 3], &s, &[0.75, 0.75])]),
             vec![rl_datum(&[1, 2, 3], &s, 0.75)]
         );
     }
@@ -316,8 +321,8 @@ mod tests {
         let second = sample(&[8], &[-1.0]);
         // Turn 2's prompt = turn 1's prompt + completion + observation [6, 7].
         let data = trajectory_data(&[
-            (&[1, 2, 3], &first, 2.0),
-            (&[1, 2, 3, 4, 5, 6, 7], &second, 3.0),
+            (&[1, 2, 3], &first, &[2.0, 2.0]),
+            (&[1, 2, 3, 4, 5, 6, 7], &second, &[3.0]),
         ]);
         assert_eq!(data.len(), 1);
         let d = &data[0];
@@ -335,7 +340,10 @@ mod tests {
             vec![0.0, 0.0, -0.5, -0.25, 0.0, 0.0, -1.0]
         );
         // A prompt that does not extend the sequence starts a new datum.
-        let data = trajectory_data(&[(&[1, 2, 3], &first, 2.0), (&[1, 2, 9, 4, 5], &second, 2.0)]);
+        let data = trajectory_data(&[
+            (&[1, 2, 3], &first, &[2.0, 2.0]),
+            (&[1, 2, 9, 4, 5], &second, &[2.0]),
+        ]);
         assert_eq!(data.len(), 2);
         assert_eq!(data[1], rl_datum(&[1, 2, 9, 4, 5], &second, 2.0));
     }

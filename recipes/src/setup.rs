@@ -50,6 +50,10 @@ pub struct CommonArgs {
     /// run's other flags again; `--steps` may be raised to train further.
     #[arg(long, value_name = "RUN_DIR|URI")]
     pub resume: Option<ResumeFrom>,
+    /// Weight of a KL penalty towards the base model on every sampled token of an RL
+    /// update (tinker-cookbook's `kl_penalty_coef`); 0 turns it off.
+    #[arg(long, default_value_t = 0.0)]
+    pub kl_coef: f64,
     /// Use one session for every role even if more could be created.
     #[arg(long)]
     pub force_fallback: bool,

@@ -157,3 +157,66 @@ fn doctor_patient_queue_terminates_cleanly_in_both_modes() {
     }
     let _ = std::fs::remove_dir_all(root);
 }
+
+/// The `kl_base` of every agent record of `metrics` (step lines, or a learner's update
+/// lines), in order.
+fn kl_records(metrics: &str) -> Vec<(String, Option<f64>, serde_json::Value)> {
+    let mut out = Vec::new();
+    for line in metrics.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        if v.get("eval").is_some() {
+            continue;
+        }
+        for (name, a) in v["agents"].as_object().into_iter().flatten() {
+            if a.get("queued").is_some() {
+                continue;
+            }
+            out.push((name.clone(), a["kl_base"].as_f64(), v.clone()));
+        }
+    }
+    out
+}
+
+#[test]
+fn a_kl_penalty_starts_from_zero_and_is_logged_per_agent() {
+    let root = std::env::temp_dir().join(format!("lathe-recipes-kl-{}", std::process::id()));
+    let model = tiny_model(&root.join("model"));
+    // Two sessions: each agent's first replies come from its untrained adapter, whose
+    // sampled logprobs are the base model's, so the first estimate is zero; a token
+    // misaligned between the two would show as a large difference.
+    let bin = env!("CARGO_BIN_EXE_multi_agent_math");
+    let flags = ["--objective", "rl", "--kl-coef", "0.1", "--lr", "0.05"];
+    run_recipe(bin, &model, &root.join("math"), &flags);
+    let metrics = std::fs::read_to_string(root.join("math").join("metrics.jsonl")).unwrap();
+    let records = kl_records(&metrics);
+    assert_eq!(records.len(), 4, "two agents, two steps: {metrics}");
+    for (name, kl, line) in &records {
+        let kl = kl.unwrap_or_else(|| panic!("{name} has no kl_base: {line}"));
+        assert!(kl.is_finite(), "{line}");
+        if line["step"] == 1 {
+            assert!(kl.abs() < 1e-3, "{name} starts {kl} from the base: {line}");
+        }
+    }
+    // Trained once, the policy has moved away from the base.
+    let moved = records.iter().filter(|(_, _, l)| l["step"] == 2);
+    assert!(
+        moved.clone().any(|(_, kl, _)| kl.unwrap().abs() > 1e-3),
+        "{metrics}"
+    );
+    // A queued learner takes the penalty too.
+    let bin = env!("CARGO_BIN_EXE_doctor_patient_queue");
+    let flags = ["--group", "2", "--patient-batch", "3", "--max-turns", "2"];
+    let mut args = flags.to_vec();
+    args.extend(["--kl-coef", "0.1"]);
+    run_recipe(bin, &model, &root.join("queue"), &args);
+    let metrics = std::fs::read_to_string(root.join("queue").join("metrics.jsonl")).unwrap();
+    let records = kl_records(&metrics);
+    for role in ["doctor", "patient"] {
+        let of_role: Vec<_> = records.iter().filter(|(n, ..)| n == role).collect();
+        assert!(!of_role.is_empty(), "no {role} update: {metrics}");
+        for (_, kl, line) in of_role {
+            assert!(kl.is_some_and(f64::is_finite), "{role}: {line}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(root);
+}

@@ -74,6 +74,10 @@ struct Args {
     /// pick). Below 0, it is meant to push picks towards the `Judgment: N` format.
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     invalid_pick_reward: f64,
+    /// Show the selector a worked selection (another sum's candidates and a pick) before
+    /// its own.
+    #[arg(long)]
+    selector_example: bool,
 }
 
 const SOLVER: usize = 0;
@@ -113,9 +117,14 @@ fn rewriter_prompt(p: &Problem, solutions: &[&str]) -> String {
     )
 }
 
-fn selector_prompt(p: &Problem, solutions: &[&str]) -> String {
+/// A worked selection shown before the selector's task when `--selector-example` is on:
+/// three solutions of another sum, two agreeing and right, and a pick of one of them.
+const SELECTOR_EXAMPLE: &str = "### Problem\nWhat is 12 + 5?\n#### Solution 1\n12 + 5 = 18\n---\n#### Solution 2\n12 + 5 = 17\n---\n#### Solution 3\n12 + 5 = 17\nJudgment: 2\n\n";
+
+fn selector_prompt(p: &Problem, solutions: &[&str], example: bool) -> String {
     format!(
-        "You get a math problem and {n} solutions. Analyze them, find the most sound one, and end with exactly Judgment: IDX (1 to {n}).\n### Problem\n{}\n{}\nJudgment:",
+        "You get a math problem and {n} solutions. Analyze them, find the most sound one, and end with exactly Judgment: IDX (1 to {n}).\n{}### Problem\n{}\n{}\nJudgment:",
+        if example { SELECTOR_EXAMPLE } else { "" },
         p.question,
         numbered(solutions),
         n = solutions.len()
@@ -135,6 +144,7 @@ struct Pipeline {
     selectors: usize,
     pooled_selector: bool,
     invalid_pick: f64,
+    example: bool,
     solvers: Vec<Reply>,
     rewriters: Vec<Reply>,
     picks: Vec<Reply>,
@@ -200,7 +210,7 @@ impl Env for Pipeline {
             if texts.is_empty() {
                 return Vec::new();
             }
-            let prompt = selector_prompt(&self.problem, &texts);
+            let prompt = selector_prompt(&self.problem, &texts, self.example);
             vec![Observation::line(SELECTOR, prompt, JUDGMENT_TOKENS); self.selectors]
         } else {
             self.picks = replies;
@@ -313,13 +323,14 @@ struct SelectExam {
     right: Vec<bool>,
     picks: usize,
     invalid_pick: f64,
+    example: bool,
     replies: Vec<Reply>,
 }
 
 impl Env for SelectExam {
     fn initial_observations(&mut self) -> Vec<Observation> {
         let texts: Vec<&str> = self.texts.iter().map(String::as_str).collect();
-        let prompt = selector_prompt(&self.problem, &texts);
+        let prompt = selector_prompt(&self.problem, &texts, self.example);
         vec![Observation::line(SELECTOR, prompt, JUDGMENT_TOKENS); self.picks]
     }
 
@@ -352,6 +363,7 @@ struct SolveRewriteSelect {
     pooled_selector: bool,
     select_drills: usize,
     invalid_pick: f64,
+    example: bool,
     seed: u64,
     batch: usize,
     temperature: f64,
@@ -367,6 +379,7 @@ impl SolveRewriteSelect {
             selectors: self.selectors,
             pooled_selector: self.pooled_selector,
             invalid_pick: self.invalid_pick,
+            example: self.example,
             solvers: Vec::new(),
             rewriters: Vec::new(),
             picks: Vec::new(),
@@ -384,6 +397,7 @@ impl SolveRewriteSelect {
             right,
             picks: self.selectors,
             invalid_pick: self.invalid_pick,
+            example: self.example,
             replies: Vec::new(),
         })
     }
@@ -489,7 +503,7 @@ impl Recipe for SolveRewriteSelect {
 
     fn settings(&self) -> String {
         format!(
-            "num_parallel={} selectors={} pooled_selector={} select_drills={} max_operand={}{}",
+            "num_parallel={} selectors={} pooled_selector={} select_drills={} max_operand={}{}{}",
             self.n,
             self.selectors,
             self.pooled_selector,
@@ -500,6 +514,11 @@ impl Recipe for SolveRewriteSelect {
                 format!(" invalid_pick_reward={}", self.invalid_pick)
             } else {
                 String::new()
+            },
+            if self.example {
+                " selector_example=true"
+            } else {
+                ""
             }
         )
     }
@@ -529,6 +548,7 @@ async fn main() -> anyhow::Result<()> {
         pooled_selector: args.pooled_selector,
         select_drills: args.select_drills,
         invalid_pick: args.invalid_pick_reward,
+        example: args.selector_example,
         seed: c.seed,
         batch: c.batch,
         temperature: c.temperature,
@@ -575,6 +595,7 @@ mod tests {
             selectors: picks.len(),
             pooled_selector,
             invalid_pick: 0.0,
+            example: false,
             solvers: Vec::new(),
             rewriters: Vec::new(),
             picks: Vec::new(),
@@ -675,6 +696,7 @@ mod tests {
             right: ok,
             picks: 3,
             invalid_pick: -0.5,
+            example: true,
             replies: Vec::new(),
         });
         assert_eq!(exam.initial_observations().len(), 3);
@@ -710,6 +732,7 @@ mod tests {
             pooled_selector: false,
             select_drills: 0,
             invalid_pick: 0.0,
+            example: false,
             seed: 0,
             batch: 4,
             temperature: 0.7,

@@ -13,6 +13,7 @@ use super::sessions::RoleSessions;
 use super::{QueueTotals, Queued, Recipe};
 use crate::credit::{encoder, episode_data, Objective};
 use crate::env::{mean_metrics, Episode, Transition};
+use crate::kl::{base_logprobs, penalty};
 use crate::play::{mix_seed, play, Policy};
 use crate::rollout::{ratio_mean, Sample};
 use crate::run::{mean, mean_of};
@@ -140,6 +141,8 @@ pub(super) struct Learner<'a, R: Recipe> {
     pub(super) tok: &'a Tokenizer,
     pub(super) context: Option<usize>,
     pub(super) seed: u64,
+    /// Under a KL penalty: its coefficient and the base model's sampler.
+    pub(super) kl: Option<(f64, &'a SamplingClient)>,
     /// Log lines for `metrics.jsonl`.
     pub(super) records: mpsc::UnboundedSender<Value>,
 }
@@ -227,11 +230,20 @@ impl<R: Recipe> Learner<'_, R> {
                 })
                 .chain(own)
                 .collect();
+            let groups = std::slice::from_ref(&episodes);
+            let penalty = match self.kl {
+                Some((coef, base)) => {
+                    let logprobs = base_logprobs(groups, base, |_| true).await?;
+                    Some(penalty(groups, &logprobs, coef, roles.len()))
+                }
+                None => None,
+            };
             let per_episode = episode_data(
-                std::slice::from_ref(&episodes),
+                groups,
                 &objective,
                 roles.len(),
                 &encoder(self.tok),
+                penalty.as_ref(),
             )?;
             // Datums from the current weights carry the agreement check's tokens; older
             // ones are off policy by design.
@@ -294,6 +306,7 @@ impl<R: Recipe> Learner<'_, R> {
                     "loss": outcome.as_ref().map(|o| o.loss),
                     "datums": data.len(),
                     "ratio_mean": ratio,
+                    "kl_base": penalty.as_ref().and_then(|p| p.kl[self.role]),
                 }},
                 "queue/received": received,
                 "queue/depth": depth,

@@ -5,14 +5,16 @@ use std::path::{Path, PathBuf};
 
 use indicatif::ProgressBar;
 use lathe::types::{AdamParams, CheckpointUri};
-use lathe::{SamplingClient, Tokenizer};
+use lathe::{SamplingClient, SamplingSource, Tokenizer};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use super::learner::{queue, Learner, QueueHandle, QueuedEpisode};
-use super::sessions::{open_team, save_states, train_step, AgentRecord, RoleSessions};
+use super::sessions::{open_team, save_states, train_step, AgentRecord, RoleSessions, Update};
 use super::{Curve, QueueTotals, Recipe, Saved, Summary};
+use crate::credit::Objective;
 use crate::env::{mean_metrics, Episode};
+use crate::kl::{base_logprobs, penalty};
 use crate::play::{mix_seed, play, Policy};
 use crate::resume::{
     checkpoint_name, parse_checkpoint_name, sibling_states, LearnerState, ResumeFrom, RunState,
@@ -36,6 +38,17 @@ pub async fn run<R: Recipe>(recipe: &R, args: &CommonArgs) -> anyhow::Result<Sum
     } = begin(recipe, args).await?;
     let tok = conn.service.get_tokenizer(&conn.base_model).await?;
     let team = open_team(&conn, recipe, args, state.as_ref(), &roles).await?;
+    anyhow::ensure!(
+        args.kl_coef.is_finite() && args.kl_coef >= 0.0,
+        "--kl-coef must be a finite number >= 0, not {}",
+        args.kl_coef
+    );
+    let base = if args.kl_coef > 0.0 {
+        let source = SamplingSource::BaseModel(conn.base_model.clone());
+        Some(conn.service.create_sampling_client(source).await?)
+    } else {
+        None
+    };
     let mode = team.mode(recipe.team());
     let steps = args.steps;
     let start = state.as_ref().map_or(0, |s| s.completed_steps);
@@ -99,6 +112,7 @@ pub async fn run<R: Recipe>(recipe: &R, args: &CommonArgs) -> anyhow::Result<Sum
             tok: &tok,
             context: conn.max_context,
             seed: args.seed,
+            kl: base.as_ref().map(|b| (args.kl_coef, b)),
             records: records_tx.clone(),
         };
         learners.push(learner.run(ends));
@@ -113,6 +127,7 @@ pub async fn run<R: Recipe>(recipe: &R, args: &CommonArgs) -> anyhow::Result<Sum
         roles: &roles,
         curves: &curve_specs,
         mode: &mode,
+        base: base.as_ref(),
         tag,
         attempt,
     };
@@ -351,6 +366,8 @@ struct Loop<'a, R: Recipe> {
     roles: &'a [&'static str],
     curves: &'a [Curve],
     mode: &'a str,
+    /// The base model's sampler, under a KL penalty.
+    base: Option<&'a SamplingClient>,
     tag: String,
     attempt: u32,
 }
@@ -574,10 +591,23 @@ impl<R: Recipe> Loop<'_, R> {
             ..Default::default()
         };
         let objective = self.recipe.objective();
-        let mut record = train_step(
-            self.team, &groups, &objective, self.roles, &queued, adam, self.tok,
-        )
-        .await?;
+        // The penalty covers the on-policy roles' replies (the queued ones' learners
+        // take their own).
+        let penalty = match (self.base, &objective) {
+            (Some(base), Objective::Rl(..)) => {
+                let logprobs = base_logprobs(&groups, base, |t| !queued[t.role]).await?;
+                let roles = self.roles.len();
+                Some(penalty(&groups, &logprobs, self.args.kl_coef, roles))
+            }
+            _ => None,
+        };
+        let update = Update {
+            objective: &objective,
+            adam,
+            penalty: penalty.as_ref(),
+        };
+        let mut record =
+            train_step(self.team, &groups, update, self.roles, &queued, self.tok).await?;
         for (r, name) in self.roles.iter().enumerate() {
             if queued[r] {
                 record.get_mut(*name).expect("a record per role").queued = Some(sent[r]);
@@ -660,8 +690,14 @@ fn settings<R: Recipe>(recipe: &R, args: &CommonArgs) -> String {
     let server = format!(" model={} precision={:?}", a.model, a.precision);
     #[cfg(not(feature = "embedded"))]
     let server = String::new();
+    // Named only when set, so runs saved before the flag resume without a warning.
+    let kl = if a.kl_coef != 0.0 {
+        format!(" kl_coef={}", a.kl_coef)
+    } else {
+        String::new()
+    };
     format!(
-        "{} seed={} rank={} lr={} batch={} temperature={} eval_size={} eval_every={}{server}",
+        "{} seed={} rank={} lr={} batch={} temperature={} eval_size={} eval_every={}{kl}{server}",
         recipe.settings(),
         a.seed,
         a.rank,

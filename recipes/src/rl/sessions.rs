@@ -11,6 +11,7 @@ use tokio::sync::Mutex;
 use super::{Recipe, Team};
 use crate::credit::{encoder, role_data, Objective};
 use crate::env::Episode;
+use crate::kl::Penalty;
 use crate::resume::{checkpoint_name, RunState};
 use crate::rollout::{ratio_mean, submit_step, Sample, Step, StepOutcome};
 use crate::setup::{AgentSessions, CommonArgs, Connection};
@@ -136,10 +137,23 @@ pub struct AgentRecord {
     /// Mean `exp(train logprob − sampler logprob)` over its sampled tokens: 1.0 when
     /// trainer and sampler agree (`null` without sampled tokens).
     pub ratio_mean: Option<f64>,
+    /// Under a KL penalty: the mean sampler-minus-base logprob of its sampled tokens,
+    /// the sampled estimate of KL(policy ‖ base) per token.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kl_base: Option<f64>,
     /// For a queued role: its episodes put on the queue this step (it trains in its own
     /// learner, which logs its updates).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub queued: Option<usize>,
+}
+
+/// What one step's update is: the objective, the optimizer's parameters and, under a KL
+/// penalty, the penalty the RL datums carry.
+#[derive(Clone, Copy)]
+pub(super) struct Update<'a> {
+    pub(super) objective: &'a Objective,
+    pub(super) adam: AdamParams,
+    pub(super) penalty: Option<&'a Penalty>,
 }
 
 /// Which datums of a session's step are which role's: `(role, index range)`.
@@ -151,13 +165,17 @@ type RoleRanges = Vec<(usize, std::ops::Range<usize>)>;
 pub(super) async fn train_step(
     team: &RoleSessions,
     groups: &[Vec<Episode>],
-    objective: &Objective,
+    update: Update<'_>,
     roles: &[&'static str],
     queued: &[bool],
-    adam: AdamParams,
     tok: &Tokenizer,
 ) -> anyhow::Result<BTreeMap<String, AgentRecord>> {
-    let mut per_role = role_data(groups, objective, roles.len(), &encoder(tok))?;
+    let Update {
+        objective,
+        adam,
+        penalty,
+    } = update;
+    let mut per_role = role_data(groups, objective, roles.len(), &encoder(tok), penalty)?;
     for (data, _) in per_role.iter_mut().zip(queued).filter(|(_, q)| **q) {
         data.clear();
     }
@@ -173,6 +191,7 @@ pub(super) async fn train_step(
             AgentRecord {
                 reward_mean: crate::run::mean_of(&rewards),
                 datums: per_role[r].len(),
+                kl_base: penalty.and_then(|p| p.kl[r]),
                 ..Default::default()
             }
         })

@@ -415,6 +415,7 @@ mod tests {
             &recipe_objective(Baseline::Batch),
             2,
             &no_references,
+            None,
         )
         .unwrap();
         let batch = advantages(&batch[DOCTOR]);
@@ -436,6 +437,7 @@ mod tests {
             &recipe_objective(Baseline::Group),
             2,
             &no_references,
+            None,
         )
         .unwrap();
         assert_eq!(group[DOCTOR].len(), 2, "{:?}", advantages(&group[DOCTOR]));
