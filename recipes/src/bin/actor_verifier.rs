@@ -75,6 +75,10 @@ struct Args {
     /// which compares verdicts only with verdicts.
     #[arg(long, conflicts_with_all = ["single_agent", "no_balance"])]
     recompute: bool,
+    /// With `--recompute`: show the verifier two worked verdicts (equal numbers
+    /// approved, different ones rejected) before its own.
+    #[arg(long, requires = "recompute")]
+    verdict_examples: bool,
 }
 
 const SOLVER: usize = 0;
@@ -120,13 +124,17 @@ fn recompute_prompt(p: &Problem) -> String {
     )
 }
 
+/// Two worked verdicts shown before the verifier's own with `--verdict-examples`.
+const VERDICT_EXAMPLES: &str = "# Examples\nThe Solver's final number: 17. Your own final number: 17. Verdict: <verify>approve</verify>\nThe Solver's final number: 15. Your own final number: 17. Verdict: <verify>reject</verify>\n";
+
 /// The verifier's verdict turn with `--recompute`: the Solver's final number beside its
-/// own, ending in the opening tag of its verdict.
-fn compare_prompt(p: &Problem, solution: &str, own: &str) -> String {
+/// own (after worked verdicts when `examples`), ending in the opening tag of its verdict.
+fn compare_prompt(p: &Problem, solution: &str, own: &str, examples: bool) -> String {
     let number = |text: &str| last_integer(text).map_or("(none)".to_string(), |n| n.to_string());
     format!(
-        "{}\n# The Solver's final number: {}\n# Your own final number: {}\n# Your role: Verifier. Answer <verify>approve</verify> if the Solver is correct, <verify>reject</verify> if not.\nVerdict: <verify>",
+        "{}\n{}# The Solver's final number: {}\n# Your own final number: {}\n# Your role: Verifier. Answer <verify>approve</verify> if the Solver is correct, <verify>reject</verify> if not.\nVerdict: <verify>",
         environment(p),
+        if examples { VERDICT_EXAMPLES } else { "" },
         number(solution),
         number(own)
     )
@@ -181,6 +189,8 @@ struct Chain {
     verify: bool,
     /// The verifier answers the problem itself before its verdict (`--recompute`).
     recompute: bool,
+    /// Worked verdicts in the comparison's prompt (`--verdict-examples`).
+    examples: bool,
     replies: Vec<Reply>,
 }
 
@@ -215,7 +225,7 @@ impl Env for Chain {
             }
             n if self.verify && n == verdict_at => {
                 let prompt = if self.recompute {
-                    compare_prompt(&self.problem, text(0), text(1))
+                    compare_prompt(&self.problem, text(0), text(1), self.examples)
                 } else {
                     verifier_prompt(&self.problem, text(0))
                 };
@@ -294,6 +304,7 @@ struct ActorVerifier {
     balance: bool,
     verifier_temperature: Option<f64>,
     recompute: bool,
+    verdict_examples: bool,
     train: Vec<Problem>,
     held_out: Vec<Problem>,
 }
@@ -304,6 +315,7 @@ impl ActorVerifier {
             problem: problem.clone(),
             verify: self.verify,
             recompute: self.recompute,
+            examples: self.verdict_examples,
             replies: Vec::new(),
         })
     }
@@ -422,8 +434,8 @@ impl Recipe for ActorVerifier {
             "verify={} group={} loss={:?} keep_zero_adv={} balance={} verifier_temperature={:?} max_operand={}{}",
             self.verify, self.group, self.loss, self.keep_zero_adv, self.balance, self.verifier_temperature, self.max_operand,
             // Named only when on, so runs saved before the flag resume without a warning.
-            if self.recompute { " recompute=true" } else { "" }
-        )
+            if self.recompute { " recompute=true" } else { "" },
+        ) + if self.verdict_examples { " verdict_examples=true" } else { "" }
     }
 }
 
@@ -452,6 +464,7 @@ async fn main() -> anyhow::Result<()> {
         balance: !args.no_balance,
         verifier_temperature: args.verifier_temperature,
         recompute: args.recompute,
+        verdict_examples: args.verdict_examples,
         train,
         held_out,
     };
@@ -478,6 +491,7 @@ mod tests {
             problem: problem(),
             verify,
             recompute,
+            examples: recompute,
             replies: Vec::new(),
         })
     }
@@ -618,6 +632,7 @@ mod tests {
             balance: true,
             verifier_temperature: None,
             recompute: false,
+            verdict_examples: false,
             train: Vec::new(),
             held_out: Vec::new(),
         };

@@ -27,12 +27,12 @@
 //! Adapted to a small model: prompts are raw text, answers are a line long, and the
 //! selector's prompt ends with `Judgment:` so its pick is its first word.
 
-use clap::Parser;
+use clap::{Parser, ValueEnum};
 use lathe::types::LossFn;
 use lathe_recipes::credit::{Credit, Normalise, Objective, Scope};
 use lathe_recipes::data::{addition, batch_at, Problem};
 use lathe_recipes::env::{rate, Env, EnvGroup, Episode, Observation, Reply, Transition};
-use lathe_recipes::grade::{judgment, last_integer_reward};
+use lathe_recipes::grade::{judgment, last_integer, last_integer_reward};
 use lathe_recipes::play::{mix_seed, Sampling};
 use lathe_recipes::rl::{run, Bar, Criterion, Curve, Recipe, Team};
 use lathe_recipes::run::{mean, Curves};
@@ -78,6 +78,19 @@ struct Args {
     /// its own.
     #[arg(long)]
     selector_example: bool,
+    /// How the selector names its pick: by the solution's index (Miles), or by the
+    /// solution's final number (the first usable solution ending in it is the pick).
+    #[arg(long, value_enum, default_value_t = PickBy::Index)]
+    pick_by: PickBy,
+}
+
+/// How a selector's `Judgment: N` names the solution it picks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum PickBy {
+    /// N is the solution's 1-based index.
+    Index,
+    /// N is the solution's final number.
+    Value,
 }
 
 const SOLVER: usize = 0;
@@ -118,16 +131,27 @@ fn rewriter_prompt(p: &Problem, solutions: &[&str]) -> String {
 }
 
 /// A worked selection shown before the selector's task when `--selector-example` is on:
-/// three solutions of another sum, two agreeing and right, and a pick of one of them.
-const SELECTOR_EXAMPLE: &str = "### Problem\nWhat is 12 + 5?\n#### Solution 1\n12 + 5 = 18\n---\n#### Solution 2\n12 + 5 = 17\n---\n#### Solution 3\n12 + 5 = 17\nJudgment: 2\n\n";
+/// three solutions of another sum, two agreeing and right, and a pick of one of them
+/// (its index, or its final number).
+fn selector_example(by: PickBy) -> String {
+    let pick = match by {
+        PickBy::Index => "2",
+        PickBy::Value => "17",
+    };
+    format!("### Problem\nWhat is 12 + 5?\n#### Solution 1\n12 + 5 = 18\n---\n#### Solution 2\n12 + 5 = 17\n---\n#### Solution 3\n12 + 5 = 17\nJudgment: {pick}\n\n")
+}
 
-fn selector_prompt(p: &Problem, solutions: &[&str], example: bool) -> String {
+fn selector_prompt(p: &Problem, solutions: &[&str], example: bool, by: PickBy) -> String {
+    let n = solutions.len();
+    let ending = match by {
+        PickBy::Index => format!("IDX (1 to {n})"),
+        PickBy::Value => "N, N being its final number".to_string(),
+    };
     format!(
-        "You get a math problem and {n} solutions. Analyze them, find the most sound one, and end with exactly Judgment: IDX (1 to {n}).\n{}### Problem\n{}\n{}\nJudgment:",
-        if example { SELECTOR_EXAMPLE } else { "" },
+        "You get a math problem and {n} solutions. Analyze them, find the most sound one, and end with exactly Judgment: {ending}.\n{}### Problem\n{}\n{}\nJudgment:",
+        if example { selector_example(by) } else { String::new() },
         p.question,
         numbered(solutions),
-        n = solutions.len()
     )
 }
 
@@ -145,6 +169,7 @@ struct Pipeline {
     pooled_selector: bool,
     invalid_pick: f64,
     example: bool,
+    pick_by: PickBy,
     solvers: Vec<Reply>,
     rewriters: Vec<Reply>,
     picks: Vec<Reply>,
@@ -164,13 +189,25 @@ impl Pipeline {
 
     /// The rewrite a selector's reply picked, as an index into `rewriters`.
     fn picked(&self, s: &Reply) -> Option<usize> {
-        self.usable_rewrites().get(pick_index(s)?).copied()
+        let usable = self.usable_rewrites();
+        let texts: Vec<&str> = (usable.iter())
+            .map(|&i| self.rewriters[i].sample.text.as_str())
+            .collect();
+        usable.get(pick_of(s, &texts, self.pick_by)?).copied()
     }
 }
 
-/// The 0-based index a selector's reply picks (its prompt ends in `Judgment:`).
-fn pick_index(s: &Reply) -> Option<usize> {
-    judgment(&format!("Judgment:{}", s.sample.text))?.checked_sub(1)
+/// The 0-based place among `candidates` that a selector's reply picks (its prompt ends
+/// in `Judgment:`), as `by` reads it.
+fn pick_of(s: &Reply, candidates: &[&str], by: PickBy) -> Option<usize> {
+    let n = judgment(&format!("Judgment:{}", s.sample.text))?;
+    match by {
+        PickBy::Index => n.checked_sub(1).filter(|&k| k < candidates.len()),
+        PickBy::Value => {
+            let n = i64::try_from(n).ok()?;
+            (candidates.iter()).position(|c| last_integer(c) == Some(n))
+        }
+    }
 }
 
 /// A selector's pick credited against a uniformly random pick among candidates of which
@@ -210,7 +247,7 @@ impl Env for Pipeline {
             if texts.is_empty() {
                 return Vec::new();
             }
-            let prompt = selector_prompt(&self.problem, &texts, self.example);
+            let prompt = selector_prompt(&self.problem, &texts, self.example, self.pick_by);
             vec![Observation::line(SELECTOR, prompt, JUDGMENT_TOKENS); self.selectors]
         } else {
             self.picks = replies;
@@ -324,13 +361,14 @@ struct SelectExam {
     picks: usize,
     invalid_pick: f64,
     example: bool,
+    pick_by: PickBy,
     replies: Vec<Reply>,
 }
 
 impl Env for SelectExam {
     fn initial_observations(&mut self) -> Vec<Observation> {
         let texts: Vec<&str> = self.texts.iter().map(String::as_str).collect();
-        let prompt = selector_prompt(&self.problem, &texts, self.example);
+        let prompt = selector_prompt(&self.problem, &texts, self.example, self.pick_by);
         vec![Observation::line(SELECTOR, prompt, JUDGMENT_TOKENS); self.picks]
     }
 
@@ -344,7 +382,8 @@ impl Env for SelectExam {
         let mut e = Episode::default();
         let mut scores = Vec::new();
         for reply in self.replies {
-            let right = pick_index(&reply).and_then(|k| self.right.get(k).copied());
+            let texts: Vec<&str> = self.texts.iter().map(String::as_str).collect();
+            let right = pick_of(&reply, &texts, self.pick_by).map(|k| self.right[k]);
             let score = rate(right.unwrap_or(false));
             scores.push(score);
             let credited = right.map_or(self.invalid_pick, rate);
@@ -364,6 +403,7 @@ struct SolveRewriteSelect {
     select_drills: usize,
     invalid_pick: f64,
     example: bool,
+    pick_by: PickBy,
     seed: u64,
     batch: usize,
     temperature: f64,
@@ -380,6 +420,7 @@ impl SolveRewriteSelect {
             pooled_selector: self.pooled_selector,
             invalid_pick: self.invalid_pick,
             example: self.example,
+            pick_by: self.pick_by,
             solvers: Vec::new(),
             rewriters: Vec::new(),
             picks: Vec::new(),
@@ -398,6 +439,7 @@ impl SolveRewriteSelect {
             picks: self.selectors,
             invalid_pick: self.invalid_pick,
             example: self.example,
+            pick_by: self.pick_by,
             replies: Vec::new(),
         })
     }
@@ -519,8 +561,12 @@ impl Recipe for SolveRewriteSelect {
                 " selector_example=true"
             } else {
                 ""
-            }
-        )
+            },
+        ) + if self.pick_by == PickBy::Value {
+            " pick_by=value"
+        } else {
+            ""
+        }
     }
 
     fn summary_fields(&self) -> serde_json::Map<String, Value> {
@@ -549,6 +595,7 @@ async fn main() -> anyhow::Result<()> {
         select_drills: args.select_drills,
         invalid_pick: args.invalid_pick_reward,
         example: args.selector_example,
+        pick_by: args.pick_by,
         seed: c.seed,
         batch: c.batch,
         temperature: c.temperature,
@@ -587,6 +634,19 @@ mod tests {
             .collect()
     }
 
+    #[test]
+    fn picks_name_an_index_or_the_first_solution_ending_in_a_value() {
+        let texts = ["2 + 3 = 6", "2 + 3 = 5", "it is 5"];
+        let pick = |t: &str, by| pick_of(&replies(&[t])[0], &texts, by);
+        assert_eq!(pick(" 5", PickBy::Value), Some(1));
+        assert_eq!(pick(" 6\n", PickBy::Value), Some(0));
+        assert_eq!(pick(" 7", PickBy::Value), None);
+        assert_eq!(pick(" 3", PickBy::Index), Some(2));
+        assert_eq!(pick(" 4", PickBy::Index), None);
+        assert_eq!(pick(" 0", PickBy::Index), None);
+        assert_eq!(pick(" Compare.", PickBy::Value), None);
+    }
+
     /// Solvers "5", "4"; rewriters "5", "", "6"; the selectors answer `picks`.
     fn episode(picks: &[&str], pooled_selector: bool) -> Episode {
         let mut env = Box::new(Pipeline {
@@ -596,6 +656,7 @@ mod tests {
             pooled_selector,
             invalid_pick: 0.0,
             example: false,
+            pick_by: PickBy::Index,
             solvers: Vec::new(),
             rewriters: Vec::new(),
             picks: Vec::new(),
@@ -697,6 +758,7 @@ mod tests {
             picks: 3,
             invalid_pick: -0.5,
             example: true,
+            pick_by: PickBy::Index,
             replies: Vec::new(),
         });
         assert_eq!(exam.initial_observations().len(), 3);
@@ -733,6 +795,7 @@ mod tests {
             select_drills: 0,
             invalid_pick: 0.0,
             example: false,
+            pick_by: PickBy::Index,
             seed: 0,
             batch: 4,
             temperature: 0.7,
