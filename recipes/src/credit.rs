@@ -192,10 +192,11 @@ pub fn encoder(tok: &Tokenizer) -> impl Fn(&str) -> anyhow::Result<Vec<i64>> + '
 
 /// Per role (of `roles`): the datums of `groups` under `objective`. RL datums carry the
 /// sampler's logprobs and the advantage on the reply's tokens, plus the KL `penalty`'s
-/// per-token addition when there is one ([`crate::kl`]); an episode's turns of one role
-/// that extend each other merge into one datum ([`trajectory_data`]). Supervised datums
-/// train each transition's prompt on its reference completion, encoded by `encode` (a
-/// penalty does not apply to them).
+/// per-token addition when there is one ([`crate::kl`]; one entry per transition, in the
+/// order of `groups`); replies with a zero advantage are left out unless the credit
+/// keeps them ([`trained`]); an episode's turns of one role that extend each other merge
+/// into one datum ([`trajectory_data`]). Supervised datums train each transition's prompt
+/// on its reference completion, encoded by `encode` (a penalty does not apply to them).
 pub fn role_data(
     groups: &[Vec<Episode>],
     objective: &Objective,
@@ -210,6 +211,21 @@ pub fn role_data(
         }
     }
     Ok(out)
+}
+
+/// Whether a transition with advantage `adv` goes into an RL datum under `credit`: it
+/// sampled tokens, and its advantage is not zero unless `keep_zero`.
+fn is_trained(t: &Transition, adv: f64, credit: &Credit) -> bool {
+    !t.reply.sample.tokens.is_empty() && (credit.keep_zero || adv != 0.0)
+}
+
+/// Per transition of `groups` (in order: group, episode, transition), whether an RL
+/// objective with `credit` trains on it (the replies a KL penalty scores).
+pub fn trained(groups: &[Vec<Episode>], credit: &Credit) -> Vec<bool> {
+    let transitions = groups.iter().flatten().flat_map(|e| &e.transitions);
+    (transitions.zip(advantages(groups, credit)))
+        .map(|(t, adv)| is_trained(t, adv, credit))
+        .collect()
 }
 
 /// A reply's prompt, its sample and each sampled token's advantage.
@@ -245,17 +261,21 @@ pub fn episode_data(
                 for t in &e.transitions {
                     let adv = advantages.next().expect("one advantage per transition");
                     let n = t.reply.sample.tokens.len();
-                    let extra = penalties
-                        .as_mut()
-                        .map(|p| p.next().expect("a penalty each"));
-                    let per_token: Vec<f64> = match extra {
-                        Some(k) => k.iter().map(|k| adv + k).collect(),
+                    let per_token: Vec<f64> = match penalties.as_mut() {
+                        Some(p) => {
+                            let k = p.next().ok_or_else(|| {
+                                anyhow::anyhow!("fewer penalties than transitions")
+                            })?;
+                            anyhow::ensure!(
+                                k.len() == n,
+                                "a penalty of {} tokens for a reply of {n}",
+                                k.len()
+                            );
+                            k.iter().map(|k| adv + k).collect()
+                        }
                         None => vec![adv; n],
                     };
-                    // A penalised reply carries a gradient even with a zero advantage.
-                    let penalised = extra.is_some_and(|k| k.iter().any(|&k| k != 0.0));
-                    let kept = credit.keep_zero || adv != 0.0 || penalised;
-                    if n > 0 && kept {
+                    if is_trained(t, adv, credit) {
                         turns[t.role].push((&t.reply.prompt, &t.reply.sample, per_token));
                     }
                 }
@@ -277,6 +297,7 @@ mod tests {
     use super::*;
     use crate::env::Reply;
     use crate::kl::Penalty;
+    use lathe::types::LossFn;
 
     fn transition(role: usize, reward: f64, position: usize) -> Transition {
         let reply = Reply {
@@ -454,26 +475,38 @@ mod tests {
             },
             version: 0,
         };
-        // Equal rewards: zero advantages, dropped without a penalty.
-        let groups = vec![vec![
-            episode(vec![Transition::new(0, reply(&[3, 4]), 1.0, 0)]),
-            episode(vec![Transition::new(0, reply(&[5]), 1.0, 0)]),
-        ]];
-        let objective = Objective::Rl(LossFn::ImportanceSampling, Credit::group(Normalise::Centre));
+        // Rewards 1, 0 and 1 (advantages 1/3, -2/3, 1/3) in one group, 1 alone in another.
+        let groups = vec![
+            vec![
+                episode(vec![Transition::new(0, reply(&[3, 4]), 1.0, 0)]),
+                episode(vec![Transition::new(0, reply(&[5]), 0.0, 0)]),
+                episode(vec![Transition::new(0, reply(&[6]), 1.0, 0)]),
+            ],
+            vec![episode(vec![Transition::new(0, reply(&[7]), 1.0, 0)])],
+        ];
+        let credit = Credit::group(Normalise::Centre);
+        let objective = Objective::Rl(LossFn::ImportanceSampling, credit);
         let none = |_: &str| -> anyhow::Result<Vec<i64>> { unreachable!() };
-        let plain = role_data(&groups, &objective, 1, &none, None).unwrap();
-        assert!(plain[0].is_empty());
+        // The lone reply's zero advantage leaves it out, penalty or not.
+        assert_eq!(trained(&groups, &credit), vec![true, true, true, false]);
         let penalty = Penalty {
-            per_token: vec![vec![0.25, -0.5], vec![0.0]],
+            per_token: vec![vec![0.25, -0.5], vec![0.125], vec![0.0], vec![0.0]],
             kl: vec![Some(0.1)],
         };
         let data = role_data(&groups, &objective, 1, &none, Some(&penalty)).unwrap();
-        // The first reply is kept with its tokens' additions; the second, whose addition
-        // is zero, still carries no gradient and is dropped.
-        assert_eq!(data[0].len(), 1);
+        let advantages: Vec<Vec<f64>> = (data[0].iter())
+            .map(|d| d.loss_fn_inputs["advantages"].data.clone())
+            .collect();
+        // The advantages are f64 until the datum stores them as f32.
+        let (third, two_thirds) = (1.0f64 / 3.0, 2.0f64 / 3.0);
+        let stored = |a: f64| a as f32 as f64;
         assert_eq!(
-            data[0][0].loss_fn_inputs["advantages"].data,
-            vec![0.0, 0.25, -0.5]
+            advantages,
+            vec![
+                vec![0.0, stored(third + 0.25), stored(third - 0.5)],
+                vec![0.0, stored(0.125 - two_thirds)],
+                vec![0.0, stored(third)],
+            ]
         );
     }
 

@@ -1,11 +1,13 @@
-//! A KL penalty towards the base policy, as tinker-cookbook's `kl_penalty_coef`: each
-//! sampled token's advantage gains `coef · (mean_diff − diff)`, where `diff` is the
-//! sampler's logprob of the token minus the base model's and `mean_diff` is the mean of
-//! those differences over the same role's sampled tokens of the step. In expectation the
-//! policy gradient then pulls against `coef · KL(policy ‖ base)` (`diff` is a one-sample
-//! estimate of the KL; the mean is a baseline and changes no expectation), so a role that
-//! drifts far from what the base model would say pays for it: the tool that keeps a
-//! reply's format while its content is trained.
+//! A KL penalty towards the base policy, after tinker-cookbook's `kl_penalty_coef`
+//! (without its discounting): each sampled token's advantage gains
+//! `coef · (mean_diff − diff)`, where `diff` is the sampler's logprob of the token minus
+//! the base model's and `mean_diff` is the mean of those differences over the same role's
+//! trained tokens of the step (the cookbook takes one mean over the whole batch; a role
+//! here may be its own policy). `diff` is a one-sample estimate of the token's
+//! KL(policy ‖ base), so tokens the policy now favours more than the base does lose
+//! credit and the others gain it; the mean keeps the additions of a role summing to zero.
+//! Only replies that are trained on are scored, as the cookbook scores its batch after
+//! dropping constant-reward groups.
 
 use lathe::types::ModelInput;
 use lathe::SamplingClient;
@@ -25,19 +27,25 @@ pub struct Penalty {
 }
 
 /// The base model's logprob of every sampled token of every transition of `groups` (in
-/// order: group, episode, transition) that `penalised` selects, from `base` (a sampling
-/// client of the base model): one prefill of the prompt and the reply each, submitted
-/// together. `None` for the others.
+/// order: group, episode, transition) that `penalised` selects (given the transition's
+/// place in that order), from `base` (a sampling client of the base model): one prefill
+/// of the prompt and the reply each, submitted together. `None` for the others, for
+/// replies without tokens, and for those whose prompt and reply leave no room in
+/// `context` for the one token the server's scoring request must ask for (a reply cut
+/// off by the context): those are not penalised.
 pub async fn base_logprobs(
     groups: &[Vec<Episode>],
     base: &SamplingClient,
-    penalised: impl Fn(&Transition) -> bool,
+    context: Option<usize>,
+    penalised: impl Fn(usize, &Transition) -> bool,
 ) -> anyhow::Result<Vec<Option<Vec<f64>>>> {
     let transitions = groups.iter().flatten().flat_map(|e| &e.transitions);
     let mut pending = Vec::new();
-    for t in transitions {
+    for (i, t) in transitions.enumerate() {
         let tokens = &t.reply.sample.tokens;
-        if !penalised(t) {
+        let scored_len = t.reply.prompt.len() + tokens.len() + 1;
+        let fits = context.is_none_or(|c| scored_len <= c);
+        if tokens.is_empty() || t.reply.prompt.is_empty() || !fits || !penalised(i, t) {
             pending.push(None);
             continue;
         }
@@ -68,34 +76,44 @@ pub async fn base_logprobs(
 /// The penalty of `groups` with coefficient `coef`, given the base model's logprob of
 /// every sampled token (`base`, as [`base_logprobs`] returns it) for `roles` roles. A
 /// transition without base logprobs is not penalised (its additions are zeros) and not
-/// counted in its role's mean. Panics if `base` does not match the transitions' sampled
-/// tokens.
+/// counted in its role's mean. Fails when `base` does not match the transitions (one
+/// entry per transition; as many logprobs as the reply has tokens, and the sampler's
+/// logprob of each).
 pub fn penalty(
     groups: &[Vec<Episode>],
     base: &[Option<Vec<f64>>],
     coef: f64,
     roles: usize,
-) -> Penalty {
+) -> anyhow::Result<Penalty> {
     let transitions: Vec<_> = groups
         .iter()
         .flatten()
         .flat_map(|e| &e.transitions)
         .collect();
-    assert_eq!(
-        transitions.len(),
+    anyhow::ensure!(
+        transitions.len() == base.len(),
+        "{} base logprob entries for {} transitions",
         base.len(),
-        "base logprobs per transition"
+        transitions.len()
     );
-    let diffs: Vec<Option<Vec<f64>>> = transitions
-        .iter()
-        .zip(base)
-        .map(|(t, b)| {
-            let sampled = &t.reply.sample.logprobs;
-            let b = b.as_ref()?;
-            assert_eq!(sampled.len(), b.len(), "a base logprob per sampled token");
-            Some(sampled.iter().zip(b).map(|(s, b)| s - b).collect())
-        })
-        .collect();
+    let mut diffs: Vec<Option<Vec<f64>>> = Vec::with_capacity(base.len());
+    for (t, b) in transitions.iter().zip(base) {
+        let Some(b) = b else {
+            diffs.push(None);
+            continue;
+        };
+        let sample = &t.reply.sample;
+        anyhow::ensure!(
+            sample.tokens.len() == b.len() && sample.logprobs.len() == b.len(),
+            "a reply of {} tokens with {} sampler logprobs and {} base logprobs",
+            sample.tokens.len(),
+            sample.logprobs.len(),
+            b.len()
+        );
+        diffs.push(Some(
+            sample.logprobs.iter().zip(b).map(|(s, b)| s - b).collect(),
+        ));
+    }
     let mut sums = vec![(0.0, 0usize); roles];
     for (t, d) in transitions.iter().zip(&diffs) {
         if let Some(d) = d {
@@ -117,7 +135,7 @@ pub fn penalty(
             None => vec![0.0; t.reply.sample.tokens.len()],
         })
         .collect();
-    Penalty { per_token, kl }
+    Ok(Penalty { per_token, kl })
 }
 
 #[cfg(test)]
@@ -152,7 +170,7 @@ mod tests {
             }],
         ];
         let base = vec![Some(vec![-1.1, -2.0]), Some(vec![-1.0]), Some(vec![-0.5])];
-        let p = penalty(&groups, &base, 0.5, 3);
+        let p = penalty(&groups, &base, 0.5, 3).unwrap();
         // Role 0's diffs 1.0, 0.0, 0.0 (mean 1/3); role 1's 0.0; role 2 sampled nothing.
         assert_eq!(p.kl, vec![Some(1.0 / 3.0), Some(0.0), None]);
         let third = 1.0 / 3.0;
@@ -172,15 +190,27 @@ mod tests {
         assert!(role0.abs() < 1e-15);
         // A policy equal to the base pays nothing.
         let same = [Some(vec![-0.1, -2.0]), Some(vec![-1.0]), Some(vec![-0.5])];
-        let same = penalty(&groups, &same, 0.5, 2);
+        let same = penalty(&groups, &same, 0.5, 2).unwrap();
         assert!(same.per_token.iter().flatten().all(|&a| a == 0.0));
         assert_eq!(same.kl, vec![Some(0.0), Some(0.0)]);
         // A transition left out is neither penalised nor counted.
         let partial = penalty(&groups, &[None, Some(vec![-2.0]), Some(vec![-1.5])], 1.0, 2);
+        let partial = partial.unwrap();
         assert_eq!(partial.kl, vec![Some(1.0), Some(1.0)]);
         assert_eq!(
             partial.per_token,
             vec![vec![0.0, 0.0], vec![0.0], vec![0.0]]
         );
+        // Entries that do not match the transitions are an error, not a panic.
+        assert!(penalty(&groups, &base[..2], 0.5, 3).is_err());
+        let short = [Some(vec![-1.1]), Some(vec![-1.0]), Some(vec![-0.5])];
+        assert!(penalty(&groups, &short, 0.5, 3).is_err());
+        let mut no_logprobs = groups.clone();
+        no_logprobs[1][0].transitions[0]
+            .reply
+            .sample
+            .logprobs
+            .clear();
+        assert!(penalty(&no_logprobs, &base, 0.5, 3).is_err());
     }
 }

@@ -491,7 +491,7 @@ mod tests {
             problem: problem(),
             verify,
             recompute,
-            examples: recompute,
+            examples: false,
             replies: Vec::new(),
         })
     }
@@ -583,6 +583,15 @@ mod tests {
             .prompt
             .contains("# The Solver's final number: 6\n# Your own final number: 5\n"));
         assert!(review[0].prompt.ends_with("Verdict: <verify>"));
+        assert!(!review[0].prompt.contains(VERDICT_EXAMPLES));
+        // With worked verdicts, they come before the numbers.
+        let mut shown = new_chain(true, true);
+        shown.examples = true;
+        shown.initial_observations();
+        shown.step(vec![reply(" 2 + 3 = 6")]);
+        let prompt = &shown.step(vec![reply(" 5")])[0].prompt;
+        let at = |s: &str| prompt.find(s).unwrap();
+        assert!(at(VERDICT_EXAMPLES) < at("# The Solver's final number: 6\n"));
         let retry = chain.step(vec![reply("reject</verify>")]);
         assert_eq!(retry[0].role, SOLVER);
         assert!(retry[0]

@@ -11,7 +11,7 @@ use tokio::sync::{mpsc, watch};
 
 use super::sessions::RoleSessions;
 use super::{QueueTotals, Queued, Recipe};
-use crate::credit::{encoder, episode_data, Objective};
+use crate::credit::{encoder, episode_data, trained, Objective};
 use crate::env::{mean_metrics, Episode, Transition};
 use crate::kl::{base_logprobs, penalty};
 use crate::play::{mix_seed, play, Policy};
@@ -233,8 +233,10 @@ impl<R: Recipe> Learner<'_, R> {
             let groups = std::slice::from_ref(&episodes);
             let penalty = match self.kl {
                 Some((coef, base)) => {
-                    let logprobs = base_logprobs(groups, base, |_| true).await?;
-                    Some(penalty(groups, &logprobs, coef, roles.len()))
+                    let trained = trained(groups, &q.credit);
+                    let scored = |i: usize, t: &Transition| t.role == self.role && trained[i];
+                    let logprobs = base_logprobs(groups, base, self.context, scored).await?;
+                    Some(penalty(groups, &logprobs, coef, roles.len())?)
                 }
                 None => None,
             };

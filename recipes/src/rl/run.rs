@@ -12,8 +12,8 @@ use tokio::sync::mpsc;
 use super::learner::{queue, Learner, QueueHandle, QueuedEpisode};
 use super::sessions::{open_team, save_states, train_step, AgentRecord, RoleSessions, Update};
 use super::{Curve, QueueTotals, Recipe, Saved, Summary};
-use crate::credit::Objective;
-use crate::env::{mean_metrics, Episode};
+use crate::credit::{trained, Objective};
+use crate::env::{mean_metrics, Episode, Transition};
 use crate::kl::{base_logprobs, penalty};
 use crate::play::{mix_seed, play, Policy};
 use crate::resume::{
@@ -30,6 +30,17 @@ const EXAMPLES: usize = 4;
 /// fails when `--check` is given and the criterion does not hold.
 pub async fn run<R: Recipe>(recipe: &R, args: &CommonArgs) -> anyhow::Result<Summary> {
     let roles = recipe.roles();
+    anyhow::ensure!(
+        args.kl_coef.is_finite() && args.kl_coef >= 0.0,
+        "--kl-coef must be a finite number >= 0, not {}",
+        args.kl_coef
+    );
+    let any_rl = matches!(recipe.objective(), Objective::Rl(..))
+        || (0..roles.len()).any(|r| recipe.queued(r).is_some());
+    anyhow::ensure!(
+        args.kl_coef == 0.0 || any_rl,
+        "--kl-coef penalises RL updates, and this run's objective is supervised"
+    );
     let Begun {
         path,
         conn,
@@ -38,11 +49,6 @@ pub async fn run<R: Recipe>(recipe: &R, args: &CommonArgs) -> anyhow::Result<Sum
     } = begin(recipe, args).await?;
     let tok = conn.service.get_tokenizer(&conn.base_model).await?;
     let team = open_team(&conn, recipe, args, state.as_ref(), &roles).await?;
-    anyhow::ensure!(
-        args.kl_coef.is_finite() && args.kl_coef >= 0.0,
-        "--kl-coef must be a finite number >= 0, not {}",
-        args.kl_coef
-    );
     let base = if args.kl_coef > 0.0 {
         let source = SamplingSource::BaseModel(conn.base_model.clone());
         Some(conn.service.create_sampling_client(source).await?)
@@ -594,10 +600,12 @@ impl<R: Recipe> Loop<'_, R> {
         // The penalty covers the on-policy roles' replies (the queued ones' learners
         // take their own).
         let penalty = match (self.base, &objective) {
-            (Some(base), Objective::Rl(..)) => {
-                let logprobs = base_logprobs(&groups, base, |t| !queued[t.role]).await?;
+            (Some(base), Objective::Rl(_, credit)) => {
+                let trained = trained(&groups, credit);
+                let scored = |i: usize, t: &Transition| !queued[t.role] && trained[i];
+                let logprobs = base_logprobs(&groups, base, self.context, scored).await?;
                 let roles = self.roles.len();
-                Some(penalty(&groups, &logprobs, self.args.kl_coef, roles))
+                Some(penalty(&groups, &logprobs, self.args.kl_coef, roles)?)
             }
             _ => None,
         };
