@@ -17,7 +17,7 @@ use crate::env::{Episode, Transition};
 /// The penalty of a step: per transition (in order: group, episode, transition), the
 /// addition to each sampled token's advantage; and per role, the mean `diff` (the
 /// sampled estimate of KL(policy ‖ base), in nats per token; `None` for a role without
-/// sampled tokens).
+/// scored tokens).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Penalty {
     /// Per transition, one addition per sampled token.
