@@ -32,7 +32,9 @@ pub struct Penalty {
 /// of the prompt and the reply each, submitted together. `None` for the others, for
 /// replies without tokens, and for those whose prompt and reply leave no room in
 /// `context` for the one token the server's scoring request must ask for (a reply cut
-/// off by the context): those are not penalised.
+/// off by the context): those are not penalised. Each turn is scored with its whole
+/// prompt, so a role's later turns of a long dialogue prefill the earlier ones again
+/// (the datums merge them, [`crate::rollout::trajectory_data`]; the scoring does not).
 pub async fn base_logprobs(
     groups: &[Vec<Episode>],
     base: &SamplingClient,
