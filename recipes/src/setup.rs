@@ -50,8 +50,8 @@ pub struct CommonArgs {
     /// run's other flags again; `--steps` may be raised to train further.
     #[arg(long, value_name = "RUN_DIR|URI")]
     pub resume: Option<ResumeFrom>,
-    /// Weight of a KL penalty towards the base model on every sampled token of an RL
-    /// update (tinker-cookbook's `kl_penalty_coef`); 0 turns it off.
+    /// Weight of a KL penalty towards the base model on the sampled tokens an RL update
+    /// trains on (after tinker-cookbook's `kl_penalty_coef`); 0 turns it off.
     #[arg(long, default_value_t = 0.0)]
     pub kl_coef: f64,
     /// Use one session for every role even if more could be created.
