@@ -28,51 +28,124 @@ pub struct Penalty {
 
 /// The base model's logprob of every sampled token of every transition of `groups` (in
 /// order: group, episode, transition) that `penalised` selects (given the transition's
-/// place in that order), from `base` (a sampling client of the base model): one prefill
-/// of the prompt and the reply each, submitted together. `None` for the others, for
-/// replies without tokens, and for those whose prompt and reply leave no room in
+/// place in that order), from `base` (a sampling client of the base model), submitted
+/// together ([`scoring_plan`] says which sequences are scored). `None` for the others,
+/// for replies without tokens, and for those whose prompt and reply leave no room in
 /// `context` for the one token the server's scoring request must ask for (a reply cut
-/// off by the context): those are not penalised. Each turn is scored with its whole
-/// prompt, so a role's later turns of a long dialogue prefill the earlier ones again
-/// (the datums merge them, [`crate::rollout::trajectory_data`]; the scoring does not).
+/// off by the context): those are not penalised.
 pub async fn base_logprobs(
     groups: &[Vec<Episode>],
     base: &SamplingClient,
     context: Option<usize>,
     penalised: impl Fn(usize, &Transition) -> bool,
 ) -> anyhow::Result<Vec<Option<Vec<f64>>>> {
-    let transitions = groups.iter().flatten().flat_map(|e| &e.transitions);
-    let mut pending = Vec::new();
-    for (i, t) in transitions.enumerate() {
-        let tokens = &t.reply.sample.tokens;
-        let scored_len = t.reply.prompt.len() + tokens.len() + 1;
-        let fits = context.is_none_or(|c| scored_len <= c);
-        if tokens.is_empty() || t.reply.prompt.is_empty() || !fits || !penalised(i, t) {
-            pending.push(None);
-            continue;
-        }
-        let ids: Vec<i64> = t.reply.prompt.iter().chain(tokens).copied().collect();
-        let input = ModelInput::from_ints(ids);
-        pending.push(Some((tokens.len(), base.compute_logprobs(&input).await?)));
+    let plan = scoring_plan(groups, context, penalised);
+    let mut pending = Vec::with_capacity(plan.len());
+    for scored in &plan {
+        let input = ModelInput::from_ints(scored.tokens.clone());
+        pending.push(base.compute_logprobs(&input).await?);
     }
-    let mut out = Vec::with_capacity(pending.len());
-    for p in pending {
-        let Some((n, future)) = p else {
-            out.push(None);
-            continue;
-        };
+    let count = groups.iter().flatten().map(|e| e.transitions.len()).sum();
+    let mut out = vec![None; count];
+    for (scored, future) in plan.into_iter().zip(pending) {
         let all = future.result().await?;
-        let tail = all.len().checked_sub(n).map(|at| &all[at..]);
-        let logprobs: Option<Vec<f64>> = tail.and_then(|t| t.iter().copied().collect());
-        let logprobs = logprobs.ok_or_else(|| {
-            anyhow::anyhow!(
-                "the base model's logprobs cover {} positions, not the reply's {n}",
-                all.len()
-            )
-        })?;
-        out.push(Some(logprobs));
+        anyhow::ensure!(
+            all.len() == scored.tokens.len(),
+            "the base model scored {} positions of a sequence of {}",
+            all.len(),
+            scored.tokens.len()
+        );
+        for (i, replies) in scored.replies {
+            let logprobs: Option<Vec<f64>> = all[replies].iter().copied().collect();
+            let logprobs = logprobs.ok_or_else(|| {
+                anyhow::anyhow!("the base model gave no logprob for a reply's token")
+            })?;
+            out[i] = Some(logprobs);
+        }
     }
     Ok(out)
+}
+
+/// One sequence the base model scores, and where the replies it covers sit in it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Scored {
+    /// The tokens: a prompt and its reply, or a dialogue's turns of one role.
+    pub tokens: Vec<i64>,
+    /// Each covered transition's place (in order: group, episode, transition) and the
+    /// positions of its reply's tokens in `tokens`.
+    pub replies: Vec<(usize, std::ops::Range<usize>)>,
+}
+
+/// The sequences that score every transition `penalised` selects: a role's turns of an
+/// episode whose prompts extend each other (the turns [`crate::rollout::trajectory_data`]
+/// merges into one datum) are scored as one sequence, so a dialogue's later turns do
+/// not prefill the earlier ones again; each other selected reply with its own prompt. A
+/// sequence longer than `context` allows (its length plus the one token a scoring
+/// request asks for) is split back into its turns, and a turn that does not fit alone
+/// is left out. Replies without tokens or without a prompt are left out.
+pub fn scoring_plan(
+    groups: &[Vec<Episode>],
+    context: Option<usize>,
+    penalised: impl Fn(usize, &Transition) -> bool,
+) -> Vec<Scored> {
+    // A scoring request asks for one token past the sequence.
+    let fits = |len: usize| context.is_none_or(|c| len < c);
+    let mut plan = Vec::new();
+    let mut index = 0;
+    for episode in groups.iter().flatten() {
+        // Per role, the chain being extended: its tokens and covered replies.
+        let mut chains: Vec<(usize, Scored)> = Vec::new();
+        for t in &episode.transitions {
+            let i = index;
+            index += 1;
+            let (prompt, tokens) = (&t.reply.prompt, &t.reply.sample.tokens);
+            if tokens.is_empty() || prompt.is_empty() || !penalised(i, t) {
+                continue;
+            }
+            let at = chains.iter().position(|(role, _)| *role == t.role);
+            let extends = at.is_some_and(|k| {
+                let seq = &chains[k].1.tokens;
+                prompt.len() >= seq.len() && prompt.starts_with(seq)
+            });
+            let span = prompt.len()..prompt.len() + tokens.len();
+            if extends {
+                let chain = &mut chains[at.expect("a chain to extend")].1;
+                chain
+                    .tokens
+                    .extend_from_slice(&prompt[chain.tokens.len()..]);
+                chain.tokens.extend_from_slice(tokens);
+                chain.replies.push((i, span));
+                continue;
+            }
+            let scored = Scored {
+                tokens: prompt.iter().chain(tokens).copied().collect(),
+                replies: vec![(i, span)],
+            };
+            match at {
+                Some(k) => plan.push(std::mem::replace(&mut chains[k].1, scored)),
+                None => chains.push((t.role, scored)),
+            }
+        }
+        plan.extend(chains.into_iter().map(|(_, scored)| scored));
+    }
+    // What does not fit is scored turn by turn, and what still does not fit is dropped.
+    let mut out = Vec::with_capacity(plan.len());
+    for scored in plan {
+        if fits(scored.tokens.len()) {
+            out.push(scored);
+            continue;
+        }
+        for (i, span) in scored.replies {
+            if fits(span.end) {
+                let tokens = scored.tokens[..span.end].to_vec();
+                out.push(Scored {
+                    tokens,
+                    replies: vec![(i, span)],
+                });
+            }
+        }
+    }
+    out
 }
 
 /// The penalty of `groups` with coefficient `coef`, given the base model's logprob of
@@ -157,6 +230,53 @@ mod tests {
             version: 0,
         };
         Transition::new(role, reply, 0.0, 0)
+    }
+
+    fn turn(role: usize, prompt: &[i64], tokens: &[i64]) -> Transition {
+        let mut t = transition(role, &vec![-1.0; tokens.len()]);
+        t.reply.prompt = prompt.to_vec();
+        t.reply.sample.tokens = tokens.to_vec();
+        t
+    }
+
+    #[test]
+    fn a_dialogues_turns_are_scored_as_one_sequence() {
+        let episode = Episode {
+            transitions: vec![
+                turn(0, &[1, 2], &[3, 4]),
+                turn(1, &[9], &[8]),
+                // Extends role 0's first turn: [1, 2] + [3, 4] + observation [5, 6].
+                turn(0, &[1, 2, 3, 4, 5, 6], &[7]),
+                // Does not: a new sequence.
+                turn(0, &[1, 9], &[5]),
+                turn(0, &[1], &[]),
+            ],
+            ..Default::default()
+        };
+        let groups = vec![vec![Episode::default()], vec![episode]];
+        let all = |_: usize, _: &Transition| true;
+        let scored = |tokens: &[i64], replies: &[(usize, std::ops::Range<usize>)]| Scored {
+            tokens: tokens.to_vec(),
+            replies: replies.to_vec(),
+        };
+        assert_eq!(
+            scoring_plan(&groups, None, all),
+            vec![
+                scored(&[1, 2, 3, 4, 5, 6, 7], &[(0, 2..4), (2, 6..7)]),
+                scored(&[1, 9, 5], &[(3, 2..3)]),
+                scored(&[9, 8], &[(1, 1..2)]),
+            ]
+        );
+        // Left out: what `penalised` does not select; the merged sequence does not fit a
+        // context of 7 (it needs 8), so its turns go alone, and the second does not fit.
+        let plan = scoring_plan(&groups, Some(7), |i, _| i != 1);
+        assert_eq!(
+            plan,
+            vec![
+                scored(&[1, 2, 3, 4], &[(0, 2..4)]),
+                scored(&[1, 9, 5], &[(3, 2..3)])
+            ]
+        );
     }
 
     #[test]
