@@ -5,7 +5,7 @@
 //! weight, which at 16 rows made the backward pass of SmolLM2 several times slower than
 //! the weight reads alone. Here each task streams a contiguous range of weight rows
 //! exactly once into its own `(m, in)` accumulators, folding four weight rows in at a
-//! time; the tasks' accumulators are summed at the end.
+//! time; the tasks' accumulators are summed at the end, in task order.
 
 use std::ops::Range;
 
@@ -41,7 +41,7 @@ pub fn dy_w(dy: &[f32], m: usize, w: &Tensor) -> Result<Vec<f32>> {
             out_dim,
             in_dim,
         };
-        let dx = (0..tasks)
+        let parts: Vec<Vec<f32>> = (0..tasks)
             .into_par_iter()
             .map(|t| {
                 let (j0, j1) = (t * per_task, ((t + 1) * per_task).min(out_dim));
@@ -49,11 +49,15 @@ pub fn dy_w(dy: &[f32], m: usize, w: &Tensor) -> Result<Vec<f32>> {
                 product.rows(j0..j1, &mut acc);
                 acc
             })
-            .reduce_with(|mut a, b| {
-                a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
-                a
-            })
-            .unwrap_or_else(|| vec![0f32; m * in_dim]);
+            .collect();
+        // Summed in task order, never in the order the pool happens to finish or split
+        // the tasks: the gradient must not depend on timing (a resumed run repeats a
+        // straight one bit for bit).
+        let mut parts = parts.into_iter();
+        let mut dx = parts.next().unwrap_or_else(|| vec![0f32; m * in_dim]);
+        for part in parts {
+            dx.iter_mut().zip(&part).for_each(|(x, y)| *x += y);
+        }
         Ok(dx)
     })
 }
