@@ -9,11 +9,10 @@ use lathe::{SamplingClient, Tokenizer};
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, watch};
 
-use super::sessions::RoleSessions;
+use super::sessions::{Kl, RoleSessions};
 use super::{QueueTotals, Queued, Recipe};
-use crate::credit::{encoder, episode_data, trained, Objective};
+use crate::credit::{encoder, episode_data, Objective};
 use crate::env::{mean_metrics, Episode, Transition};
-use crate::kl::{base_logprobs, penalty};
 use crate::play::{mix_seed, play, Policy};
 use crate::rollout::{ratio_mean, Sample};
 use crate::run::{mean, mean_of};
@@ -141,8 +140,8 @@ pub(super) struct Learner<'a, R: Recipe> {
     pub(super) tok: &'a Tokenizer,
     pub(super) context: Option<usize>,
     pub(super) seed: u64,
-    /// Under a KL penalty: its coefficient and the base model's sampler.
-    pub(super) kl: Option<(f64, &'a SamplingClient)>,
+    /// The KL penalty, when there is one.
+    pub(super) kl: Option<Kl<'a>>,
     /// Log lines for `metrics.jsonl`.
     pub(super) records: mpsc::UnboundedSender<Value>,
 }
@@ -232,11 +231,9 @@ impl<R: Recipe> Learner<'_, R> {
                 .collect();
             let groups = std::slice::from_ref(&episodes);
             let penalty = match self.kl {
-                Some((coef, base)) => {
-                    let trained = trained(groups, &q.credit);
-                    let scored = |i: usize, t: &Transition| t.role == self.role && trained[i];
-                    let logprobs = base_logprobs(groups, base, self.context, scored).await?;
-                    Some(penalty(groups, &logprobs, coef, roles.len())?)
+                Some(kl) => {
+                    let own_role = |t: &Transition| t.role == self.role;
+                    Some(kl.penalty(groups, &q.credit, roles.len(), own_role).await?)
                 }
                 None => None,
             };

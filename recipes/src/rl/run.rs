@@ -10,11 +10,10 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use super::learner::{queue, Learner, QueueHandle, QueuedEpisode};
-use super::sessions::{open_team, save_states, train_step, AgentRecord, RoleSessions, Update};
+use super::sessions::{open_team, save_states, train_step, AgentRecord, Kl, RoleSessions, Update};
 use super::{Curve, QueueTotals, Recipe, Saved, Summary};
-use crate::credit::{trained, Objective};
+use crate::credit::Objective;
 use crate::env::{mean_metrics, Episode, Transition};
-use crate::kl::{base_logprobs, penalty};
 use crate::play::{mix_seed, play, Policy};
 use crate::resume::{
     checkpoint_name, parse_checkpoint_name, sibling_states, LearnerState, ResumeFrom, RunState,
@@ -55,6 +54,11 @@ pub async fn run<R: Recipe>(recipe: &R, args: &CommonArgs) -> anyhow::Result<Sum
     } else {
         None
     };
+    let kl = base.as_ref().map(|base| Kl {
+        coef: args.kl_coef,
+        base,
+        context: conn.max_context,
+    });
     let mode = team.mode(recipe.team());
     let steps = args.steps;
     let start = state.as_ref().map_or(0, |s| s.completed_steps);
@@ -118,7 +122,7 @@ pub async fn run<R: Recipe>(recipe: &R, args: &CommonArgs) -> anyhow::Result<Sum
             tok: &tok,
             context: conn.max_context,
             seed: args.seed,
-            kl: base.as_ref().map(|b| (args.kl_coef, b)),
+            kl,
             records: records_tx.clone(),
         };
         learners.push(learner.run(ends));
@@ -133,7 +137,7 @@ pub async fn run<R: Recipe>(recipe: &R, args: &CommonArgs) -> anyhow::Result<Sum
         roles: &roles,
         curves: &curve_specs,
         mode: &mode,
-        base: base.as_ref(),
+        kl,
         tag,
         attempt,
     };
@@ -372,8 +376,8 @@ struct Loop<'a, R: Recipe> {
     roles: &'a [&'static str],
     curves: &'a [Curve],
     mode: &'a str,
-    /// The base model's sampler, under a KL penalty.
-    base: Option<&'a SamplingClient>,
+    /// The KL penalty, when there is one.
+    kl: Option<Kl<'a>>,
     tag: String,
     attempt: u32,
 }
@@ -599,13 +603,13 @@ impl<R: Recipe> Loop<'_, R> {
         let objective = self.recipe.objective();
         // The penalty covers the on-policy roles' replies (the queued ones' learners
         // take their own).
-        let penalty = match (self.base, &objective) {
-            (Some(base), Objective::Rl(_, credit)) => {
-                let trained = trained(&groups, credit);
-                let scored = |i: usize, t: &Transition| !queued[t.role] && trained[i];
-                let logprobs = base_logprobs(&groups, base, self.context, scored).await?;
-                let roles = self.roles.len();
-                Some(penalty(&groups, &logprobs, self.args.kl_coef, roles)?)
+        let penalty = match (self.kl, &objective) {
+            (Some(kl), Objective::Rl(_, credit)) => {
+                let on_policy = |t: &Transition| !queued[t.role];
+                Some(
+                    kl.penalty(&groups, credit, self.roles.len(), on_policy)
+                        .await?,
+                )
             }
             _ => None,
         };

@@ -4,14 +4,14 @@
 use std::collections::BTreeMap;
 
 use lathe::types::{AdamParams, Datum, LossFn};
-use lathe::{Tokenizer, TrainingClient};
+use lathe::{SamplingClient, Tokenizer, TrainingClient};
 use serde::Serialize;
 use tokio::sync::Mutex;
 
 use super::{Recipe, Team};
-use crate::credit::{encoder, role_data, Objective};
-use crate::env::Episode;
-use crate::kl::Penalty;
+use crate::credit::{encoder, role_data, trained, Credit, Objective};
+use crate::env::{Episode, Transition};
+use crate::kl::{base_logprobs, penalty, Penalty};
 use crate::resume::{checkpoint_name, RunState};
 use crate::rollout::{ratio_mean, submit_step, Sample, Step, StepOutcome};
 use crate::setup::{AgentSessions, CommonArgs, Connection};
@@ -145,6 +145,32 @@ pub struct AgentRecord {
     /// learner, which logs its updates).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub queued: Option<usize>,
+}
+
+/// A run's KL penalty towards the base model (`--kl-coef`): its coefficient, the base
+/// model's sampler and the context the scoring requests must fit.
+#[derive(Clone, Copy)]
+pub(super) struct Kl<'a> {
+    pub(super) coef: f64,
+    pub(super) base: &'a SamplingClient,
+    pub(super) context: Option<usize>,
+}
+
+impl Kl<'_> {
+    /// The penalty of `groups` for `roles` roles: the replies an update with `credit`
+    /// trains on and `include` selects are scored by the base model.
+    pub(super) async fn penalty(
+        &self,
+        groups: &[Vec<Episode>],
+        credit: &Credit,
+        roles: usize,
+        include: impl Fn(&Transition) -> bool,
+    ) -> anyhow::Result<Penalty> {
+        let trained = trained(groups, credit);
+        let scored = |i: usize, t: &Transition| trained[i] && include(t);
+        let logprobs = base_logprobs(groups, self.base, self.context, scored).await?;
+        penalty(groups, &logprobs, self.coef, roles)
+    }
 }
 
 /// What one step's update is: the objective, the optimizer's parameters and, under a KL
