@@ -26,7 +26,7 @@ use lathe_recipes::data::{addition, batch_at, Problem};
 use lathe_recipes::env::{rate, Env, EnvGroup, Episode, Observation, Reply, Transition};
 use lathe_recipes::grade::{last_integer, last_integer_reward, verdict};
 use lathe_recipes::play::Sampling;
-use lathe_recipes::rl::{run, Bar, Criterion, Curve, Recipe};
+use lathe_recipes::rl::{later_setting, run, Bar, Criterion, Curve, Recipe};
 use lathe_recipes::run::Curves;
 use lathe_recipes::setup::{init_tracing, parse_args, CommonArgs};
 
@@ -431,11 +431,11 @@ impl Recipe for ActorVerifier {
 
     fn settings(&self) -> String {
         format!(
-            "verify={} group={} loss={:?} keep_zero_adv={} balance={} verifier_temperature={:?} max_operand={}{}",
+            "verify={} group={} loss={:?} keep_zero_adv={} balance={} verifier_temperature={:?} max_operand={}{}{}",
             self.verify, self.group, self.loss, self.keep_zero_adv, self.balance, self.verifier_temperature, self.max_operand,
-            // Named only when on, so runs saved before the flag resume without a warning.
-            if self.recompute { " recompute=true" } else { "" },
-        ) + if self.verdict_examples { " verdict_examples=true" } else { "" }
+            later_setting("recompute", self.recompute, true),
+            later_setting("verdict_examples", self.verdict_examples, true),
+        )
     }
 }
 

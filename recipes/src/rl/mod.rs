@@ -28,6 +28,17 @@ use crate::play::Sampling;
 use crate::run::Curves;
 
 pub use run::run;
+
+/// A setting added after runs were saved, for [`Recipe::settings`]: `" name=value"` when
+/// `set`, else nothing, so that a run saved before the setting existed (and resumed
+/// without it) compares equal and resumes without a warning.
+pub fn later_setting(name: &str, set: bool, value: impl std::fmt::Display) -> String {
+    if set {
+        format!(" {name}={value}")
+    } else {
+        String::new()
+    }
+}
 pub use sessions::AgentRecord;
 
 /// A held-out curve: its label in the plot and summary, and the episode metric it

@@ -702,12 +702,7 @@ fn settings<R: Recipe>(recipe: &R, args: &CommonArgs) -> String {
     let server = format!(" model={} precision={:?}", a.model, a.precision);
     #[cfg(not(feature = "embedded"))]
     let server = String::new();
-    // Named only when set, so runs saved before the flag resume without a warning.
-    let kl = if a.kl_coef != 0.0 {
-        format!(" kl_coef={}", a.kl_coef)
-    } else {
-        String::new()
-    };
+    let kl = super::later_setting("kl_coef", a.kl_coef != 0.0, a.kl_coef);
     format!(
         "{} seed={} rank={} lr={} batch={} temperature={} eval_size={} eval_every={}{kl}{server}",
         recipe.settings(),

@@ -34,7 +34,7 @@ use lathe_recipes::data::{addition, batch_at, Problem};
 use lathe_recipes::env::{Env, EnvGroup, Episode, Observation, Reply, Transition};
 use lathe_recipes::grade::last_integer_reward;
 use lathe_recipes::play::{mix_seed, Sampling};
-use lathe_recipes::rl::{run, Bar, Criterion, Curve, Recipe, Team};
+use lathe_recipes::rl::{later_setting, run, Bar, Criterion, Curve, Recipe, Team};
 use lathe_recipes::run::{mean, Curves};
 use lathe_recipes::setup::{init_tracing, parse_args, CommonArgs};
 use serde_json::{json, Value};
@@ -426,28 +426,20 @@ impl Recipe for SolveRewriteSelect {
 
     fn settings(&self) -> String {
         format!(
-            "num_parallel={} selectors={} pooled_selector={} select_drills={} max_operand={}{}{}",
+            "num_parallel={} selectors={} pooled_selector={} select_drills={} max_operand={}{}{}{}",
             self.n,
             self.selectors,
             self.pooled_selector,
             self.select_drills,
             self.max_operand,
-            // Named only when set, so runs saved before the flag resume without a warning.
-            if self.invalid_pick != 0.0 {
-                format!(" invalid_pick_reward={}", self.invalid_pick)
-            } else {
-                String::new()
-            },
-            if self.example {
-                " selector_example=true"
-            } else {
-                ""
-            },
-        ) + if self.pick_by == PickBy::Value {
-            " pick_by=value"
-        } else {
-            ""
-        }
+            later_setting(
+                "invalid_pick_reward",
+                self.invalid_pick != 0.0,
+                self.invalid_pick
+            ),
+            later_setting("selector_example", self.example, true),
+            later_setting("pick_by", self.pick_by == PickBy::Value, "value"),
+        )
     }
 
     fn summary_fields(&self) -> serde_json::Map<String, Value> {
