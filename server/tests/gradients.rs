@@ -340,6 +340,71 @@ fn a_pass_split_across_threads_equals_one_thread() {
     }
 }
 
+/// An adapter's results and gradient do not depend, to the last bit, on which other
+/// adapters' datums share its batch, nor on where the batch's passes fall: its datums
+/// are cut into units by their own lengths, each unit's gradient is computed apart, and
+/// the units' gradients are added in order. A resumed run replays a session's steps
+/// beside different neighbours, and must train to the same weights.
+#[test]
+fn an_adapters_gradient_is_the_same_bits_whatever_shares_its_batch() {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .unwrap();
+    let (model, a, b) = tiny_with_adapters(
+        Arch::Qwen3,
+        DType::F32,
+        [(full_spec(4), 51), (full_spec(2), 52)],
+    );
+    let vocab = model.transformer.config.vocab_size;
+    let run = |adapters: &[&Adapter], jobs: &[DatumJob], budget: usize| {
+        pool.install(|| {
+            forward_backward_in_passes(&model.transformer, adapters, jobs, true, budget).unwrap()
+        })
+    };
+    // Datums of a few rows as well, which alone would make passes short enough for the
+    // few-rows kernels that decoding uses. (Not fewer than 9 rows: the `gemm` crate sums
+    // products of at most 256 outputs in another order, which this model's 32-wide
+    // projections reach below that; a real model's are 256 wide or more.)
+    let mine: [&[(u64, usize)]; 2] = [&[(1, 20), (2, 24), (3, 18)], &[(8, 9), (9, 11)]];
+    for (own, budget) in mine.into_iter().flat_map(|m| [(m, 64), (m, 1024)]) {
+        let own: Vec<DatumJob> = own
+            .iter()
+            .map(|&(seed, n)| ce_job(seed, n, vocab, 0))
+            .collect();
+        let alone = run(&[&a], &own, budget);
+        let neighbours: [&[(u64, usize)]; 3] = [
+            &[(4, 30)],
+            &[(4, 30), (5, 40)],
+            &[(6, 17), (4, 30), (5, 40), (7, 33)],
+        ];
+        for theirs in neighbours {
+            // The neighbour is adapter 0, so its datums come first in the batch and
+            // shift where the passes and the threads' parts fall.
+            let mut jobs: Vec<DatumJob> = theirs
+                .iter()
+                .map(|&(seed, n)| ce_job(seed, n, vocab, 0))
+                .collect();
+            jobs.extend(own.iter().map(|j| DatumJob {
+                adapter: 1,
+                ..j.clone()
+            }));
+            let mixed = run(&[&b, &a], &jobs, budget);
+            let what = format!("budget {budget}, beside {theirs:?}");
+            assert_eq!(
+                &mixed.results[theirs.len()..],
+                &alone.results[..],
+                "{what}: results"
+            );
+            for (t, (da, db)) in &alone.grads[0].pairs {
+                let (ma, mb) = &mixed.grads[1].pairs[t];
+                assert_eq!(rel_diff(ma, da), 0.0, "{what}: {t:?} dA");
+                assert_eq!(rel_diff(mb, db), 0.0, "{what}: {t:?} dB");
+            }
+        }
+    }
+}
+
 /// A batch cut into passes (a datum or two each) gives the same per-datum results and
 /// summed gradients as one pass: exactly up to rounding in f64.
 #[test]

@@ -35,6 +35,12 @@ pub struct Projection<'a> {
     pub bf16: Option<Bf16Ref<'a>>,
     /// Which implementation computes the products.
     pub backend: Backend,
+    /// Whether a product of at most [`kernels::FEW_ROWS`] rows may take the few-rows
+    /// kernel (f32 on the CPU backend). Set for the passes that fill KV caches (prefill,
+    /// decoding), where it pays; unset for passes that score or train datums, where a
+    /// datum's numbers must not depend on how many rows share its pass, and the kernel
+    /// sums in another order than gemm.
+    pub few_rows: bool,
 }
 
 /// The pair and scale a segment uses for `target`, if its adapter trains it.
@@ -92,7 +98,7 @@ pub fn forward(
     // weight; the few-rows kernel reads it once where gemm would first repack all of it.
     // In bf16 every product stays bf16, so that a datum's numbers do not depend on how
     // many rows it happened to share a pass with.
-    let few = n <= kernels::FEW_ROWS && proj.bf16.is_none();
+    let few = proj.few_rows && n <= kernels::FEW_ROWS && proj.bf16.is_none();
     let mut y = if few {
         with_slices(&[x], |s| {
             kernels::matmul_t_few_rows_host(s[0], n, proj.weight)
@@ -222,7 +228,7 @@ pub fn backward(
     }
     let (n, d_in) = x.dims2()?;
     let d_out = proj.weight.dim(0)?;
-    let few = n <= kernels::FEW_ROWS && proj.bf16.is_none();
+    let few = proj.few_rows && n <= kernels::FEW_ROWS && proj.bf16.is_none();
     let mut dx = if few {
         with_slices(&[dy], |s| input_grad::dy_w(s[0], n, proj.weight))?
     } else {
@@ -333,16 +339,17 @@ mod tests {
         ad.to_dtype(DType::F32).unwrap()
     }
 
-    /// Few rows go through the few-rows kernels, more through gemm.
+    /// Few rows go through the few-rows kernels where allowed, else through gemm, as
+    /// more rows do.
     #[test]
     fn the_host_paths_equal_candle_ops_in_f64_for_a_stacked_mixed_adapter_batch() {
-        for rows in [1, 3] {
-            check_host_path(rows);
+        for (rows, few_rows) in [(1, true), (1, false), (3, true)] {
+            check_host_path(rows, few_rows);
         }
     }
 
     /// A batch of `5k, 3k, 6k` rows: two adapters with base-model rows between them.
-    fn check_host_path(k: usize) {
+    fn check_host_path(k: usize, few_rows: bool) {
         let cfg = tiny_config(Arch::Qwen2);
         let (d, qd, kvd) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim());
         let out = qd + 2 * kvd;
@@ -385,6 +392,7 @@ mod tests {
                 parts: &parts,
                 bf16: None,
                 backend: Backend::Cpu,
+                few_rows,
             };
             let (y, caches) = forward(&x, &proj, &segs, adapters).unwrap();
             let mut grads = vec![AdapterGrads::default(); 2];
@@ -458,6 +466,7 @@ mod tests {
                 parts: &parts,
                 bf16,
                 backend: Backend::Cpu,
+                few_rows: true,
             };
             let (y, caches) = forward(&x, &proj, &segs, adapters).unwrap();
             let mut grads = vec![AdapterGrads::default()];

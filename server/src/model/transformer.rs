@@ -337,8 +337,14 @@ impl Transformer {
         Ok(())
     }
 
-    /// Block `index`'s projections, over the stacked weights.
-    fn projections<'a>(&'a self, index: usize, t: &'a BlockTargets) -> BlockProjections<'a> {
+    /// Block `index`'s projections, over the stacked weights; `few_rows` as in
+    /// [`Projection::few_rows`].
+    fn projections<'a>(
+        &'a self,
+        index: usize,
+        t: &'a BlockTargets,
+        few_rows: bool,
+    ) -> BlockProjections<'a> {
         let (f, w) = (&self.fused[index], &self.weights.layers[index]);
         let packed = |i: usize| {
             self.bf16.as_ref().map(|b| Bf16Ref {
@@ -353,6 +359,7 @@ impl Transformer {
                 parts: &t.qkv,
                 bf16: packed(0),
                 backend: self.backend,
+                few_rows,
             },
             o: Projection {
                 weight: &w.o_proj.weight,
@@ -360,6 +367,7 @@ impl Transformer {
                 parts: &t.o,
                 bf16: packed(1),
                 backend: self.backend,
+                few_rows,
             },
             gate_up: Projection {
                 weight: &f.gate_up,
@@ -367,6 +375,7 @@ impl Transformer {
                 parts: &t.gate_up,
                 bf16: packed(2),
                 backend: self.backend,
+                few_rows,
             },
             down: Projection {
                 weight: &w.down_proj.weight,
@@ -374,6 +383,7 @@ impl Transformer {
                 parts: &t.down,
                 bf16: packed(3),
                 backend: self.backend,
+                few_rows,
             },
         }
     }

@@ -186,6 +186,12 @@ fn forward_backward_on_pool(
     // width k uniform by packing different k separately.
     let mut order: Vec<usize> = (0..jobs.len()).collect();
     order.sort_by_key(|&i| (jobs[i].k, jobs[i].adapter));
+    let threads = if model.backend() == crate::model::Backend::Cpu {
+        rayon::current_num_threads()
+    } else {
+        1
+    };
+    let tokens = |i: usize| jobs[i].tokens.len();
     let mut results: Vec<Option<DatumResult>> = vec![None; jobs.len()];
     let mut grads = vec![AdapterGrads::default(); adapters.len()];
     let mut losses = LossBudgets::new(adapters.len());
@@ -196,14 +202,30 @@ fn forward_backward_on_pool(
             .iter()
             .position(|&i| jobs[i].k != k)
             .map_or(order.len(), |p| start + p);
-        for pass in passes(&order[start..end], |i| jobs[i].tokens.len(), pass_tokens) {
+        let units = adapter_units(
+            &order[start..end],
+            |i| jobs[i].adapter,
+            tokens,
+            pass_tokens,
+            threads,
+        );
+        let unit_tokens: Vec<usize> = units
+            .iter()
+            .map(|u| u.iter().map(|&i| tokens(i)).sum())
+            .collect();
+        let ids: Vec<usize> = (0..units.len()).collect();
+        for pass in passes(&ids, |u| unit_tokens[u], pass_tokens) {
+            let pass: Vec<&[usize]> = pass.iter().map(|&u| units[u]).collect();
             run_group(
                 model,
                 adapters,
                 jobs,
-                pass,
-                k,
-                with_grad,
+                Pass {
+                    units: &pass,
+                    k,
+                    threads,
+                    with_grad,
+                },
                 &mut results,
                 &mut grads,
                 &mut losses,
@@ -283,23 +305,39 @@ struct Forwarded {
     rows: usize,
 }
 
-/// The forward of datums `part` (all with `k` targets per position).
+/// The adapter list a part's model pass sees: one slot per unit, holding the unit's
+/// adapter. A unit is then a segment of its own, and the backward returns each unit's
+/// gradient apart, for [`run_group`] to add up in unit order.
+fn unit_slots<'a>(
+    adapters: &[&'a Adapter],
+    jobs: &[DatumJob],
+    units: &[&[usize]],
+) -> Vec<&'a Adapter> {
+    units.iter().map(|u| adapters[jobs[u[0]].adapter]).collect()
+}
+
+/// The forward of the datums of `units` (all with `k` targets per position).
 fn forward_part(
     model: &Transformer,
     adapters: &[&Adapter],
     jobs: &[DatumJob],
-    part: &[usize],
+    units: &[&[usize]],
     k: usize,
     with_grad: bool,
 ) -> Result<Forwarded, TrainError> {
     let dev = model.device();
-    let seqs: Vec<(&[u32], Option<usize>, usize)> = part
+    let seqs: Vec<(&[u32], Option<usize>, usize)> = units
         .iter()
-        .map(|&i| (jobs[i].tokens.as_slice(), Some(jobs[i].adapter), 0))
+        .enumerate()
+        .flat_map(|(slot, u)| {
+            u.iter()
+                .map(move |&i| (jobs[i].tokens.as_slice(), Some(slot), 0))
+        })
         .collect();
     let batch = PackedBatch::new(&seqs, dev)?;
-    let targets: Vec<u32> = part
+    let targets: Vec<u32> = units
         .iter()
+        .flat_map(|u| u.iter())
         .flat_map(|&i| jobs[i].targets.iter().copied())
         .collect();
     let vocab = model.config.vocab_size;
@@ -310,7 +348,8 @@ fn forward_part(
     }
     let rows = batch.rows();
     let targets = Tensor::from_vec(targets, (rows, k), dev)?;
-    let (lp, tape) = model.forward_logprobs(&batch, adapters, &targets, with_grad)?;
+    let slots = unit_slots(adapters, jobs, units);
+    let (lp, tape) = model.forward_logprobs(&batch, &slots, &targets, with_grad)?;
     let lp: Vec<f64> = lp
         .to_dtype(candle_core::DType::F64)?
         .flatten_all()?
@@ -318,33 +357,45 @@ fn forward_part(
     Ok(Forwarded { lp, tape, rows })
 }
 
-/// One pass: datums `group` (all with `k` targets per position) forward, their losses,
-/// and backward into `grads`.
+/// One pass over the model: its units (in order), their targets per position, the
+/// threads to spread its parts over, and whether it keeps gradients.
+struct Pass<'a> {
+    units: &'a [&'a [usize]],
+    k: usize,
+    threads: usize,
+    with_grad: bool,
+}
+
+/// One pass: its datums forward, their losses, and backward into `grads`.
 ///
-/// On a CPU pool of several threads the pass runs as that many parts of whole datums,
+/// On a CPU pool of several threads the pass runs as that many parts of whole units,
 /// side by side ([`parts_for_threads`]): each part's products are as large as the
 /// kernels need, and the threads stay busy for a whole part instead of meeting at every
 /// operation. The losses are evaluated in datum order between the two halves, so a
-/// custom loss's budget is spent as in one pass, and the parts' gradients are added in
-/// part order, so a pass's result does not depend on which thread ran what.
-#[allow(clippy::too_many_arguments)]
+/// custom loss's budget is spent as in one pass, and the units' gradients are added in
+/// unit order, so a pass's result depends neither on which thread ran what nor on how
+/// the units were grouped into parts.
 fn run_group(
     model: &Transformer,
     adapters: &[&Adapter],
     jobs: &[DatumJob],
-    group: &[usize],
-    k: usize,
-    with_grad: bool,
+    pass: Pass<'_>,
     results: &mut [Option<DatumResult>],
     grads: &mut [AdapterGrads],
     losses: &mut LossBudgets,
 ) -> Result<(), TrainError> {
-    let threads = if model.backend() == crate::model::Backend::Cpu {
-        rayon::current_num_threads()
-    } else {
-        1
-    };
-    let parts = parts_for_threads(group, |i| jobs[i].tokens.len(), threads);
+    let Pass {
+        units,
+        k,
+        threads,
+        with_grad,
+    } = pass;
+    let ids: Vec<usize> = (0..units.len()).collect();
+    let unit_tokens = |u: usize| units[u].iter().map(|&i| jobs[i].tokens.len()).sum();
+    let parts: Vec<Vec<&[usize]>> = parts_for_threads(&ids, unit_tokens, threads)
+        .into_iter()
+        .map(|p| p.iter().map(|&u| units[u]).collect())
+        .collect();
     let forwards: Vec<Result<Forwarded, TrainError>> = parts
         .par_iter()
         .map(|part| forward_part(model, adapters, jobs, part, k, with_grad))
@@ -354,7 +405,7 @@ fn run_group(
         let Forwarded { lp, tape, rows } = forwarded?;
         let mut dlp = Vec::with_capacity(lp.len());
         let mut offset = 0;
-        for &i in *part {
+        for &i in part.iter().flat_map(|u| u.iter()) {
             let n = jobs[i].targets.len();
             let slice = &lp[offset..offset + n];
             results[i] = Some(match losses.evaluate(&jobs[i], slice) {
@@ -381,23 +432,51 @@ fn run_group(
             offset += n;
         }
         if let Some(tape) = tape {
-            backwards.push((tape, dlp, rows));
+            backwards.push((part, tape, dlp, rows));
         }
     }
-    let dev = model.device();
-    let part_grads: Vec<Result<Vec<AdapterGrads>, TrainError>> = backwards
+    let part_grads: Vec<_> = backwards
         .into_par_iter()
-        .map(|(tape, dlp, rows)| {
-            let dlp = Tensor::from_vec(dlp, (rows, k), dev)?.to_dtype(model.weights.dtype())?;
-            Ok(model.backward(tape, adapters, &dlp)?)
+        .map(|(part, tape, dlp, rows)| {
+            let dlp = Tensor::from_vec(dlp, (rows, k), model.device())
+                .and_then(|d| d.to_dtype(model.weights.dtype()));
+            let unit_grads = match dlp {
+                Ok(dlp) => model.backward(tape, &unit_slots(adapters, jobs, part), &dlp),
+                Err(e) => Err(e.into()),
+            };
+            (part, unit_grads)
         })
         .collect();
-    for part in part_grads {
-        for (a, g) in part?.into_iter().enumerate() {
-            grads[a].merge(g)?;
+    for (part, unit_grads) in part_grads {
+        for (unit, g) in part.iter().zip(unit_grads?) {
+            grads[jobs[unit[0]].adapter].merge(g)?;
         }
     }
     Ok(())
+}
+
+/// `group` (datums sorted by adapter) cut into units, each adapter's own datums first
+/// cut into passes of at most `budget` tokens ([`passes`]), then each of those into
+/// `threads` parts ([`parts_for_threads`]). A unit is one segment of a pass and its
+/// gradient is computed apart; an adapter's gradient is the sum of its units' gradients
+/// in unit order. Since an adapter's units depend on its own datums alone (and the
+/// budget and thread count), never on the other adapters' datums that happen to share
+/// its batch, neither do its gradient's last bits: a run replayed from a checkpoint
+/// trains to the same weights whatever other sessions did beside it.
+fn adapter_units(
+    group: &[usize],
+    adapter: impl Fn(usize) -> usize,
+    tokens: impl Fn(usize) -> usize + Copy,
+    budget: usize,
+    threads: usize,
+) -> Vec<&[usize]> {
+    let mut out = Vec::new();
+    for run in group.chunk_by(|&a, &b| adapter(a) == adapter(b)) {
+        for pass in passes(run, tokens, budget) {
+            out.extend(parts_for_threads(pass, tokens, threads));
+        }
+    }
+    out
 }
 
 /// `group` cut into at most `threads` consecutive parts of whole datums with about
@@ -432,7 +511,7 @@ fn parts_for_threads(
 
 #[cfg(test)]
 mod tests {
-    use super::{parts_for_threads, passes};
+    use super::{adapter_units, parts_for_threads, passes};
 
     #[test]
     fn parts_for_threads_split_whole_datums_evenly() {
@@ -465,6 +544,32 @@ mod tests {
             }
         }
         assert!(parts_for_threads(&[], |_| 1, 2).is_empty());
+    }
+
+    #[test]
+    fn an_adapters_units_depend_on_its_own_datums_alone() {
+        let tokens = [10, 20, 30, 5, 5, 40, 12];
+        let adapter = [0, 0, 0, 1, 1, 1, 1];
+        let group: Vec<usize> = (0..tokens.len()).collect();
+        let units = adapter_units(&group, |i| adapter[i], |i| tokens[i], 50, 2);
+        // Adapter 0: passes [10, 20] and [30], the first in two parts; adapter 1:
+        // passes [5, 5, 40] and [12], the first in two parts.
+        let want: Vec<&[usize]> = vec![&[0], &[1], &[2], &[3, 4], &[5], &[6]];
+        assert_eq!(units, want);
+        // The same units with no neighbour before them, or with another one.
+        let alone = adapter_units(&group[3..], |i| adapter[i], |i| tokens[i], 50, 2);
+        assert_eq!(alone, &want[3..]);
+        let mut other = vec![7];
+        other.extend(3..7);
+        let tokens_with = |i: usize| if i == 7 { 45 } else { tokens[i] };
+        let with = adapter_units(
+            &other,
+            |i| if i == 7 { 0 } else { adapter[i] },
+            tokens_with,
+            50,
+            2,
+        );
+        assert_eq!(&with[1..], &want[3..]);
     }
 
     #[test]

@@ -75,7 +75,8 @@ impl Transformer {
         let cfg = &self.config;
         let w = &self.weights.layers[index];
         let targets = BlockTargets::new(cfg, index);
-        let p = self.projections(index, &targets);
+        // A training pass: never the few-rows kernels (see `Projection::few_rows`).
+        let p = self.projections(index, &targets, false);
         let back = |x: &Tensor,
                     dy: &Tensor,
                     p: &Projection,

@@ -94,7 +94,7 @@ impl Transformer {
             o,
             gate_up,
             down,
-        } = self.projections(index, &targets);
+        } = self.projections(index, &targets, caches.is_some());
         let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
         // The frozen products come from the f32 weights, or the decode weights when
         // those take this many rows (else the fused f32 path with its LoRA kernels).
