@@ -43,16 +43,19 @@ fn model_on(arch: Arch, dtype: DType, backend: Backend) -> (LoadedModel, [Adapte
 }
 
 /// Datums of mixed lengths, interleaved between the two adapters; the last has two
-/// targets per position.
+/// targets per position. Each adapter has two neighbours of equal length, whose
+/// attention the device backend runs stacked (`ops::attention_stacked`).
 fn jobs(vocab: usize) -> Vec<DatumJob> {
     let mut jobs = vec![
         ce_job(1, 10, vocab, 0),
+        ce_job(6, 10, vocab, 0),
         ce_job(2, 6, vocab, 1),
+        ce_job(7, 6, vocab, 1),
         ce_job(3, 17, vocab, 0),
         ce_job(4, 5, vocab, 1),
         ce_job(5, 3, vocab, 0),
     ];
-    let wide = &mut jobs[4];
+    let wide = jobs.last_mut().expect("seven datums");
     wide.k = 2;
     wide.targets = wide
         .targets

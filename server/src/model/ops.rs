@@ -286,23 +286,49 @@ pub fn attention(
     heads: usize,
     kv_heads: usize,
 ) -> Result<(Tensor, AttnSaved)> {
-    let (tq, qd) = q.dims2()?;
-    let tk = k.dim(0)?;
+    attention_stacked(be, q, k, v, heads, kv_heads, 1)
+}
+
+/// [`attention`] of `seqs` sequences of equal length at once, each seeing its own keys
+/// alone: `q`, `k` and `v` hold the sequences' rows one after another (`(seqs * t, ..)`,
+/// no cached prefix unless `seqs` is 1). Every product and the softmax run once over
+/// `seqs * kv_heads` batches instead of once per sequence, which on a GPU saves each
+/// sequence's dozen kernel launches; each sequence's numbers are those of [`attention`]
+/// up to the order in which a device sums its batched products.
+pub fn attention_stacked(
+    be: Backend,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    heads: usize,
+    kv_heads: usize,
+    seqs: usize,
+) -> Result<(Tensor, AttnSaved)> {
+    let (q_rows, qd) = q.dims2()?;
+    let k_rows = k.dim(0)?;
+    if seqs == 0 || q_rows % seqs != 0 || k_rows % seqs != 0 || (seqs > 1 && q_rows != k_rows) {
+        candle_core::bail!(
+            "attention: {q_rows} query and {k_rows} key rows are not {seqs} equal sequences"
+        );
+    }
+    let (b, tq, tk) = (seqs, q_rows / seqs, k_rows / seqs);
     let hd = qd / heads;
     let group = heads / kv_heads;
     let scale = 1.0 / (hd as f64).sqrt();
-    // (tq, H, hd) -> (H, tq, hd) -> (KV, G*tq, hd)
-    let qh = q.reshape((tq, heads, hd))?.transpose(0, 1)?.contiguous()?;
-    let qg = qh.reshape((kv_heads, group * tq, hd))?;
-    let kh = k
-        .reshape((tk, kv_heads, hd))?
-        .transpose(0, 1)?
-        .contiguous()?; // (KV, tk, hd)
-    let vh = v
-        .reshape((tk, kv_heads, hd))?
-        .transpose(0, 1)?
+    // (b*tq, H*hd) -> (b, H, tq, hd) -> (b*KV, G*tq, hd)
+    let qh = q
+        .reshape((b, tq, heads, hd))?
+        .transpose(1, 2)?
         .contiguous()?;
-    let scores = matmul(&qg, &kh.t()?)?; // (KV, G*tq, tk), unscaled
+    let qg = qh.reshape((b * kv_heads, group * tq, hd))?;
+    let by_head = |t: &Tensor| -> Result<Tensor> {
+        t.reshape((b, tk, kv_heads, hd))?
+            .transpose(1, 2)?
+            .contiguous()?
+            .reshape((b * kv_heads, tk, hd))
+    };
+    let (kh, vh) = (by_head(k)?, by_head(v)?); // (b*KV, tk, hd)
+    let scores = matmul(&qg, &kh.t()?)?; // (b*KV, G*tq, tk), unscaled
     let p = if be.fused(&scores) {
         match scores.dtype() {
             DType::F64 => kernels::causal_softmax::<f64>(&scores, tq, scale)?,
@@ -311,11 +337,11 @@ pub fn attention(
     } else {
         causal_softmax_on_device(be, &scores, group, tq, scale)?
     };
-    let o = matmul(&p, &vh)?; // (KV, G*tq, hd)
+    let o = matmul(&p, &vh)?; // (b*KV, G*tq, hd)
     let out = o
-        .reshape((heads, tq, hd))?
-        .transpose(0, 1)?
-        .reshape((tq, heads * hd))?;
+        .reshape((b, heads, tq, hd))?
+        .transpose(1, 2)?
+        .reshape((b * tq, heads * hd))?;
     Ok((
         out,
         AttnSaved {
@@ -326,6 +352,7 @@ pub fn attention(
             scale,
             heads,
             kv_heads,
+            seqs: b,
         },
     ))
 }
@@ -340,6 +367,15 @@ pub struct AttnSaved {
     scale: f64,
     heads: usize,
     kv_heads: usize,
+    /// Sequences stacked ([`attention_stacked`]).
+    seqs: usize,
+}
+
+impl AttnSaved {
+    /// Query rows of the forward: the sequences' rows together.
+    pub fn rows(&self) -> Result<usize> {
+        Ok(self.seqs * self.qg.dim(1)? / (self.heads / self.kv_heads))
+    }
 }
 
 /// Attention backward: returns `(dq, dk, dv)` in the input layouts.
@@ -348,17 +384,19 @@ pub fn attention_backward(
     dout: &Tensor,
     s: &AttnSaved,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    let (tq, qd) = dout.dims2()?;
+    let (rows, qd) = dout.dims2()?;
+    let b = s.seqs;
+    let tq = rows / b;
     let hd = qd / s.heads;
     let group = s.heads / s.kv_heads;
     let tk = s.kh.dim(1)?;
     let dog = dout
-        .reshape((tq, s.heads, hd))?
-        .transpose(0, 1)?
+        .reshape((b, tq, s.heads, hd))?
+        .transpose(1, 2)?
         .contiguous()?
-        .reshape((s.kv_heads, group * tq, hd))?;
-    let dv = matmul(&s.p.t()?, &dog)?; // (KV, tk, hd)
-    let dp = matmul(&dog, &s.vh.t()?)?; // (KV, G*tq, tk)
+        .reshape((b * s.kv_heads, group * tq, hd))?;
+    let dv = matmul(&s.p.t()?, &dog)?; // (b*KV, tk, hd)
+    let dp = matmul(&dog, &s.vh.t()?)?; // (b*KV, G*tq, tk)
     let ds = if be.fused(&dp) {
         match dp.dtype() {
             DType::F64 => kernels::softmax_backward::<f64>(&s.p, &dp, s.scale)?,
@@ -367,16 +405,19 @@ pub fn attention_backward(
     } else {
         softmax_backward_on_device(be, &s.p, &dp, s.scale)?
     };
-    let dqg = matmul(&ds, &s.kh)?; // (KV, G*tq, hd)
-    let dk = matmul(&ds.t()?, &s.qg)?; // (KV, tk, hd)
+    let dqg = matmul(&ds, &s.kh)?; // (b*KV, G*tq, hd)
+    let dk = matmul(&ds.t()?, &s.qg)?; // (b*KV, tk, hd)
     let dq = dqg
-        .reshape((s.heads, tq, hd))?
-        .transpose(0, 1)?
-        .reshape((tq, s.heads * hd))?;
+        .reshape((b, s.heads, tq, hd))?
+        .transpose(1, 2)?
+        .reshape((b * tq, s.heads * hd))?;
     let kvd = s.kv_heads * hd;
-    let dk = dk.transpose(0, 1)?.reshape((tk, kvd))?;
-    let dv = dv.transpose(0, 1)?.reshape((tk, kvd))?;
-    Ok((dq, dk, dv))
+    let by_row = |t: Tensor| -> Result<Tensor> {
+        t.reshape((b, s.kv_heads, tk, hd))?
+            .transpose(1, 2)?
+            .reshape((b * tk, kvd))
+    };
+    Ok((dq, by_row(dk)?, by_row(dv)?))
 }
 
 /// The causal softmax of [`attention`] off the CPU fast path: the fused kernel on a GPU,
@@ -582,6 +623,44 @@ mod tests {
         let rowdot = (&dp * &p).unwrap().sum_keepdim(D::Minus1).unwrap();
         let want = ((&p * dp.broadcast_sub(&rowdot).unwrap()).unwrap() * scale).unwrap();
         assert!(diff(&ds, &want) < 1e-12);
+    }
+
+    /// Three sequences of equal length stacked give each sequence's attention and
+    /// gradients alone, on the fused CPU path and on the device backend's composites.
+    #[test]
+    fn stacked_attention_equals_each_sequence_alone() {
+        let (heads, kv_heads, hd, t, seqs) = (4, 2, 3, 5, 3);
+        let q = rand(&[seqs * t, heads * hd], 20);
+        let k = rand(&[seqs * t, kv_heads * hd], 21);
+        let v = rand(&[seqs * t, kv_heads * hd], 22);
+        let dout = rand(&[seqs * t, heads * hd], 23);
+        for be in [Backend::Cpu, Backend::Device] {
+            let (out, saved) = attention_stacked(be, &q, &k, &v, heads, kv_heads, seqs).unwrap();
+            assert_eq!(saved.rows().unwrap(), seqs * t);
+            let (dq, dk, dv) = attention_backward(be, &dout, &saved).unwrap();
+            for i in 0..seqs {
+                let rows = |x: &Tensor| x.narrow(0, i * t, t).unwrap();
+                let (o1, s1) =
+                    attention(be, &rows(&q), &rows(&k), &rows(&v), heads, kv_heads).unwrap();
+                let (dq1, dk1, dv1) = attention_backward(be, &rows(&dout), &s1).unwrap();
+                for (got, want) in [(&out, &o1), (&dq, &dq1), (&dk, &dk1), (&dv, &dv1)] {
+                    assert!(diff(&rows(got), want) < 1e-12, "{be:?}, sequence {i}");
+                }
+            }
+        }
+        // Sequences that are not equal, or a cached prefix beside others, are refused.
+        assert!(attention_stacked(Backend::Cpu, &q, &k, &v, heads, kv_heads, 4).is_err());
+        let longer_k = rand(&[seqs * t + 3, kv_heads * hd], 24);
+        assert!(attention_stacked(
+            Backend::Cpu,
+            &q,
+            &longer_k,
+            &longer_k,
+            heads,
+            kv_heads,
+            seqs
+        )
+        .is_err());
     }
 
     #[test]

@@ -187,7 +187,6 @@ pub struct Tape {
     targets: Tensor,
     cos: Tensor,
     sin: Tensor,
-    seqs: Vec<SeqSpan>,
     segments: Vec<Segment>,
     n_adapters: usize,
 }

@@ -46,15 +46,12 @@ impl Transformer {
             norm,
             cos,
             sin,
-            seqs,
             segments,
             ..
         } = tape;
         let mut dh = ops::rms_norm_backward(&dxf, &self.weights.norm, &norm)?;
         for (i, lt) in layers.into_iter().enumerate().rev() {
-            dh = self.layer_backward(
-                i, lt, dh, &seqs, &segments, adapters, &cos, &sin, &mut grads,
-            )?;
+            dh = self.layer_backward(i, lt, dh, &segments, adapters, &cos, &sin, &mut grads)?;
         }
         Ok(grads)
     }
@@ -65,7 +62,6 @@ impl Transformer {
         index: usize,
         t: LayerTape,
         dh: Tensor,
-        seqs: &[SeqSpan],
         segs: &[Segment],
         adapters: &[&Adapter],
         cos: &Tensor,
@@ -102,9 +98,12 @@ impl Transformer {
         // attention
         let dattn = back(&t.attn_out, &dh2, &p.o, &t.lo, grads)?;
         let (mut dqs, mut dks, mut dvs) = (Vec::new(), Vec::new(), Vec::new());
-        for (s, saved) in seqs.iter().zip(&t.attn) {
+        let mut start = 0;
+        for saved in &t.attn {
+            let rows = saved.rows()?;
             let (dq, dk, dv) =
-                ops::attention_backward(self.backend, &dattn.narrow(0, s.start, s.len)?, saved)?;
+                ops::attention_backward(self.backend, &dattn.narrow(0, start, rows)?, saved)?;
+            start += rows;
             dqs.push(dq);
             dks.push(dk);
             dvs.push(dv);

@@ -1,7 +1,7 @@
 //! The forward pass over a packed multi-adapter batch, keeping a tape for the backward
 //! pass when asked: the embedding, every block (norms, projections with their LoRA
-//! deltas, attention per sequence, SwiGLU) and the final norm; the output head is in
-//! [`super::head`].
+//! deltas, attention per sequence or per run of equal neighbours, SwiGLU) and the final
+//! norm; the output head is in [`super::head`].
 
 use super::*;
 
@@ -32,7 +32,6 @@ impl Transformer {
             targets: targets.clone(),
             cos,
             sin,
-            seqs: batch.seqs.clone(),
             segments: batch.segments.clone(),
             n_adapters: adapters.len(),
         });
@@ -150,14 +149,16 @@ impl Transformer {
             )?,
             None => {
                 let mut outs = Vec::with_capacity(batch.seqs.len());
-                for s in &batch.seqs {
-                    let (o, sv) = ops::attention(
+                for run in self.attention_runs(&batch.seqs) {
+                    let (start, rows) = (run[0].start, run.iter().map(|s| s.len).sum());
+                    let (o, sv) = ops::attention_stacked(
                         self.backend,
-                        &q.narrow(0, s.start, s.len)?,
-                        &k.narrow(0, s.start, s.len)?,
-                        &v.narrow(0, s.start, s.len)?,
+                        &q.narrow(0, start, rows)?,
+                        &k.narrow(0, start, rows)?,
+                        &v.narrow(0, start, rows)?,
                         hq,
                         hkv,
+                        run.len(),
                     )?;
                     outs.push(o);
                     saved.push(sv);
@@ -200,5 +201,18 @@ impl Transformer {
                 ldown,
             },
         ))
+    }
+
+    /// The packed sequences in the runs whose attention runs as one
+    /// ([`ops::attention_stacked`]): off the CPU fast path, neighbours of equal length
+    /// with the same adapter slot (a unit of a training pass, so that what a datum's
+    /// attention is summed with never depends on the other sessions' datums); on the CPU
+    /// fast path, which is not bound by launches, each sequence alone.
+    pub(super) fn attention_runs<'a>(&self, seqs: &'a [SeqSpan]) -> Vec<&'a [SeqSpan]> {
+        if self.backend == Backend::Cpu {
+            return seqs.chunks(1).collect();
+        }
+        seqs.chunk_by(|a, b| a.len == b.len && a.adapter == b.adapter)
+            .collect()
     }
 }
