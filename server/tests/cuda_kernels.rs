@@ -343,3 +343,74 @@ fn decode_attention_matches_the_composite_and_fills_the_caches() {
     )
     .is_err());
 }
+
+/// The optimizer's one-launch kernels: `adamw_many` gives every parameter exactly what
+/// `adamw` gives it alone (sizes below a block, above a block, and longer than the grid
+/// covers in one stride), and `sum_squares` the f64 sum of squares of every tensor.
+#[test]
+fn adamw_many_equals_adamw_per_tensor_and_sum_squares_the_f64_sum() {
+    let Some(dev) = gpu() else { return };
+    let step = cuda::AdamwStep {
+        grad_scale: 0.7,
+        decay: 0.999,
+        beta1: 0.9,
+        beta2: 0.999,
+        bc2_sqrt: 0.05,
+        eps: 1e-8,
+        step_size: 1e-3,
+    };
+    let shapes: [&[usize]; 4] = [&[3], &[8, 576], &[1000, 7], &[300_001]];
+    let tensors: Vec<[Tensor; 4]> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, shape)| {
+            let seed = 100 + 10 * i as u64;
+            let v = uniform(shape, 1.0, seed + 3).abs().unwrap();
+            [
+                on(&uniform(shape, 1.0, seed), &dev),
+                on(&uniform(shape, 1.0, seed + 1), &dev),
+                on(&uniform(shape, 0.1, seed + 2), &dev),
+                on(&v, &dev),
+            ]
+        })
+        .collect();
+    let items: Vec<cuda::AdamwTensors<'_>> =
+        tensors.iter().map(|[p, g, m, v]| (p, g, m, v)).collect();
+    let many = cuda::adamw_many(&items, &step).unwrap();
+    assert_eq!(many.len(), items.len());
+    for ((p, g, m, v), got) in items.iter().zip(&many) {
+        let want = cuda::adamw(p, g, m, v, &step).unwrap();
+        for (what, x, y) in [
+            ("param", &got.0, &want.0),
+            ("m", &got.1, &want.1),
+            ("v", &got.2, &want.2),
+        ] {
+            assert_eq!(x.dims(), p.dims());
+            let (x, y): (Vec<f32>, Vec<f32>) = (
+                x.flatten_all().unwrap().to_vec1().unwrap(),
+                y.flatten_all().unwrap().to_vec1().unwrap(),
+            );
+            assert!(x == y, "{what} of {:?} differs", p.dims());
+        }
+    }
+    assert!(cuda::adamw_many(&[], &step).unwrap().is_empty());
+
+    let grads: Vec<&Tensor> = tensors.iter().map(|t| &t[1]).collect();
+    let want: f64 = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, shape)| {
+            let g = uniform(shape, 1.0, 100 + 10 * i as u64 + 1)
+                .to_dtype(DType::F32)
+                .unwrap();
+            let g: Vec<f32> = g.flatten_all().unwrap().to_vec1().unwrap();
+            g.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>()
+        })
+        .sum();
+    let got = cuda::sum_squares(&grads).unwrap();
+    assert!(
+        (got - want).abs() <= 1e-12 * want,
+        "sum of squares {got} vs {want}"
+    );
+    assert_eq!(cuda::sum_squares(&[]).unwrap(), 0.0);
+}

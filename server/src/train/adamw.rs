@@ -152,6 +152,53 @@ fn update(
     Ok(())
 }
 
+/// The step of every parameter in one launch of Lathe's kernel (`cuda::adamw_many`),
+/// where the device backend runs on a GPU and every tensor involved is f32 there: an
+/// adapter's hundreds of small parameters cost one launch instead of one each. `false`
+/// (nothing done) otherwise.
+#[cfg(feature = "cuda")]
+fn step_on_gpu(
+    be: Backend,
+    adapter: &mut Adapter,
+    state: &mut AdamState,
+    grads: &AdapterGrads,
+    c: &Coefs,
+) -> Result<bool, TrainError> {
+    let mut items = Vec::with_capacity(2 * grads.pairs.len());
+    for (target, (da, db)) in &grads.pairs {
+        let (pair, (ma, mb)) = (&adapter.pairs[target], &state.moments[target]);
+        items.push((&pair.a, da, &ma.m, &ma.v));
+        items.push((&pair.b, db, &mb.m, &mb.v));
+    }
+    let on_gpu = |&(p, g, m, v): &cuda::AdamwTensors<'_>| [p, g, m, v].iter().all(|t| be.cuda(t));
+    if items.is_empty() || !items.iter().all(on_gpu) {
+        return Ok(false);
+    }
+    let f = |x: f64| x as f32;
+    let step = cuda::AdamwStep {
+        grad_scale: f(c.grad_scale),
+        decay: f(c.decay),
+        beta1: f(c.beta1),
+        beta2: f(c.beta2),
+        bc2_sqrt: f(c.bc2_sqrt),
+        eps: f(c.eps),
+        step_size: f(c.step_size),
+    };
+    let mut updated = cuda::adamw_many(&items, &step)?.into_iter();
+    for target in grads.pairs.keys() {
+        let pair = adapter
+            .pairs
+            .get_mut(target)
+            .expect("checked by the caller");
+        let moments = state.moments.get_mut(target).expect("made by the caller");
+        for (param, mom) in [(&mut pair.a, &mut moments.0), (&mut pair.b, &mut moments.1)] {
+            let (p, m, v) = updated.next().expect("one result per parameter");
+            (*param, mom.m, mom.v) = (p, m, v);
+        }
+    }
+    Ok(true)
+}
+
 /// [`update`] as one loop over plain buffers: through candle it is a dozen tensor ops per
 /// parameter, and an adapter has hundreds of small parameters (420 for SmolLM2's seven
 /// projections), so per-op overhead dominated the step.
@@ -218,23 +265,34 @@ pub fn step(
         eps: p.eps,
         step_size: p.learning_rate / bc1,
     };
-    for (target, (da, db)) in &grads.pairs {
-        let pair = adapter.pairs.get_mut(target).ok_or_else(|| {
+    // Moments for every target first (zeros at its first step).
+    for target in grads.pairs.keys() {
+        let pair = adapter.pairs.get(target).ok_or_else(|| {
             TrainError::Input(format!("gradient for {target:?}, which the adapter lacks"))
         })?;
-        let entry = match state.moments.get_mut(target) {
-            Some(e) => e,
-            None => {
-                let zero = |t: &Tensor| -> candle_core::Result<Moments> {
-                    Ok(Moments {
-                        m: t.zeros_like()?,
-                        v: t.zeros_like()?,
-                    })
-                };
-                let fresh = (zero(&pair.a)?, zero(&pair.b)?);
-                state.moments.entry(*target).or_insert(fresh)
-            }
-        };
+        if !state.moments.contains_key(target) {
+            let zero = |t: &Tensor| -> candle_core::Result<Moments> {
+                Ok(Moments {
+                    m: t.zeros_like()?,
+                    v: t.zeros_like()?,
+                })
+            };
+            state
+                .moments
+                .insert(*target, (zero(&pair.a)?, zero(&pair.b)?));
+        }
+    }
+    #[cfg(feature = "cuda")]
+    if step_on_gpu(backend, adapter, state, grads, &coefs)? {
+        return Ok(StepReport {
+            grad_norm,
+            clipped,
+            step: state.step,
+        });
+    }
+    for (target, (da, db)) in &grads.pairs {
+        let pair = adapter.pairs.get_mut(target).expect("checked above");
+        let entry = state.moments.get_mut(target).expect("made above");
         update(backend, &mut pair.a, da, &mut entry.0, &coefs)?;
         update(backend, &mut pair.b, db, &mut entry.1, &coefs)?;
     }

@@ -198,19 +198,6 @@ extern "C" __global__ void logprobs_at_backward_f32(const float* logits, const f
         }
 }
 
-// Sum of squares of one tensor's n values, accumulated in f64, into out[slot]: one block
-// per tensor, so the gradient norm of many small tensors takes one copy back.
-extern "C" __global__ void sum_squares_f32(const float* g, int64_t n, double* out, int64_t slot) {
-    __shared__ double scratch[32];
-    double acc = 0.0;
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-        const double x = g[i];
-        acc += x * x;
-    }
-    acc = block_sum(acc, scratch);
-    if (threadIdx.x == 0) out[slot] = acc;
-}
-
 // One AdamW step of one parameter, in torch's order of operations, in f32, into fresh
 // outputs: parameters are shared with sampler snapshots, so they are never written in
 // place. Unlike the CPU backend's loop, 1 - beta is taken in f32 from the rounded betas
@@ -220,6 +207,52 @@ extern "C" __global__ void adamw_f32(const float* p, const float* g, const float
                                      const float* v, float* p_out, float* m_out, float* v_out,
                                      int64_t n, float grad_scale, float decay, float beta1,
                                      float beta2, float bc2_sqrt, float eps, float step_size) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const float gi = g[i] * grad_scale;
+        const float mi = m[i] * beta1 + gi * (1.0f - beta1);
+        const float vi = v[i] * beta2 + gi * gi * (1.0f - beta2);
+        const float denom = sqrtf(vi) / bc2_sqrt + eps;
+        p_out[i] = p[i] * decay - mi / denom * step_size;
+        m_out[i] = mi;
+        v_out[i] = vi;
+    }
+}
+
+// sum(x^2) of many f32 tensors in one launch, accumulated in double: block t sums
+// tensor t (its pointer in ptrs[t], its length in lens[t]) into out[t].
+extern "C" __global__ void sum_squares_many_f32(const uint64_t* ptrs, const int64_t* lens,
+                                                double* out) {
+    __shared__ double scratch[32];
+    const int64_t t = blockIdx.x;
+    const float* g = (const float*)ptrs[t];
+    const int64_t n = lens[t];
+    double acc = 0.0;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        const double x = g[i];
+        acc += x * x;
+    }
+    acc = block_sum(acc, scratch);
+    if (threadIdx.x == 0) out[t] = acc;
+}
+
+// adamw_f32 of many parameters in one launch: blockIdx.y picks the parameter, whose seven
+// pointers (p, g, m, v, p_out, m_out, v_out) are ptrs[7 t ..], and the blocks along x
+// stride over its lens[t] elements. The arithmetic is adamw_f32's, element for element.
+extern "C" __global__ void adamw_many_f32(const uint64_t* ptrs, const int64_t* lens,
+                                          float grad_scale, float decay, float beta1,
+                                          float beta2, float bc2_sqrt, float eps,
+                                          float step_size) {
+    const int64_t t = blockIdx.y;
+    const uint64_t* q = ptrs + 7 * t;
+    const float* p = (const float*)q[0];
+    const float* g = (const float*)q[1];
+    const float* m = (const float*)q[2];
+    const float* v = (const float*)q[3];
+    float* p_out = (float*)q[4];
+    float* m_out = (float*)q[5];
+    float* v_out = (float*)q[6];
+    const int64_t n = lens[t];
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x) {
         const float gi = g[i] * grad_scale;

@@ -25,9 +25,11 @@ use candle_core::op::BackpropOp;
 use candle_core::{bail, DType, Device, Result, Shape, Storage, StorageRef, Tensor, D};
 
 mod lora;
+mod optim;
 mod pick;
 
 pub use lora::{lora_deltas, lora_deltas_fit, sgmv_enabled, LoraSegment};
+pub use optim::{adamw, adamw_many, sum_squares, AdamwStep, AdamwTensors};
 pub use pick::{pick_enabled, pick_tokens, PickRow, PICK_MAX_K};
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/lathe_kernels.ptx"));
@@ -381,101 +383,6 @@ pub fn logprobs_at_backward(
         .arg(&k64);
     run(b, rows(row_count(n)?))?;
     Ok(tensor(&dev, dl, (n, v)))
-}
-
-/// `sum(x^2)` over every element of `tensors` (f32, on one GPU), accumulated in f64: one
-/// launch per tensor into one buffer, and one copy back.
-pub fn sum_squares(tensors: &[&Tensor]) -> Result<f64> {
-    let Some(first) = tensors.first() else {
-        return Ok(0.0);
-    };
-    let dev = device(first)?;
-    let mut partial = dev.alloc_zeros::<f64>(tensors.len())?;
-    let func = dev.get_or_load_custom_func("sum_squares_f32", MODULE, PTX)?;
-    for (slot, t) in tensors.iter().enumerate() {
-        expect(t, t.dims(), "sum_squares", first.device())?;
-        let t = t.contiguous()?;
-        let ti = input(&t)?;
-        let tv = ti.view::<f32>()?;
-        let (n, slot) = (t.elem_count() as i64, slot as i64);
-        let mut b = func.builder();
-        b.arg(&tv).arg(&n).arg(&mut partial).arg(&slot);
-        run(b, rows(1))?;
-    }
-    let host = dev.cuda_stream().clone_dtoh(&partial).w()?;
-    Ok(host.iter().sum())
-}
-
-/// The scalars of one AdamW step (see `train::adamw`), in the f32 the update computes in.
-#[derive(Clone, Copy, Debug)]
-pub struct AdamwStep {
-    /// Gradient factor from clipping (1 when not clipped).
-    pub grad_scale: f32,
-    /// `1 - lr * weight_decay`.
-    pub decay: f32,
-    /// First-moment decay.
-    pub beta1: f32,
-    /// Second-moment decay.
-    pub beta2: f32,
-    /// `sqrt(1 - beta2^t)`.
-    pub bc2_sqrt: f32,
-    /// Added to the denominator.
-    pub eps: f32,
-    /// `lr / (1 - beta1^t)`.
-    pub step_size: f32,
-}
-
-/// One AdamW step of `param` with `grad` and moments `m`, `v` (f32, on one GPU, one
-/// shape): the new `(param, m, v)`, in fresh tensors.
-pub fn adamw(
-    param: &Tensor,
-    grad: &Tensor,
-    m: &Tensor,
-    v: &Tensor,
-    s: &AdamwStep,
-) -> Result<(Tensor, Tensor, Tensor)> {
-    let shape = param.shape().clone();
-    for t in [grad, m, v] {
-        expect(t, shape.dims(), "adamw", param.device())?;
-    }
-    let (param, grad, m, v) = (
-        param.contiguous()?,
-        grad.contiguous()?,
-        m.contiguous()?,
-        v.contiguous()?,
-    );
-    let n = shape.elem_count();
-    let dev = device(&param)?;
-    let (p_out, m_out, v_out) = (alloc(&dev, n)?, alloc(&dev, n)?, alloc(&dev, n)?);
-    let (pi, gi, mi, vi) = (input(&param)?, input(&grad)?, input(&m)?, input(&v)?);
-    let (pv, gv, mv, vv) = (
-        pi.view::<f32>()?,
-        gi.view::<f32>()?,
-        mi.view::<f32>()?,
-        vi.view::<f32>()?,
-    );
-    let n64 = n as i64;
-    let func = dev.get_or_load_custom_func("adamw_f32", MODULE, PTX)?;
-    let mut b = func.builder();
-    b.arg(&pv)
-        .arg(&gv)
-        .arg(&mv)
-        .arg(&vv)
-        .arg(&p_out)
-        .arg(&m_out)
-        .arg(&v_out)
-        .arg(&n64);
-    b.arg(&s.grad_scale)
-        .arg(&s.decay)
-        .arg(&s.beta1)
-        .arg(&s.beta2);
-    b.arg(&s.bc2_sqrt).arg(&s.eps).arg(&s.step_size);
-    run(b, elements(n))?;
-    Ok((
-        tensor(&dev, p_out, shape.clone()),
-        tensor(&dev, m_out, shape.clone()),
-        tensor(&dev, v_out, shape),
-    ))
 }
 
 /// The most keys [`decode_attention`] attends to: its scores live in shared memory, which
