@@ -362,11 +362,12 @@ fn an_adapters_gradient_is_the_same_bits_whatever_shares_its_batch() {
             forward_backward_in_passes(&model.transformer, adapters, jobs, true, budget).unwrap()
         })
     };
-    // Datums of a few rows as well, which alone would make passes short enough for the
-    // few-rows kernels that decoding uses. (Not fewer than 9 rows: the `gemm` crate sums
-    // products of at most 256 outputs in another order, which this model's 32-wide
-    // projections reach below that; a real model's are 256 wide or more.)
-    let mine: [&[(u64, usize)]; 2] = [&[(1, 20), (2, 24), (3, 18)], &[(8, 9), (9, 11)]];
+    // Datums long enough to be cut into several units, and one of a few rows, which
+    // alone makes a pass short enough for the few-rows kernels that decoding uses. (Not
+    // fewer than 9 rows: the `gemm` crate sums products of at most 256 outputs in another
+    // order, which this model's 32-wide projections reach below that; a real model's are
+    // 256 wide or more. `cpu::gemm`'s own test holds one row against many.)
+    let mine: [&[(u64, usize)]; 2] = [&[(1, 40), (2, 50), (3, 45)], &[(8, 9)]];
     for (own, budget) in mine.into_iter().flat_map(|m| [(m, 64), (m, 1024)]) {
         let own: Vec<DatumJob> = own
             .iter()

@@ -473,11 +473,19 @@ fn adapter_units(
     let mut out = Vec::new();
     for run in group.chunk_by(|&a, &b| adapter(a) == adapter(b)) {
         for pass in passes(run, tokens, budget) {
-            out.extend(parts_for_threads(pass, tokens, threads));
+            let total: usize = pass.iter().map(|&i| tokens(i)).sum();
+            let parts = threads.min((total / MIN_UNIT_TOKENS).max(1));
+            out.extend(parts_for_threads(pass, tokens, parts));
         }
     }
     out
 }
+
+/// Fewest tokens a unit is cut to ([`adapter_units`]). Each unit keeps a whole gradient
+/// of its adapter until the pass is summed, so a pass holds at most its adapters plus
+/// `budget / MIN_UNIT_TOKENS` of them, however many threads the pool has; a part this
+/// small is not worth a thread of its own anyway.
+const MIN_UNIT_TOKENS: usize = 64;
 
 /// `group` cut into at most `threads` consecutive parts of whole datums with about
 /// equal tokens (`tokens(i)` being datum `i`'s), to run side by side. The cut depends
@@ -548,25 +556,30 @@ mod tests {
 
     #[test]
     fn an_adapters_units_depend_on_its_own_datums_alone() {
-        let tokens = [10, 20, 30, 5, 5, 40, 12];
+        let tokens = [100, 60, 300, 50, 90, 150, 40];
         let adapter = [0, 0, 0, 1, 1, 1, 1];
         let group: Vec<usize> = (0..tokens.len()).collect();
-        let units = adapter_units(&group, |i| adapter[i], |i| tokens[i], 50, 2);
-        // Adapter 0: passes [10, 20] and [30], the first in two parts; adapter 1:
-        // passes [5, 5, 40] and [12], the first in two parts.
+        let units = adapter_units(&group, |i| adapter[i], |i| tokens[i], 300, 2);
+        // Adapter 0: passes [100, 60] and [300], the first in two parts; adapter 1:
+        // passes [50, 90, 150] and [40], the first in two parts, the second too short
+        // (under 64 tokens) to be cut.
         let want: Vec<&[usize]> = vec![&[0], &[1], &[2], &[3, 4], &[5], &[6]];
         assert_eq!(units, want);
+        // No more units than 64-token pieces, whatever the threads.
+        let many = adapter_units(&group[3..], |i| adapter[i], |i| tokens[i], 300, 16);
+        let want_many: Vec<&[usize]> = vec![&[3], &[4], &[5], &[6]];
+        assert_eq!(many, want_many);
         // The same units with no neighbour before them, or with another one.
-        let alone = adapter_units(&group[3..], |i| adapter[i], |i| tokens[i], 50, 2);
+        let alone = adapter_units(&group[3..], |i| adapter[i], |i| tokens[i], 300, 2);
         assert_eq!(alone, &want[3..]);
         let mut other = vec![7];
         other.extend(3..7);
-        let tokens_with = |i: usize| if i == 7 { 45 } else { tokens[i] };
+        let tokens_with = |i: usize| if i == 7 { 245 } else { tokens[i] };
         let with = adapter_units(
             &other,
             |i| if i == 7 { 0 } else { adapter[i] },
             tokens_with,
-            50,
+            300,
             2,
         );
         assert_eq!(&with[1..], &want[3..]);

@@ -209,6 +209,29 @@ pub fn gemm(dst: &mut MatMut<'_>, lhs: Mat<'_>, rhs: Mat<'_>, beta: f32, accumul
         }
         return;
     }
+    if m == 1 && n > 1 {
+        // The gemm crate takes a product of one row as a matrix-vector product, which sums
+        // in another order than its blocked kernel does for two rows or more, so a row's
+        // numbers would depend on how many rows share its product (a one-token datum
+        // alone in its pass against beside others). Two rows, the second a copy, keep the
+        // blocked kernel.
+        let row: Vec<f32> = (0..k).map(|j| lhs.at(0, j)).collect();
+        let two = [row.as_slice(), row.as_slice()].concat();
+        let mut out = vec![0f32; 2 * n];
+        if accumulate {
+            out[..n].copy_from_slice(&dst.data[..n]);
+        }
+        product(
+            &mut MatMut::new(&mut out, 2, n, n),
+            Mat::new(&two, 2, k),
+            rhs,
+            beta,
+            accumulate,
+            Parallelism::None,
+        );
+        dst.data[..n].copy_from_slice(&out[..n]);
+        return;
+    }
     let threads = rayon::current_num_threads();
     if m * n * k >= PARALLEL_WORK && threads > 1 && m >= threads * MIN_SPLIT_ROWS {
         // Row blocks on separate threads, each a single-threaded product: measured
@@ -299,6 +322,44 @@ mod tests {
                 ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 97) as f32 / 97.0 - 0.5
             })
             .collect()
+    }
+
+    /// A row's numbers do not depend on how many rows share its product: one row alone,
+    /// among 20, and among 301 (split across threads), bit for bit, plain and
+    /// accumulating (widths of a real model's projections: the gemm crate's own kernel
+    /// for products of at most 256 outputs sums differently, and no real projection is
+    /// that narrow).
+    #[test]
+    fn a_rows_product_is_the_same_bits_alone_and_among_others() {
+        let (k, n) = (300, 576);
+        let b = data(k * n, 5);
+        for m in [20, 301] {
+            let a = data(m * k, 6);
+            for accumulate in [false, true] {
+                let mut all = data(m * n, 7);
+                gemm(
+                    &mut MatMut::new(&mut all, m, n, n),
+                    Mat::new(&a, m, k),
+                    Mat::new(&b, k, n),
+                    0.5,
+                    accumulate,
+                );
+                for r in [0, m / 2, m - 1] {
+                    let mut one = data(m * n, 7)[r * n..(r + 1) * n].to_vec();
+                    gemm(
+                        &mut MatMut::new(&mut one, 1, n, n),
+                        Mat::new(&a[r * k..(r + 1) * k], 1, k),
+                        Mat::new(&b, k, n),
+                        0.5,
+                        accumulate,
+                    );
+                    assert!(
+                        one == all[r * n..(r + 1) * n],
+                        "row {r} of {m}, accumulate {accumulate}"
+                    );
+                }
+            }
+        }
     }
 
     /// 37 rows: one product; 301 rows: split into row blocks across threads.

@@ -1,9 +1,11 @@
 //! The optimizer's kernels: the gradient norm and the AdamW step. An adapter has hundreds
 //! of small parameters (420 for SmolLM2's seven projections), so both run over all of
 //! them in one launch, each tensor found through a table of device pointers, instead of
-//! one launch (and three allocations) per tensor.
+//! one launch per tensor.
 
-use candle_core::cuda_backend::cudarc::driver::{CudaView, DevicePtr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaView, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, Result, Tensor};
 
@@ -146,8 +148,9 @@ pub fn adamw(
 pub type AdamwTensors<'a> = (&'a Tensor, &'a Tensor, &'a Tensor, &'a Tensor);
 
 /// [`adamw`] of many parameters (on one GPU) in one launch: each one's new `(param, m,
-/// v)`, in order, the same numbers [`adamw`] gives. The new tensors are views into three
-/// buffers allocated once for all of them.
+/// v)`, in order, the same numbers [`adamw`] gives, each in its own allocation (a view
+/// into a buffer shared by all would make every copy of one parameter to the host copy
+/// the whole buffer, as candle copies a view's storage whole).
 pub fn adamw_many(
     items: &[AdamwTensors<'_>],
     s: &AdamwStep,
@@ -173,12 +176,11 @@ pub fn adamw_many(
         ]);
     }
     let lens: Vec<usize> = contiguous.iter().map(|c| c[0].elem_count()).collect();
-    let total: usize = lens.iter().sum();
-    let mut outs = [
-        alloc(&dev, total)?,
-        alloc(&dev, total)?,
-        alloc(&dev, total)?,
-    ];
+    // The new param, m and v of every parameter; the kernel writes every element.
+    let mut outs: Vec<[CudaSlice<f32>; 3]> = lens
+        .iter()
+        .map(|&n| Ok([alloc(&dev, n)?, alloc(&dev, n)?, alloc(&dev, n)?]))
+        .collect::<Result<_>>()?;
     {
         let inputs: Vec<Input<'_>> = contiguous
             .iter()
@@ -189,24 +191,24 @@ pub fn adamw_many(
             .iter()
             .map(|i| i.view::<f32>())
             .collect::<Result<_>>()?;
-        let mut guards = Vec::with_capacity(views.len() + 3);
-        let mut bases = [0u64; 3];
-        for (base, out) in bases.iter_mut().zip(&mut outs) {
-            let (p, g) = out.device_ptr(&stream);
-            *base = p;
-            guards.push(g);
-        }
-        // Seven pointers per parameter: param, grad, m, v, then its part of each output.
+        // The pointers stay valid while the views (and their storage locks) and the
+        // outputs live, past the launch; the guards record the buffers' use on the
+        // stream when dropped.
+        let mut read_guards = Vec::with_capacity(views.len());
+        let mut write_guards = Vec::with_capacity(3 * outs.len());
+        // Seven pointers per parameter: param, grad, m, v, then its new param, m, v.
         let mut ptrs = Vec::with_capacity(7 * items.len());
-        let mut at = 0u64;
-        for (i, &n) in lens.iter().enumerate() {
-            for v in &views[4 * i..4 * i + 4] {
+        for (ins, out) in views.chunks_exact(4).zip(&mut outs) {
+            for v in ins {
                 let (p, g) = v.device_ptr(&stream);
                 ptrs.push(p);
-                guards.push(g);
+                read_guards.push(g);
             }
-            ptrs.extend(bases.iter().map(|b| b + 4 * at));
-            at += n as u64;
+            for o in out.iter_mut() {
+                let (p, g) = o.device_ptr_mut(&stream);
+                ptrs.push(p);
+                write_guards.push(g);
+            }
         }
         let lens64: Vec<i64> = lens.iter().map(|&n| n as i64).collect();
         let ptrs = stream.clone_htod(&ptrs).w()?;
@@ -228,15 +230,19 @@ pub fn adamw_many(
                 shared_mem_bytes: 0,
             },
         )?;
-        drop(guards);
+        drop(write_guards);
+        drop(read_guards);
     }
-    let [p_all, m_all, v_all] = outs.map(|o| tensor(&dev, o, total.max(1)));
-    let mut out = Vec::with_capacity(items.len());
-    let mut at = 0;
-    for (c, &n) in contiguous.iter().zip(&lens) {
-        let part = |all: &Tensor| all.narrow(0, at, n)?.reshape(c[0].shape());
-        out.push((part(&p_all)?, part(&m_all)?, part(&v_all)?));
-        at += n;
-    }
-    Ok(out)
+    Ok(outs
+        .into_iter()
+        .zip(&contiguous)
+        .map(|([p, m, v], c)| {
+            let shape = c[0].shape();
+            (
+                tensor(&dev, p, shape.clone()),
+                tensor(&dev, m, shape.clone()),
+                tensor(&dev, v, shape.clone()),
+            )
+        })
+        .collect())
 }
