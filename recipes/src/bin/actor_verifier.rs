@@ -79,6 +79,10 @@ struct Args {
     /// approved, different ones rejected) before its own.
     #[arg(long, requires = "recompute")]
     verdict_examples: bool,
+    /// The verifier's Adam learning rate (default: `--lr`), where the verifier has its
+    /// own session.
+    #[arg(long, conflicts_with = "single_agent")]
+    verifier_lr: Option<f64>,
 }
 
 const SOLVER: usize = 0;
@@ -305,6 +309,7 @@ struct ActorVerifier {
     verifier_temperature: Option<f64>,
     recompute: bool,
     verdict_examples: bool,
+    verifier_lr: Option<f64>,
     train: Vec<Problem>,
     held_out: Vec<Problem>,
 }
@@ -429,12 +434,17 @@ impl Recipe for ActorVerifier {
         ]
     }
 
+    fn lr(&self, role: usize) -> Option<f64> {
+        self.verifier_lr.filter(|_| role == VERIFIER)
+    }
+
     fn settings(&self) -> String {
         format!(
-            "verify={} group={} loss={:?} keep_zero_adv={} balance={} verifier_temperature={:?} max_operand={}{}{}",
+            "verify={} group={} loss={:?} keep_zero_adv={} balance={} verifier_temperature={:?} max_operand={}{}{}{}",
             self.verify, self.group, self.loss, self.keep_zero_adv, self.balance, self.verifier_temperature, self.max_operand,
             later_setting("recompute", self.recompute, true),
             later_setting("verdict_examples", self.verdict_examples, true),
+            later_setting("verifier_lr", self.verifier_lr.is_some(), self.verifier_lr.unwrap_or(0.0)),
         )
     }
 }
@@ -465,9 +475,16 @@ async fn main() -> anyhow::Result<()> {
         verifier_temperature: args.verifier_temperature,
         recompute: args.recompute,
         verdict_examples: args.verdict_examples,
+        verifier_lr: args.verifier_lr,
         train,
         held_out,
     };
+    if let Some(lr) = args.verifier_lr {
+        anyhow::ensure!(
+            lr.is_finite() && lr > 0.0,
+            "--verifier-lr must be a positive number, got {lr}"
+        );
+    }
     run(&recipe, c).await?;
     Ok(())
 }
@@ -642,6 +659,7 @@ mod tests {
             verifier_temperature: None,
             recompute: false,
             verdict_examples: false,
+            verifier_lr: None,
             train: Vec::new(),
             held_out: Vec::new(),
         };

@@ -130,6 +130,12 @@ pub trait Recipe {
     fn queued(&self, _role: usize) -> Option<Queued> {
         None
     }
+    /// `role`'s own Adam learning rate, where it differs from `--lr` (a role that
+    /// collapses within one update at the team's rate, say). Roles that share a session
+    /// train at `--lr` unless they all name the same rate.
+    fn lr(&self, _role: usize) -> Option<f64> {
+        None
+    }
     /// Environments a queued role's learner plays from its newest weights before an
     /// update and trains on with the queued replies (the patient's drills), given the
     /// [`crate::env::Episode::source`]s of the update's queued episodes; `cursor` is the

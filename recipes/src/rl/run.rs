@@ -383,6 +383,11 @@ struct Loop<'a, R: Recipe> {
 }
 
 impl<R: Recipe> Loop<'_, R> {
+    /// Session `s`'s learning rate ([`session_lr`]).
+    fn session_lr(&self, s: usize) -> f64 {
+        super::sessions::session_lr(&self.team.of_role, |r| self.recipe.lr(r), s, self.args.lr)
+    }
+
     /// The policy of `role`: its queued learner's newest weights, or its session's
     /// `samplers` entry (published at the start of the step).
     fn policy(
@@ -596,10 +601,12 @@ impl<R: Recipe> Loop<'_, R> {
             }
         }
         let queued: Vec<bool> = queues.iter().map(Option::is_some).collect();
-        let adam = AdamParams {
-            learning_rate: self.args.lr,
-            ..Default::default()
-        };
+        let adam: Vec<AdamParams> = (0..self.team.count())
+            .map(|s| AdamParams {
+                learning_rate: self.session_lr(s),
+                ..Default::default()
+            })
+            .collect();
         let objective = self.recipe.objective();
         // The penalty covers the on-policy roles' replies (the queued ones' learners
         // take their own).
@@ -615,7 +622,7 @@ impl<R: Recipe> Loop<'_, R> {
         };
         let update = Update {
             objective: &objective,
-            adam,
+            adam: &adam,
             penalty: penalty.as_ref(),
         };
         let mut record =

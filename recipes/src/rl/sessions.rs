@@ -173,12 +173,12 @@ impl Kl<'_> {
     }
 }
 
-/// What one step's update is: the objective, the optimizer's parameters and, under a KL
-/// penalty, the penalty the RL datums carry.
+/// What one step's update is: the objective, each session's optimizer parameters and,
+/// under a KL penalty, the penalty the RL datums carry.
 #[derive(Clone, Copy)]
 pub(super) struct Update<'a> {
     pub(super) objective: &'a Objective,
-    pub(super) adam: AdamParams,
+    pub(super) adam: &'a [AdamParams],
     pub(super) penalty: Option<&'a Penalty>,
 }
 
@@ -241,7 +241,7 @@ pub(super) async fn train_step(
     }
     // Each session's datums: its roles' in role order, with each role's index range.
     let mut pending: Vec<(RoleRanges, Step)> = Vec::new();
-    for s in 0..team.count() {
+    for (s, &adam) in adam.iter().enumerate().take(team.count()) {
         let mut data: Vec<Datum> = Vec::new();
         let mut ranges = Vec::new();
         for (r, role_data) in per_role.iter().enumerate() {
@@ -288,4 +288,38 @@ pub(super) async fn save_states(
         out.push((label, future.result().await?.to_string()));
     }
     Ok(out)
+}
+
+/// Session `s`'s learning rate, `of_role[r]` being role `r`'s session: its roles' own
+/// (`own(r)`, [`super::Recipe::lr`]) where they all name the same one, else `default` (`--lr`).
+pub(super) fn session_lr(
+    of_role: &[usize],
+    own: impl Fn(usize) -> Option<f64>,
+    s: usize,
+    default: f64,
+) -> f64 {
+    let mut rates = (0..of_role.len()).filter(|&r| of_role[r] == s).map(own);
+    match rates.next().flatten() {
+        Some(lr) if rates.all(|o| o == Some(lr)) => lr,
+        _ => default,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::session_lr;
+
+    #[test]
+    fn a_session_trains_at_its_roles_own_rate_only_when_they_agree() {
+        // Two roles, one session each: the second names its own rate.
+        let own = |r: usize| (r == 1).then_some(1e-4);
+        assert_eq!(session_lr(&[0, 1], own, 0, 5e-4), 5e-4);
+        assert_eq!(session_lr(&[0, 1], own, 1, 5e-4), 1e-4);
+        // Both roles in one session (the fallback): they disagree, so `--lr`.
+        assert_eq!(session_lr(&[0, 0], own, 0, 5e-4), 5e-4);
+        // ... unless both name the same rate.
+        assert_eq!(session_lr(&[0, 0], |_| Some(2e-4), 0, 5e-4), 2e-4);
+        // A session with no role keeps `--lr`.
+        assert_eq!(session_lr(&[0, 0], |_| Some(2e-4), 1, 5e-4), 5e-4);
+    }
 }
