@@ -111,6 +111,23 @@ struct Coefs {
     step_size: f64,
 }
 
+impl Coefs {
+    /// The scalars as the GPU kernels take them, in f32.
+    #[cfg(feature = "cuda")]
+    fn on_gpu(&self) -> cuda::AdamwStep {
+        let f = |x: f64| x as f32;
+        cuda::AdamwStep {
+            grad_scale: f(self.grad_scale),
+            decay: f(self.decay),
+            beta1: f(self.beta1),
+            beta2: f(self.beta2),
+            bc2_sqrt: f(self.bc2_sqrt),
+            eps: f(self.eps),
+            step_size: f(self.step_size),
+        }
+    }
+}
+
 /// One parameter tensor's update, in torch's order of operations.
 fn update(
     be: Backend,
@@ -130,17 +147,7 @@ fn update(
         .into_iter()
         .all(|t| be.cuda(t))
     {
-        let f = |x: f64| x as f32;
-        let step = cuda::AdamwStep {
-            grad_scale: f(c.grad_scale),
-            decay: f(c.decay),
-            beta1: f(c.beta1),
-            beta2: f(c.beta2),
-            bc2_sqrt: f(c.bc2_sqrt),
-            eps: f(c.eps),
-            step_size: f(c.step_size),
-        };
-        (*param, mom.m, mom.v) = cuda::adamw(param, grad, &mom.m, &mom.v, &step)?;
+        (*param, mom.m, mom.v) = cuda::adamw(param, grad, &mom.m, &mom.v, &c.on_gpu())?;
         return Ok(());
     }
     let g = (grad * c.grad_scale)?;
@@ -174,17 +181,7 @@ fn step_on_gpu(
     if items.is_empty() || !items.iter().all(on_gpu) {
         return Ok(false);
     }
-    let f = |x: f64| x as f32;
-    let step = cuda::AdamwStep {
-        grad_scale: f(c.grad_scale),
-        decay: f(c.decay),
-        beta1: f(c.beta1),
-        beta2: f(c.beta2),
-        bc2_sqrt: f(c.bc2_sqrt),
-        eps: f(c.eps),
-        step_size: f(c.step_size),
-    };
-    let mut updated = cuda::adamw_many(&items, &step)?.into_iter();
+    let mut updated = cuda::adamw_many(&items, &c.on_gpu())?.into_iter();
     for target in grads.pairs.keys() {
         let pair = adapter
             .pairs

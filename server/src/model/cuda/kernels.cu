@@ -198,6 +198,21 @@ extern "C" __global__ void logprobs_at_backward_f32(const float* logits, const f
         }
 }
 
+// Element i of one AdamW step, in torch's order of operations, in f32.
+__device__ __forceinline__ void adamw_at(int64_t i, const float* p, const float* g,
+                                         const float* m, const float* v, float* p_out,
+                                         float* m_out, float* v_out, float grad_scale,
+                                         float decay, float beta1, float beta2,
+                                         float bc2_sqrt, float eps, float step_size) {
+    const float gi = g[i] * grad_scale;
+    const float mi = m[i] * beta1 + gi * (1.0f - beta1);
+    const float vi = v[i] * beta2 + gi * gi * (1.0f - beta2);
+    const float denom = sqrtf(vi) / bc2_sqrt + eps;
+    p_out[i] = p[i] * decay - mi / denom * step_size;
+    m_out[i] = mi;
+    v_out[i] = vi;
+}
+
 // One AdamW step of one parameter, in torch's order of operations, in f32, into fresh
 // outputs: parameters are shared with sampler snapshots, so they are never written in
 // place. Unlike the CPU backend's loop, 1 - beta is taken in f32 from the rounded betas
@@ -208,15 +223,9 @@ extern "C" __global__ void adamw_f32(const float* p, const float* g, const float
                                      int64_t n, float grad_scale, float decay, float beta1,
                                      float beta2, float bc2_sqrt, float eps, float step_size) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
-         i += (int64_t)gridDim.x * blockDim.x) {
-        const float gi = g[i] * grad_scale;
-        const float mi = m[i] * beta1 + gi * (1.0f - beta1);
-        const float vi = v[i] * beta2 + gi * gi * (1.0f - beta2);
-        const float denom = sqrtf(vi) / bc2_sqrt + eps;
-        p_out[i] = p[i] * decay - mi / denom * step_size;
-        m_out[i] = mi;
-        v_out[i] = vi;
-    }
+         i += (int64_t)gridDim.x * blockDim.x)
+        adamw_at(i, p, g, m, v, p_out, m_out, v_out, grad_scale, decay, beta1, beta2,
+                 bc2_sqrt, eps, step_size);
 }
 
 // sum(x^2) of many f32 tensors in one launch, accumulated in double: block t sums
@@ -238,7 +247,7 @@ extern "C" __global__ void sum_squares_many_f32(const uint64_t* ptrs, const int6
 
 // adamw_f32 of many parameters in one launch: blockIdx.y picks the parameter, whose seven
 // pointers (p, g, m, v, p_out, m_out, v_out) are ptrs[7 t ..], and the blocks along x
-// stride over its lens[t] elements. The arithmetic is adamw_f32's, element for element.
+// stride over its lens[t] elements (adamw_at, as adamw_f32).
 extern "C" __global__ void adamw_many_f32(const uint64_t* ptrs, const int64_t* lens,
                                           float grad_scale, float decay, float beta1,
                                           float beta2, float bc2_sqrt, float eps,
@@ -254,15 +263,9 @@ extern "C" __global__ void adamw_many_f32(const uint64_t* ptrs, const int64_t* l
     float* v_out = (float*)q[6];
     const int64_t n = lens[t];
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
-         i += (int64_t)gridDim.x * blockDim.x) {
-        const float gi = g[i] * grad_scale;
-        const float mi = m[i] * beta1 + gi * (1.0f - beta1);
-        const float vi = v[i] * beta2 + gi * gi * (1.0f - beta2);
-        const float denom = sqrtf(vi) / bc2_sqrt + eps;
-        p_out[i] = p[i] * decay - mi / denom * step_size;
-        m_out[i] = mi;
-        v_out[i] = vi;
-    }
+         i += (int64_t)gridDim.x * blockDim.x)
+        adamw_at(i, p, g, m, v, p_out, m_out, v_out, grad_scale, decay, beta1, beta2,
+                 bc2_sqrt, eps, step_size);
 }
 
 // One decode step of attention for many sequences at once, each with its own KV cache
