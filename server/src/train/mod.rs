@@ -65,10 +65,9 @@ pub struct DatumResult {
 /// sums over datums, so the gradients of the passes add up to the gradient of the whole
 /// batch, up to float summation order.
 ///
-/// The bound is on memory. A pass keeps about 1 MB of activations per token for the
-/// backward pass (SmolLM2-135M, f32). Measured peak RSS: 1.5 GiB at 512 tokens,
-/// 4.6 GiB at 2048, 8.6 GiB at 4096. A 33K-token request (one doctor_patient_queue step)
-/// peaked at 14 GB as one pass. Tokens per second stay flat from 512 tokens per pass up.
+/// The bound is on memory: a pass keeps its activations (about 1 MB a token for
+/// SmolLM2-135M in f32) for the backward pass, so without it one large request could
+/// take the host's memory. ARCHITECTURE.md has the measured peaks and throughput.
 pub const PASS_TOKENS: usize = 1024;
 
 /// Most input tokens in one pass on a GPU: fewer passes, each a fixed set of kernel
