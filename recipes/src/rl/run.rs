@@ -383,7 +383,7 @@ struct Loop<'a, R: Recipe> {
 }
 
 impl<R: Recipe> Loop<'_, R> {
-    /// Session `s`'s learning rate ([`session_lr`]).
+    /// Session `s`'s learning rate (`sessions::session_lr`).
     fn session_lr(&self, s: usize) -> f64 {
         super::sessions::session_lr(&self.team.of_role, |r| self.recipe.lr(r), s, self.args.lr)
     }
