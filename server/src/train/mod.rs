@@ -65,14 +65,15 @@ pub struct DatumResult {
 /// sums over datums, so the gradients of the passes add up to the gradient of the whole
 /// batch, up to float summation order.
 ///
-/// The bound is on memory: a pass keeps its activations (about 1 MB a token for
-/// SmolLM2-135M in f32) for the backward pass, so without it one large request could
-/// take the host's memory. ARCHITECTURE.md has the measured peaks and throughput.
+/// The bound is on memory: a pass keeps every token's activations for the backward
+/// pass, so without it one large request could take the host's memory.
+/// ARCHITECTURE.md has the sizing and the measured peaks.
 pub const PASS_TOKENS: usize = 1024;
 
 /// Most input tokens in one pass on a GPU: fewer passes, each a fixed set of kernel
 /// launches, and larger products for the GPU to fill, while the activations of this
-/// many tokens (about 1 MB each, as above) fit a training GPU's memory beside the model.
+/// many tokens of the default model fit a training GPU's memory beside it
+/// (ARCHITECTURE.md has the sizing).
 pub const GPU_PASS_TOKENS: usize = 8192;
 
 /// The most input tokens of one pass of `model`: [`GPU_PASS_TOKENS`] on a GPU,
