@@ -39,6 +39,37 @@ pub fn batch_at<T: Clone>(items: &[T], step: usize, size: usize) -> Vec<T> {
         .collect()
 }
 
+/// `n` (at least 2) candidate solutions of an addition `p`, each `"<question's sum> =
+/// <value>"`, of which `right` (clamped to 1..n-1) say the answer and the others a
+/// non-negative value off by 1, 2 or 10 (distinct while there are at most 5 wrong ones);
+/// shuffled with `seed`. Returns the texts and which are right.
+pub fn candidates(p: &Problem, n: usize, right: usize, seed: u64) -> (Vec<String>, Vec<bool>) {
+    assert!(n >= 2, "an exam needs a right and a wrong candidate");
+    let mut rng = StdRng::seed_from_u64(seed);
+    let answer: i64 = p.answer.parse().expect("an addition's answer is a number");
+    let sum = p
+        .question
+        .trim_start_matches("What is ")
+        .trim_end_matches('?');
+    let right = right.clamp(1, n - 1);
+    let mut offsets: Vec<i64> = [-10, -2, -1, 1, 2, 10]
+        .into_iter()
+        .filter(|d| answer + d >= 0)
+        .collect();
+    offsets.shuffle(&mut rng);
+    let mut picked: Vec<(i64, bool)> = (0..n)
+        .map(|i| match i.checked_sub(right) {
+            None => (answer, true),
+            Some(k) => (answer + offsets[k % offsets.len()], false),
+        })
+        .collect();
+    picked.shuffle(&mut rng);
+    picked
+        .into_iter()
+        .map(|(v, ok)| (format!("{sum} = {v}"), ok))
+        .unzip()
+}
+
 /// A disease of the synthetic case table: its symptoms and what a doctor should say.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Disease {
@@ -157,6 +188,7 @@ pub fn cases(seed: u64, held_out: usize) -> (Vec<Case>, Vec<Case>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::grade::last_integer_reward;
 
     #[test]
     fn splits_are_disjoint_and_deterministic() {
@@ -199,5 +231,36 @@ mod tests {
         let vocab = symptom_vocabulary();
         assert_eq!(vocab.len(), 17);
         assert!(vocab.windows(2).all(|w| w[0].len() >= w[1].len()));
+    }
+
+    #[test]
+    fn candidates_are_some_right_some_wrong_by_distinct_offsets() {
+        let p = Problem {
+            question: "What is 12 + 9?".into(),
+            answer: "21".into(),
+        };
+        for right in 0..7 {
+            let (texts, ok) = candidates(&p, 5, right, 7);
+            let n_right = ok.iter().filter(|&&r| r).count();
+            assert_eq!(n_right, right.clamp(1, 4));
+            for (t, r) in texts.iter().zip(&ok) {
+                assert!(t.starts_with("12 + 9 = "));
+                assert_eq!(*r, last_integer_reward(t, "21") == 1.0, "{t}");
+            }
+            let wrong: std::collections::BTreeSet<&String> = texts
+                .iter()
+                .zip(&ok)
+                .filter(|(_, r)| !**r)
+                .map(|(t, _)| t)
+                .collect();
+            assert_eq!(wrong.len(), 5 - n_right, "distinct wrong values");
+        }
+        // Every offset that would go below zero is left out.
+        let small = Problem {
+            question: "What is 0 + 1?".into(),
+            answer: "1".into(),
+        };
+        let (texts, _) = candidates(&small, 5, 1, 3);
+        assert!(texts.iter().all(|t| !t.contains('-')), "{texts:?}");
     }
 }

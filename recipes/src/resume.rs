@@ -12,6 +12,7 @@ use anyhow::Context;
 use lathe::types::{CheckpointKind, CheckpointUri};
 use lathe::ServiceClient;
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
 
 use crate::run::LogLengths;
 
@@ -30,8 +31,10 @@ pub struct RunState {
     pub attempt: u32,
     /// Training steps done (the next step to run).
     pub completed_steps: usize,
-    /// The recipe's settings when the run started, for a warning when a resume differs.
-    pub settings: String,
+    /// The run's settings when it started (a JSON object of flags; a string from builds
+    /// before 2026-11-26), for a warning when a resume differs.
+    #[serde(default)]
+    pub settings: Value,
     /// Per session label (`A`, `solver`, `shared`, ...): its training state URI.
     pub checkpoints: Vec<(String, String)>,
     /// The held-out curves so far.
@@ -181,9 +184,60 @@ pub async fn sibling_states(
     Ok((step, found))
 }
 
+/// What differs between the settings a run was saved with (`then`) and a resume's
+/// (`now`), one line per flag (`lr: 0.0005 -> 0.0001`), or `None` when nothing does.
+/// Settings saved before they were a JSON object (a string) or not at all are not
+/// compared: a line says so.
+pub fn changed_settings(then: &Value, now: &Value) -> Option<Vec<String>> {
+    let (Value::Object(then), Value::Object(now)) = (then, now) else {
+        return match then {
+            Value::Null => None,
+            _ => Some(vec![
+                "(the run's settings were saved by an older build and cannot be compared)".into(),
+            ]),
+        };
+    };
+    let absent = Value::String("(absent)".into());
+    let mut names: Vec<&String> = then.keys().chain(now.keys()).collect();
+    names.sort();
+    names.dedup();
+    let changes: Vec<String> = names
+        .into_iter()
+        .filter_map(|name| {
+            let (a, b) = (
+                then.get(name).unwrap_or(&absent),
+                now.get(name).unwrap_or(&absent),
+            );
+            (a != b).then(|| format!("{name}: {a} -> {b}"))
+        })
+        .collect();
+    (!changes.is_empty()).then_some(changes)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn changed_settings_name_each_flag_that_differs() {
+        let then = json!({"lr": 0.0005, "group": 4, "loss": "Ppo"});
+        assert_eq!(changed_settings(&then, &then.clone()), None);
+        let now = json!({"lr": 0.0001, "group": 4, "drills": 2});
+        assert_eq!(
+            changed_settings(&then, &now).unwrap(),
+            vec![
+                "drills: \"(absent)\" -> 2",
+                "loss: \"Ppo\" -> \"(absent)\"",
+                "lr: 0.0005 -> 0.0001"
+            ]
+        );
+        // A run saved by an older build (a string) is not compared; one saved with no
+        // settings is not warned about.
+        let old = changed_settings(&json!("group=4 seed=0"), &now).unwrap();
+        assert!(old[0].contains("older build"), "{old:?}");
+        assert_eq!(changed_settings(&Value::Null, &now), None);
+    }
 
     #[test]
     fn checkpoint_names_round_trip() {
@@ -222,7 +276,7 @@ mod tests {
             tag: "t".into(),
             attempt: 1,
             completed_steps: 4,
-            settings: "s".into(),
+            settings: json!({"group": 4}),
             checkpoints: vec![("A".into(), "tinker://x/weights/y".into())],
             curves: vec![("acc".into(), vec![(0, 0.25)])],
             metrics_bytes: 10,

@@ -15,10 +15,15 @@ use crate::resume::ResumeFrom;
 
 /// Flags of every recipe. The recipe names its own defaults for the flags marked
 /// "recipe's default" through [`parse_args`], and `--help` shows them.
-#[derive(Args, Debug, Clone)]
+///
+/// Serialized, it holds the flags that change what a step computes (the run's settings,
+/// compared on resume): the step count, where and how often to save, and the session
+/// limits are left out.
+#[derive(Args, Debug, Clone, serde::Serialize)]
 pub struct CommonArgs {
     /// Training steps (recipe's default).
     #[arg(long)]
+    #[serde(skip)]
     pub steps: usize,
     /// Seed of data, sampling and adapters.
     #[arg(long, default_value_t = 0)]
@@ -44,11 +49,13 @@ pub struct CommonArgs {
     /// Save the training state (adapters and optimizer) every this many steps, and
     /// always at the end; 0 saves only at the end.
     #[arg(long, default_value_t = 5)]
+    #[serde(skip)]
     pub save_every: usize,
     /// Continue a run: its directory, or one of its training-state URIs
     /// (`tinker://<run>/weights/<name>`, as `summary.json` and the log print). Pass the
     /// run's other flags again; `--steps` may be raised to train further.
     #[arg(long, value_name = "RUN_DIR|URI")]
+    #[serde(skip)]
     pub resume: Option<ResumeFrom>,
     /// Weight of a KL penalty towards the base model on the sampled tokens an RL update
     /// trains on (after tinker-cookbook's `kl_penalty_coef`); 0 turns it off.
@@ -56,12 +63,15 @@ pub struct CommonArgs {
     pub kl_coef: f64,
     /// Use one session for every role even if more could be created.
     #[arg(long)]
+    #[serde(skip)]
     pub force_fallback: bool,
     /// Output directory (default `runs/<recipe>-<unix time>/`).
     #[arg(long)]
+    #[serde(skip)]
     pub out: Option<PathBuf>,
     /// Exit non-zero unless the recipe's stated criterion is met.
     #[arg(long)]
+    #[serde(skip)]
     pub check: bool,
     /// Model of the embedded server (when no TINKER_BASE_URL is set): `default`, a
     /// `.gguf` file or a Hugging Face directory.
@@ -71,6 +81,7 @@ pub struct CommonArgs {
     /// Limit of LoRA sessions of the embedded server (1 exercises the fallback).
     #[cfg(feature = "embedded")]
     #[arg(long, default_value_t = 8)]
+    #[serde(skip)]
     pub max_sessions: usize,
     /// Element type of the embedded server's base-model products in training and
     /// prefill.

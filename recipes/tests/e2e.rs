@@ -83,9 +83,25 @@ fn actor_verifier_runs_with_two_agents_alone_and_in_fallback() {
     let root = std::env::temp_dir().join(format!("lathe-recipes-av-{}", std::process::id()));
     let model = tiny_model(&root.join("model"));
     let bin = env!("CARGO_BIN_EXE_actor_verifier");
-    let s = run_recipe(bin, &model, &root.join("two"), &["--group", "2"]);
+    let drilled = ["--group", "2", "--verifier-drills", "1"];
+    let s = run_recipe(bin, &model, &root.join("two"), &drilled);
     assert_eq!(s["mode"], "two-agent");
     assert_eq!(s["checkpoints"].as_object().unwrap().len(), 2);
+    assert!(s["held_out"]["drills: verifier accuracy"]["after"].is_number());
+    // The summary records the recipe's flags and the common ones that change a step.
+    let settings = &s["settings"];
+    assert_eq!(
+        (
+            settings["verifier_drills"].as_u64(),
+            settings["group"].as_u64()
+        ),
+        (Some(1), Some(2))
+    );
+    assert_eq!(
+        (settings["seed"].as_u64(), settings["batch"].is_u64()),
+        (Some(0), true)
+    );
+    assert!(settings.get("out").is_none() && settings.get("steps").is_none());
     let s = run_recipe(
         bin,
         &model,
@@ -111,6 +127,7 @@ fn solve_rewrite_select_runs() {
     let s = run_recipe(bin, &model, &root.join("run"), &["--num-parallel", "2"]);
     assert_eq!(s["mode"], "shared-policy");
     assert_eq!(s["num_parallel"], 2);
+    assert_eq!(s["settings"]["num_parallel"], 2);
     let _ = std::fs::remove_dir_all(root);
 }
 

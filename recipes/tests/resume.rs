@@ -98,7 +98,12 @@ fn half_a_run_resumed_equals_the_whole_run() {
         .unwrap();
     assert!(!again.success(), "a fresh run overwrote a finished one");
     assert_eq!(state(&halves)["completed_steps"], 2);
-    run(recipe(&model, 4, &["--resume", halves.to_str().unwrap()]));
+    let resumed = recipe(&model, 4, &["--resume", halves.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(resumed.status.success());
+    let said = String::from_utf8_lossy(&resumed.stderr);
+    assert!(!said.contains("other settings"), "{said}");
     assert_eq!(state(&halves)["attempt"], 1);
     let summary: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(halves.join("summary.json")).unwrap())
@@ -132,6 +137,18 @@ fn half_a_run_resumed_equals_the_whole_run() {
     run(recipe(&model, 5, &["--out", five.to_str().unwrap()]));
     assert_eq!(metrics(&straight), metrics(&five));
     assert_eq!(final_adapters(&straight, 5), final_adapters(&five, 5));
+
+    // A resume with another flag is warned about, naming the flag.
+    let f = five.to_str().unwrap();
+    let changed = recipe(&model, 6, &["--resume", f, "--lr", "1e-3"])
+        .output()
+        .unwrap();
+    assert!(changed.status.success());
+    let said = String::from_utf8_lossy(&changed.stderr);
+    assert!(
+        said.contains("other settings") && said.contains("lr: 0.0005 -> 0.001"),
+        "{said}"
+    );
     let _ = std::fs::remove_dir_all(root);
 }
 

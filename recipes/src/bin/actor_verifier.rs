@@ -9,7 +9,9 @@
 //! are balanced by default (an addition to AstraFlow): each is compared with the step's
 //! verdicts on answers of the same correctness, and right and wrong answers weigh the
 //! same, so rejecting everything while the solver is mostly wrong earns nothing
-//! (`--no-balance`: AstraFlow's per-problem baseline). `--single-agent` trains the
+//! (`--no-balance`: AstraFlow's per-problem baseline). `--verifier-drills` adds verdicts
+//! on written sums in contrast pairs, one right and one wrong answer to the same problem
+//! (balanced data, another addition). `--single-agent` trains the
 //! solver alone with the same problems, steps and group; when the second session cannot be
 //! created (or with `--force-fallback`) one session plays both roles.
 //!
@@ -22,19 +24,21 @@
 use clap::{Parser, ValueEnum};
 use lathe::types::LossFn;
 use lathe_recipes::credit::{Credit, Normalise, Objective};
-use lathe_recipes::data::{addition, batch_at, Problem};
+use lathe_recipes::data::{addition, batch_at, candidates, Problem};
 use lathe_recipes::env::{rate, Env, EnvGroup, Episode, Observation, Reply, Transition};
-use lathe_recipes::grade::{last_integer, last_integer_reward, verdict};
-use lathe_recipes::play::Sampling;
-use lathe_recipes::rl::{later_setting, run, Bar, Criterion, Curve, Recipe};
+use lathe_recipes::grade::{last_integer_reward, verdict};
+use lathe_recipes::play::{mix_seed, Sampling};
+use lathe_recipes::rl::{run, settings_of, Bar, Criterion, Curve, Recipe};
 use lathe_recipes::run::Curves;
 use lathe_recipes::setup::{init_tracing, parse_args, CommonArgs};
+use serde::Serialize;
+use serde_json::Value;
 
 /// The embedded server's tensors are large and short-lived: see `lathe_server::memory`.
 #[global_allocator]
 static GLOBAL: lathe_server::memory::MiMalloc = lathe_server::memory::MiMalloc;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
 enum Loss {
     /// Tinker's `importance_sampling`.
     ImportanceSampling,
@@ -43,10 +47,11 @@ enum Loss {
 }
 
 /// A solver and a verifier, trained together with per-agent group-normalised RL.
-#[derive(Parser, Debug)]
+#[derive(Parser, Debug, Serialize)]
 #[command(name = "actor_verifier", about)]
 struct Args {
     #[command(flatten)]
+    #[serde(skip)]
     common: CommonArgs,
     /// Train the solver alone (AstraFlow's single-agent baseline).
     #[arg(long)]
@@ -70,27 +75,21 @@ struct Args {
     /// The verifier's training temperature (default: `--temperature`).
     #[arg(long, conflicts_with = "single_agent")]
     verifier_temperature: Option<f64>,
-    /// The verifier first answers the problem itself (a turn rewarded like the solver's),
-    /// then gives its verdict with both final numbers in view. Needs the balanced credit,
-    /// which compares verdicts only with verdicts.
-    #[arg(long, conflicts_with_all = ["single_agent", "no_balance"])]
-    recompute: bool,
-    /// With `--recompute`: show the verifier two worked verdicts (equal numbers
-    /// approved, different ones rejected) before its own.
-    #[arg(long, requires = "recompute")]
-    verdict_examples: bool,
     /// The verifier's Adam learning rate (default: `--lr`), where the verifier has its
     /// own session.
     #[arg(long, conflicts_with = "single_agent")]
     verifier_lr: Option<f64>,
+    /// Verdict drills per training problem, in contrast pairs: the problem's sum written
+    /// once with its answer and once off by 1, 2 or 10, each judged by the verifier and
+    /// trained on beside the chains (0: the verifier learns from the solver's answers only).
+    #[arg(long, default_value_t = 0, conflicts_with_all = ["single_agent", "no_balance"])]
+    verifier_drills: usize,
 }
 
 const SOLVER: usize = 0;
 const VERIFIER: usize = 1;
 const SOLVER_TOKENS: usize = 16;
 const VERIFIER_TOKENS: usize = 4;
-/// The verifier's own answer with `--recompute`: a line, like the solver's.
-const RECOMPUTE_TOKENS: usize = SOLVER_TOKENS;
 /// The criterion's gain, calibrated from measured runs (`recipes/actor_verifier.md`).
 const CRITERION_GAIN: f64 = 0.15;
 
@@ -120,38 +119,10 @@ fn verifier_prompt(p: &Problem, solution: &str) -> String {
     )
 }
 
-/// The verifier's first turn with `--recompute`: the problem, to answer itself.
-fn recompute_prompt(p: &Problem) -> String {
+/// The team context of a retry: the rejected solution and the verifier's output on it.
+fn retry_context(solution: &str, review: &str) -> String {
     format!(
-        "{}\n# Your role: Verifier. Before checking the Solver, solve the problem yourself and end with the final number.\nSolution:",
-        environment(p)
-    )
-}
-
-/// Two worked verdicts shown before the verifier's own with `--verdict-examples`.
-const VERDICT_EXAMPLES: &str = "# Examples\nThe Solver's final number: 17. Your own final number: 17. Verdict: <verify>approve</verify>\nThe Solver's final number: 15. Your own final number: 17. Verdict: <verify>reject</verify>\n";
-
-/// The verifier's verdict turn with `--recompute`: the Solver's final number beside its
-/// own (after worked verdicts when `examples`), ending in the opening tag of its verdict.
-fn compare_prompt(p: &Problem, solution: &str, own: &str, examples: bool) -> String {
-    let number = |text: &str| last_integer(text).map_or("(none)".to_string(), |n| n.to_string());
-    format!(
-        "{}\n{}# The Solver's final number: {}\n# Your own final number: {}\n# Your role: Verifier. Answer <verify>approve</verify> if the Solver is correct, <verify>reject</verify> if not.\nVerdict: <verify>",
-        environment(p),
-        if examples { VERDICT_EXAMPLES } else { "" },
-        number(solution),
-        number(own)
-    )
-}
-
-/// The team context of a retry: the rejected solution and the verifier's output on it
-/// (with `--recompute`, its own final number first).
-fn retry_context(solution: &str, own: Option<&str>, review: &str) -> String {
-    let own = own
-        .and_then(last_integer)
-        .map_or(String::new(), |n| format!("my answer is {n}. "));
-    format!(
-        "Solver: {}\nVerifier: {own}<verify>{}",
+        "Solver: {}\nVerifier: <verify>{}",
         solution.trim(),
         review.trim()
     )
@@ -191,54 +162,22 @@ fn verifier_reward(review: &str, solver_reward: f64) -> f64 {
 struct Chain {
     problem: Problem,
     verify: bool,
-    /// The verifier answers the problem itself before its verdict (`--recompute`).
-    recompute: bool,
-    /// Worked verdicts in the comparison's prompt (`--verdict-examples`).
-    examples: bool,
     replies: Vec<Reply>,
-}
-
-impl Chain {
-    /// The verifier's turns: its own answer (with `--recompute`), then its verdict.
-    fn verifier_turns(&self) -> usize {
-        if self.recompute {
-            2
-        } else {
-            1
-        }
-    }
 }
 
 impl Env for Chain {
     fn initial_observations(&mut self) -> Vec<Observation> {
-        vec![Observation::line(
-            SOLVER,
-            solver_prompt(&self.problem, None),
-            SOLVER_TOKENS,
-        )]
+        let prompt = solver_prompt(&self.problem, None);
+        vec![Observation::line(SOLVER, prompt, SOLVER_TOKENS)]
     }
 
     fn step(&mut self, mut replies: Vec<Reply>) -> Vec<Observation> {
         self.replies.append(&mut replies);
         let text = |i: usize| self.replies[i].sample.text.as_str();
-        let verdict_at = self.verifier_turns();
         match self.replies.len() {
-            1 if self.verify && self.recompute => {
-                let prompt = recompute_prompt(&self.problem);
-                vec![Observation::line(VERIFIER, prompt, RECOMPUTE_TOKENS)]
-            }
-            n if self.verify && n == verdict_at => {
-                let prompt = if self.recompute {
-                    compare_prompt(&self.problem, text(0), text(1), self.examples)
-                } else {
-                    verifier_prompt(&self.problem, text(0))
-                };
-                vec![Observation::line(VERIFIER, prompt, VERIFIER_TOKENS)
-                    .stop_at(&["</verify>", "\n"])]
-            }
-            n if self.verify && n == verdict_at + 1 && !decision(text(verdict_at)).0 => {
-                let own = self.recompute.then(|| text(1));
-                let context = retry_context(text(0), own, text(verdict_at));
+            1 if self.verify => vec![review(&self.problem, text(0))],
+            2 if !decision(text(1)).0 => {
+                let context = retry_context(text(0), text(1));
                 let prompt = solver_prompt(&self.problem, Some(&context));
                 vec![Observation::line(SOLVER, prompt, SOLVER_TOKENS)]
             }
@@ -258,34 +197,14 @@ impl Env for Chain {
         e.metrics.insert("final_correct".into(), first_reward);
         e.transitions
             .push(Transition::new(SOLVER, first, first_reward, 0));
-        if self.recompute {
-            if let Some(own) = replies.next() {
-                let reward = last_integer_reward(&own.sample.text, answer);
-                e.metrics.insert("verifier_own_correct".into(), reward);
-                e.transitions
-                    .push(Transition::new(VERIFIER, own, reward, 0));
-            }
-        }
-        let verdict_position = usize::from(self.recompute);
         if let Some(review) = replies.next() {
             let (approved, parsed) = decision(&review.sample.text);
-            let reward = verifier_reward(&review.sample.text, first_reward);
-            e.metrics.insert("verifier_accuracy".into(), reward);
             e.metrics.insert("approve_rate".into(), rate(approved));
             e.metrics.insert("parsed_rate".into(), rate(parsed));
             e.metrics.insert("retry_rate".into(), rate(!approved));
-            let judged_right = first_reward > 0.5;
-            let class = if judged_right {
-                "approve_right"
-            } else {
-                "reject_wrong"
-            };
-            e.metrics
-                .insert(class.into(), rate(approved == judged_right));
-            e.transitions.push(
-                Transition::new(VERIFIER, review, reward, verdict_position)
-                    .in_class(usize::from(judged_right)),
-            );
+            let verdict = judged(review, first_reward > 0.5, "verifier_accuracy");
+            e.metrics.extend(verdict.metrics);
+            e.transitions.extend(verdict.transitions);
         }
         if let Some(retry) = replies.next() {
             let reward = last_integer_reward(&retry.sample.text, answer);
@@ -297,32 +216,99 @@ impl Env for Chain {
     }
 }
 
+/// The verifier's observation of `solution` to `problem`.
+fn review(problem: &Problem, solution: &str) -> Observation {
+    let prompt = verifier_prompt(problem, solution);
+    Observation::line(VERIFIER, prompt, VERIFIER_TOKENS).stop_at(&["</verify>", "\n"])
+}
+
+/// A verdict on an answer that was `right`: its reward under `accuracy`, and whether
+/// the answer was approved when right or rejected when wrong (an undecidable verdict
+/// counting as approve, as in the chain) under its class's metric. Its class, for the
+/// balanced credit, is the answer's correctness.
+fn judged(review: Reply, right: bool, accuracy: &str) -> Episode {
+    let reward = verifier_reward(&review.sample.text, rate(right));
+    let class = if right {
+        "approve_right"
+    } else {
+        "reject_wrong"
+    };
+    let mut e = Episode::default();
+    e.metrics.insert(accuracy.into(), reward);
+    let approved = decision(&review.sample.text).0;
+    e.metrics.insert(class.into(), rate(approved == right));
+    e.transitions
+        .push(Transition::new(VERIFIER, review, reward, 0).in_class(usize::from(right)));
+    e
+}
+
+/// A verdict drill: the verifier judges a written solution whose correctness is known.
+struct Drill {
+    problem: Problem,
+    solution: String,
+    right: bool,
+    review: Option<Reply>,
+}
+
+impl Env for Drill {
+    fn initial_observations(&mut self) -> Vec<Observation> {
+        vec![review(&self.problem, &self.solution)]
+    }
+
+    fn step(&mut self, mut replies: Vec<Reply>) -> Vec<Observation> {
+        self.review = replies.pop();
+        Vec::new()
+    }
+
+    fn finish(self: Box<Self>) -> Episode {
+        let Some(review) = self.review else {
+            return Episode::default();
+        };
+        let mut e = judged(review, self.right, "drill_verifier_accuracy");
+        // The chains' class metrics are the verifier's on the solver's answers.
+        e.metrics.retain(|name, _| name.starts_with("drill"));
+        e
+    }
+}
+
+/// A contrast pair of drills on `problem` (its answer and a wrong one), from `seed`.
+fn drill_pair(problem: &Problem, seed: u64) -> Vec<Box<dyn Env>> {
+    let (texts, right) = candidates(problem, 2, 1, seed);
+    let drill = |(solution, right)| -> Box<dyn Env> {
+        Box::new(Drill {
+            problem: problem.clone(),
+            solution,
+            right,
+            review: None,
+        })
+    };
+    texts.into_iter().zip(right).map(drill).collect()
+}
+
 struct ActorVerifier {
-    max_operand: u32,
-    verify: bool,
-    group: usize,
-    batch: usize,
-    temperature: f64,
-    loss: Loss,
-    keep_zero_adv: bool,
-    balance: bool,
-    verifier_temperature: Option<f64>,
-    recompute: bool,
-    verdict_examples: bool,
-    verifier_lr: Option<f64>,
+    args: Args,
     train: Vec<Problem>,
     held_out: Vec<Problem>,
 }
 
 impl ActorVerifier {
+    fn verify(&self) -> bool {
+        !self.args.single_agent
+    }
+
     fn chain(&self, problem: &Problem) -> Box<dyn Env> {
         Box::new(Chain {
             problem: problem.clone(),
-            verify: self.verify,
-            recompute: self.recompute,
-            examples: self.verdict_examples,
+            verify: self.verify(),
             replies: Vec::new(),
         })
+    }
+
+    /// `--verifier-drills` contrast pairs on `problem`, from `seed`.
+    fn drills(&self, problem: &Problem, seed: u64) -> Vec<Box<dyn Env>> {
+        (0..self.args.verifier_drills as u64)
+            .flat_map(|d| drill_pair(problem, mix_seed(seed, &[d])))
+            .collect()
     }
 }
 
@@ -332,7 +318,7 @@ impl Recipe for ActorVerifier {
     }
 
     fn roles(&self) -> Vec<&'static str> {
-        if self.verify {
+        if self.verify() {
             vec!["solver", "verifier"]
         } else {
             vec!["solver"]
@@ -340,55 +326,65 @@ impl Recipe for ActorVerifier {
     }
 
     fn objective(&self) -> Objective {
-        let loss = match self.loss {
+        let loss = match self.args.loss {
             Loss::ImportanceSampling => LossFn::ImportanceSampling,
             Loss::Ppo => LossFn::Ppo,
         };
         let credit = Credit {
-            keep_zero: self.keep_zero_adv,
-            balance: self.balance,
+            keep_zero: self.args.keep_zero_adv,
+            balance: !self.args.no_balance,
             ..Credit::group(Normalise::Standardise)
         };
         Objective::Rl(loss, credit)
     }
 
     fn sampling(&self, role: usize) -> Sampling {
-        match (role, self.verifier_temperature) {
+        match (role, self.args.verifier_temperature) {
             (VERIFIER, Some(t)) => Sampling::at(t),
-            _ => Sampling::at(self.temperature),
+            _ => Sampling::at(self.args.common.temperature),
         }
     }
 
+    /// Each problem's chains, then its verdict drills in a group of their own (the
+    /// balanced credit compares verdicts across the step, whatever their group).
     fn groups(&self, step: usize) -> Vec<EnvGroup> {
-        batch_at(&self.train, step, self.batch)
-            .iter()
-            .map(|p| (0..self.group.max(1)).map(|_| self.chain(p)).collect())
-            .collect()
+        let c = &self.args.common;
+        let mut groups = Vec::new();
+        for (i, p) in batch_at(&self.train, step, c.batch).iter().enumerate() {
+            groups.push((0..self.args.group.max(1)).map(|_| self.chain(p)).collect());
+            let drills = self.drills(p, mix_seed(c.seed, &[step as u64, i as u64]));
+            if !drills.is_empty() {
+                groups.push(drills);
+            }
+        }
+        groups
     }
 
+    /// A chain per held-out problem, then its drills (fixed by the seed and the
+    /// problem's place).
     fn held_out(&self) -> Vec<Box<dyn Env>> {
-        self.held_out.iter().map(|p| self.chain(p)).collect()
+        let chains = self.held_out.iter().map(|p| self.chain(p));
+        let drills = (self.held_out.iter().enumerate()).flat_map(|(i, p)| {
+            self.drills(p, mix_seed(self.args.common.seed, &[u64::MAX, i as u64]))
+        });
+        chains.chain(drills).collect()
     }
 
     fn curves(&self) -> Vec<Curve> {
-        let mut curves = vec![Curve {
-            label: "final correct",
-            metric: "final_correct",
-        }];
-        if self.verify {
-            curves.push(Curve {
-                label: "first attempt correct",
-                metric: "first_correct",
-            });
-            curves.push(Curve::new("verifier accuracy", "verifier_accuracy"));
-            curves.push(Curve::new("verifier approves right", "approve_right"));
-            curves.push(Curve::new("verifier rejects wrong", "reject_wrong"));
-            if self.recompute {
-                curves.push(Curve::new(
-                    "verifier's own answer correct",
-                    "verifier_own_correct",
-                ));
-            }
+        let mut curves = vec![Curve::new("final correct", "final_correct")];
+        if self.verify() {
+            curves.extend([
+                Curve::new("first attempt correct", "first_correct"),
+                Curve::new("verifier accuracy", "verifier_accuracy"),
+                Curve::new("verifier approves right", "approve_right"),
+                Curve::new("verifier rejects wrong", "reject_wrong"),
+            ]);
+        }
+        if self.args.verifier_drills > 0 {
+            curves.push(Curve::new(
+                "drills: verifier accuracy",
+                "drill_verifier_accuracy",
+            ));
         }
         curves
     }
@@ -397,7 +393,7 @@ impl Recipe for ActorVerifier {
         let (before, after) = curves.before_after("final correct");
         let (_, first_after) = curves.before_after("first attempt correct");
         let gained = after - before >= CRITERION_GAIN;
-        if self.verify {
+        if self.verify() {
             Criterion {
                 text: format!("held-out final accuracy rises by >= {CRITERION_GAIN} and ends >= first-attempt accuracy"),
                 passed: gained && after >= first_after,
@@ -413,7 +409,7 @@ impl Recipe for ActorVerifier {
     /// AstraFlow's bars: the verifier better than always saying the verdict that is right
     /// most often on these answers, and verification improving on the first attempt.
     fn upstream_bars(&self, curves: &Curves) -> Vec<Bar> {
-        if !self.verify {
+        if !self.verify() {
             return Vec::new();
         }
         let (_, after) = curves.before_after("final correct");
@@ -435,17 +431,11 @@ impl Recipe for ActorVerifier {
     }
 
     fn lr(&self, role: usize) -> Option<f64> {
-        self.verifier_lr.filter(|_| role == VERIFIER)
+        self.args.verifier_lr.filter(|_| role == VERIFIER)
     }
 
-    fn settings(&self) -> String {
-        format!(
-            "verify={} group={} loss={:?} keep_zero_adv={} balance={} verifier_temperature={:?} max_operand={}{}{}{}",
-            self.verify, self.group, self.loss, self.keep_zero_adv, self.balance, self.verifier_temperature, self.max_operand,
-            later_setting("recompute", self.recompute, true),
-            later_setting("verdict_examples", self.verdict_examples, true),
-            later_setting("verifier_lr", self.verifier_lr.is_some(), self.verifier_lr.unwrap_or(0.0)),
-        )
+    fn settings(&self) -> Value {
+        settings_of(&self.args)
     }
 }
 
@@ -461,31 +451,20 @@ async fn main() -> anyhow::Result<()> {
         ("eval_every", "4"),
         ("eval_size", "40"),
     ]);
-    let c = &args.common;
-    let (train, held_out) = addition(1, args.max_operand, c.seed, c.eval_size);
-    let recipe = ActorVerifier {
-        max_operand: args.max_operand,
-        verify: !args.single_agent,
-        group: args.group,
-        batch: c.batch,
-        temperature: c.temperature,
-        loss: args.loss,
-        keep_zero_adv: args.keep_zero_adv,
-        balance: !args.no_balance,
-        verifier_temperature: args.verifier_temperature,
-        recompute: args.recompute,
-        verdict_examples: args.verdict_examples,
-        verifier_lr: args.verifier_lr,
-        train,
-        held_out,
-    };
     if let Some(lr) = args.verifier_lr {
         anyhow::ensure!(
             lr.is_finite() && lr > 0.0,
             "--verifier-lr must be a positive number, got {lr}"
         );
     }
-    run(&recipe, c).await?;
+    let c = args.common.clone();
+    let (train, held_out) = addition(1, args.max_operand, c.seed, c.eval_size);
+    let recipe = ActorVerifier {
+        args,
+        train,
+        held_out,
+    };
+    run(&recipe, &c).await?;
     Ok(())
 }
 
@@ -501,14 +480,11 @@ mod tests {
         }
     }
 
-    /// A chain on [`problem`], reviewed with `verify`, the verifier answering first
-    /// with `recompute`.
-    fn new_chain(verify: bool, recompute: bool) -> Box<Chain> {
+    /// A chain on [`problem`], reviewed with `verify`.
+    fn new_chain(verify: bool) -> Box<Chain> {
         Box::new(Chain {
             problem: problem(),
             verify,
-            recompute,
-            examples: false,
             replies: Vec::new(),
         })
     }
@@ -534,7 +510,6 @@ mod tests {
         // A first "yes" or "no" decides.
         assert_eq!(verifier_reward("yes</verify>", 1.0), 1.0);
         assert_eq!(verifier_reward("No, 7</verify>", 0.0), 1.0);
-        assert_eq!(decision("nothing"), (true, false));
         // Unparsable: counts as approve, but earns nothing even when the answer is right.
         assert_eq!(decision("hmm"), (true, false));
         assert_eq!(verifier_reward("hmm", 1.0), 0.0);
@@ -544,14 +519,14 @@ mod tests {
     fn prompts_carry_the_team_context() {
         let p = problem();
         assert!(solver_prompt(&p, None).contains("(none)"));
-        let retry = solver_prompt(&p, Some(&retry_context(" 6\n", None, "reject</verify>")));
+        let retry = solver_prompt(&p, Some(&retry_context(" 6\n", "reject</verify>")));
         assert!(retry.contains("Solver: 6\nVerifier: <verify>reject</verify>"));
         assert!(verifier_prompt(&p, " 6\n").ends_with("6\n# Your role: Verifier. Check the solution; answer <verify>approve</verify> if it is correct, <verify>reject</verify> if not.\nVerdict: <verify>"));
     }
 
     #[test]
     fn a_rejected_answer_is_retried_and_the_retry_is_final() {
-        let mut chain = new_chain(true, false);
+        let mut chain = new_chain(true);
         chain.initial_observations();
         let review = chain.step(vec![reply(" 6")]);
         assert_eq!(review[0].role, VERIFIER);
@@ -580,86 +555,60 @@ mod tests {
             (0.0, 1.0)
         );
         // An approved answer ends the chain; alone, the solver is never reviewed.
-        let mut chain = new_chain(false, false);
+        let mut chain = new_chain(true);
+        chain.initial_observations();
+        chain.step(vec![reply(" 5")]);
+        assert!(chain.step(vec![reply("approve</verify>")]).is_empty());
+        let mut chain = new_chain(false);
         chain.initial_observations();
         assert!(chain.step(vec![reply(" 5")]).is_empty());
     }
 
     #[test]
-    fn a_recomputing_verifier_answers_first_and_judges_with_both_numbers() {
-        let mut chain = new_chain(true, true);
-        chain.initial_observations();
-        let own = chain.step(vec![reply(" 2 + 3 = 6")]);
-        assert_eq!(own[0].role, VERIFIER);
-        assert!(own[0]
-            .prompt
-            .ends_with("solve the problem yourself and end with the final number.\nSolution:"));
-        let review = chain.step(vec![reply(" 5")]);
-        assert_eq!(review[0].role, VERIFIER);
-        assert!(review[0]
-            .prompt
-            .contains("# The Solver's final number: 6\n# Your own final number: 5\n"));
-        assert!(review[0].prompt.ends_with("Verdict: <verify>"));
-        assert!(!review[0].prompt.contains(VERDICT_EXAMPLES));
-        // With worked verdicts, they come before the numbers.
-        let mut shown = new_chain(true, true);
-        shown.examples = true;
-        shown.initial_observations();
-        shown.step(vec![reply(" 2 + 3 = 6")]);
-        let prompt = &shown.step(vec![reply(" 5")])[0].prompt;
-        let at = |s: &str| prompt.find(s).unwrap();
-        assert!(at(VERDICT_EXAMPLES) < at("# The Solver's final number: 6\n"));
-        let retry = chain.step(vec![reply("reject</verify>")]);
-        assert_eq!(retry[0].role, SOLVER);
-        assert!(retry[0]
-            .prompt
-            .contains("Solver: 2 + 3 = 6\nVerifier: my answer is 5. <verify>reject"));
-        assert!(chain.step(vec![reply(" 5")]).is_empty());
-        let e = chain.finish();
-        let turns: Vec<(usize, f64, usize, Option<usize>)> = e
-            .transitions
-            .iter()
-            .map(|t| (t.role, t.reward, t.position, t.class))
+    fn drills_come_in_contrast_pairs_judged_like_the_chains_verdicts() {
+        let mut pair = drill_pair(&problem(), 3);
+        let prompts: Vec<String> = (pair.iter_mut())
+            .map(|d| d.initial_observations().remove(0).prompt)
             .collect();
-        // The own answer is rewarded like the solver's and has no class; the verdict is
-        // classed by the judged answer's correctness.
-        assert_eq!(
-            turns,
-            vec![
-                (SOLVER, 0.0, 0, None),
-                (VERIFIER, 1.0, 0, None),
-                (VERIFIER, 1.0, 1, Some(0)),
-                (SOLVER, 1.0, 1, None)
-            ]
-        );
-        assert_eq!(e.metrics["verifier_own_correct"], 1.0);
-        assert_eq!(e.metrics["verifier_accuracy"], 1.0);
-        // An approved answer ends the chain after the verdict.
-        let mut chain = new_chain(true, true);
-        chain.initial_observations();
-        chain.step(vec![reply(" 5")]);
-        chain.step(vec![reply(" 7")]);
-        assert!(chain.step(vec![reply("approve</verify>")]).is_empty());
-        let e = chain.finish();
-        assert_eq!(e.metrics["verifier_own_correct"], 0.0);
-        assert_eq!(e.metrics["final_correct"], 1.0);
+        assert!(prompts[0] != prompts[1], "{prompts:?}");
+        assert!(prompts.iter().all(|p| p.contains("2 + 3 = ")));
+        // Approving both: one verdict right (class 1), one wrong (class 0).
+        let episodes: Vec<Episode> = (pair.into_iter())
+            .map(|mut d| {
+                d.step(vec![reply("approve</verify>")]);
+                d.finish()
+            })
+            .collect();
+        let mut judged: Vec<(Option<usize>, f64)> = (episodes.iter())
+            .map(|e| (e.transitions[0].class, e.transitions[0].reward))
+            .collect();
+        judged.sort_by_key(|j| j.0);
+        assert_eq!(judged, vec![(Some(0), 0.0), (Some(1), 1.0)]);
+        // Drills report their own accuracy, not the chains' class metrics.
+        assert!(episodes
+            .iter()
+            .all(|e| e.metrics.len() == 1 && e.metrics.contains_key("drill_verifier_accuracy")));
     }
 
     #[test]
     fn the_verifier_bar_is_the_majority_class_and_the_team_bar_the_first_attempt() {
+        let args = Args::parse_from([
+            "actor_verifier",
+            "--steps",
+            "12",
+            "--lr",
+            "5e-4",
+            "--batch",
+            "8",
+            "--temperature",
+            "0.7",
+            "--eval-every",
+            "4",
+            "--eval-size",
+            "40",
+        ]);
         let recipe = ActorVerifier {
-            max_operand: 30,
-            verify: true,
-            group: 4,
-            batch: 8,
-            temperature: 0.7,
-            loss: Loss::ImportanceSampling,
-            keep_zero_adv: false,
-            balance: true,
-            verifier_temperature: None,
-            recompute: false,
-            verdict_examples: false,
-            verifier_lr: None,
+            args,
             train: Vec::new(),
             held_out: Vec::new(),
         };
@@ -698,11 +647,14 @@ mod tests {
         assert!(recipe.criterion(&curves(0.6, 0.6, 0.6)).passed);
         // The verifier samples at its own temperature when given one.
         assert_eq!(recipe.sampling(VERIFIER), Sampling::at(0.7));
-        let hot = ActorVerifier {
-            verifier_temperature: Some(1.0),
-            ..recipe
-        };
+        let mut hot = recipe;
+        hot.args.verifier_temperature = Some(1.0);
         assert_eq!(hot.sampling(VERIFIER), Sampling::at(1.0));
         assert_eq!(hot.sampling(SOLVER), Sampling::at(0.7));
+        // The settings are the recipe's own flags.
+        let settings = hot.settings();
+        assert_eq!(settings["group"], 4);
+        assert_eq!(settings["loss"], "ImportanceSampling");
+        assert!(settings.get("common").is_none());
     }
 }

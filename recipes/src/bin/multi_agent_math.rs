@@ -12,16 +12,18 @@ use lathe_recipes::data::{addition, batch_at, Problem};
 use lathe_recipes::env::{rate, Env, EnvGroup, Episode, Observation, Reply, Transition};
 use lathe_recipes::grade::{first_number_correct, math_reward};
 use lathe_recipes::play::Sampling;
-use lathe_recipes::rl::{run, Criterion, Curve, Recipe};
+use lathe_recipes::rl::{run, settings_of, Criterion, Curve, Recipe};
 use lathe_recipes::run::Curves;
 use lathe_recipes::setup::{init_tracing, parse_args, CommonArgs};
+use serde::Serialize;
 use serde_json::{json, Value};
 
 /// The embedded server's tensors are large and short-lived: see `lathe_server::memory`.
 #[global_allocator]
 static GLOBAL: lathe_server::memory::MiMalloc = lathe_server::memory::MiMalloc;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
 enum ObjectiveArg {
     /// Cross-entropy on the known answer (MinT's recipe).
     Supervised,
@@ -30,10 +32,11 @@ enum ObjectiveArg {
 }
 
 /// Two agents answer arithmetic questions; both are trained.
-#[derive(Parser, Debug)]
+#[derive(Parser, Debug, Serialize)]
 #[command(name = "multi_agent_math", about)]
 struct Args {
     #[command(flatten)]
+    #[serde(skip)]
     common: CommonArgs,
     /// Training objective.
     #[arg(long, value_enum, default_value_t = ObjectiveArg::Supervised)]
@@ -112,10 +115,7 @@ impl Env for Exchange {
 }
 
 struct MultiAgentMath {
-    objective: ObjectiveArg,
-    group: usize,
-    batch: usize,
-    temperature: f64,
+    args: Args,
     train: Vec<Problem>,
     held_out: Vec<Problem>,
 }
@@ -137,7 +137,7 @@ impl Recipe for MultiAgentMath {
     }
 
     fn objective(&self) -> Objective {
-        match self.objective {
+        match self.args.objective {
             ObjectiveArg::Supervised => Objective::Supervised,
             ObjectiveArg::Rl => {
                 Objective::Rl(LossFn::ImportanceSampling, Credit::group(Normalise::Centre))
@@ -146,15 +146,15 @@ impl Recipe for MultiAgentMath {
     }
 
     fn sampling(&self, _role: usize) -> Sampling {
-        Sampling::at(self.temperature)
+        Sampling::at(self.args.common.temperature)
     }
 
     fn groups(&self, step: usize) -> Vec<EnvGroup> {
-        let n = match self.objective {
-            ObjectiveArg::Rl => self.group.max(2),
+        let n = match self.args.objective {
+            ObjectiveArg::Rl => self.args.group.max(2),
             ObjectiveArg::Supervised => 1,
         };
-        batch_at(&self.train, step, self.batch)
+        batch_at(&self.train, step, self.args.common.batch)
             .iter()
             .map(|p| (0..n).map(|_| exchange(p)).collect())
             .collect()
@@ -166,14 +166,8 @@ impl Recipe for MultiAgentMath {
 
     fn curves(&self) -> Vec<Curve> {
         vec![
-            Curve {
-                label: "agent A",
-                metric: "A/accuracy",
-            },
-            Curve {
-                label: "agent B",
-                metric: "B/accuracy",
-            },
+            Curve::new("agent A", "A/accuracy"),
+            Curve::new("agent B", "B/accuracy"),
         ]
     }
 
@@ -188,13 +182,13 @@ impl Recipe for MultiAgentMath {
         }
     }
 
-    fn settings(&self) -> String {
-        format!("objective={:?} group={}", self.objective, self.group)
+    fn settings(&self) -> Value {
+        settings_of(&self.args)
     }
 
     fn summary_fields(&self) -> serde_json::Map<String, Value> {
-        let objective = format!("{:?}", self.objective).to_lowercase();
-        serde_json::Map::from_iter([("objective".to_string(), json!(objective))])
+        let objective = json!(self.args.objective);
+        serde_json::Map::from_iter([("objective".to_string(), objective)])
     }
 }
 
@@ -209,18 +203,15 @@ async fn main() -> anyhow::Result<()> {
         ("eval_every", "4"),
         ("eval_size", "40"),
     ]);
-    let c = &args.common;
+    let c = args.common.clone();
     // Two-digit sums: hard enough that a small model starts far below the criterion.
     let (train, held_out) = addition(10, 49, c.seed, c.eval_size);
     let recipe = MultiAgentMath {
-        objective: args.objective,
-        group: args.group,
-        batch: c.batch,
-        temperature: c.temperature,
+        args,
         train,
         held_out,
     };
-    run(&recipe, c).await?;
+    run(&recipe, &c).await?;
     Ok(())
 }
 

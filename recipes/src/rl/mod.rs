@@ -29,16 +29,13 @@ use crate::run::Curves;
 
 pub use run::run;
 
-/// A setting added after runs were saved, for [`Recipe::settings`]: `" name=value"` when
-/// `set`, else nothing, so that a run saved before the setting existed (and resumed
-/// without it) compares equal and resumes without a warning.
-pub fn later_setting(name: &str, set: bool, value: impl std::fmt::Display) -> String {
-    if set {
-        format!(" {name}={value}")
-    } else {
-        String::new()
-    }
+/// A recipe's own flags as [`Recipe::settings`] wants them: `args` (its `clap` struct,
+/// deriving `Serialize`, with its flattened [`crate::setup::CommonArgs`] marked
+/// `#[serde(skip)]`: the loop adds those itself) as a JSON object.
+pub fn settings_of(args: &impl Serialize) -> Value {
+    serde_json::to_value(args).unwrap_or(Value::Null)
 }
+
 pub use sessions::AgentRecord;
 
 /// A held-out curve: its label in the plot and summary, and the episode metric it
@@ -171,8 +168,9 @@ pub trait Recipe {
     fn curves(&self) -> Vec<Curve>;
     /// The recipe's criterion over the finished curves.
     fn criterion(&self, curves: &Curves) -> Criterion;
-    /// The recipe's own settings, in words (a resume with other settings is warned).
-    fn settings(&self) -> String;
+    /// The recipe's own flags, as a JSON object ([`settings_of`] its `Args`): a resume
+    /// with other settings is warned, and `summary.json` records them.
+    fn settings(&self) -> Value;
     /// The upstream's targets for single roles, over the finished curves (reported, not
     /// gated).
     fn upstream_bars(&self, _curves: &Curves) -> Vec<Bar> {
@@ -199,6 +197,8 @@ pub struct Summary {
     pub resumed_from_step: Option<usize>,
     /// The base model.
     pub base_model: String,
+    /// Every flag that changes what a step computes: the recipe's and the common ones.
+    pub settings: Value,
     /// The held-out curves: `{label: {before, after, curve}}`.
     pub held_out: Value,
     /// The criterion, in words.

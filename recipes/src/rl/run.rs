@@ -16,8 +16,8 @@ use crate::credit::Objective;
 use crate::env::{mean_metrics, Episode, Transition};
 use crate::play::{mix_seed, play, Policy};
 use crate::resume::{
-    checkpoint_name, parse_checkpoint_name, sibling_states, LearnerState, ResumeFrom, RunState,
-    STATE_FILE,
+    changed_settings, checkpoint_name, parse_checkpoint_name, sibling_states, LearnerState,
+    ResumeFrom, RunState, STATE_FILE,
 };
 use crate::run::{agent_series, progress, push_series, Curves, LogLengths, RunDir, Series};
 use crate::setup::{connect, CommonArgs, Connection};
@@ -183,6 +183,7 @@ pub async fn run<R: Recipe>(recipe: &R, args: &CommonArgs) -> anyhow::Result<Sum
         steps,
         resumed_from_step: state.as_ref().map(|s| s.completed_steps),
         base_model: conn.base_model.clone(),
+        settings: settings(recipe, args),
         held_out: log.curves.to_json(),
         criterion: criterion.text.clone(),
         passed: criterion.passed,
@@ -304,11 +305,10 @@ async fn begin<R: Recipe>(recipe: &R, args: &CommonArgs) -> anyhow::Result<Begun
             s.completed_steps,
             s.completed_steps
         );
-        let now = settings(recipe, args);
-        if !s.settings.is_empty() && s.settings != now {
+        if let Some(changes) = changed_settings(&s.settings, &settings(recipe, args)) {
             eprintln!(
-                "warning: resuming with other settings than the run started with; it will not continue exactly.\n  then: {}\n  now:  {now}",
-                s.settings
+                "warning: resuming with other settings than the run started with; it will not continue exactly:\n  {}",
+                changes.join("\n  ")
             );
         }
     }
@@ -701,26 +701,17 @@ impl<R: Recipe> Loop<'_, R> {
     }
 }
 
-/// What the resume check compares: the recipe's settings and the common flags that
-/// change what a step does or what the log holds.
-fn settings<R: Recipe>(recipe: &R, args: &CommonArgs) -> String {
-    let a = args;
-    #[cfg(feature = "embedded")]
-    let server = format!(" model={} precision={:?}", a.model, a.precision);
-    #[cfg(not(feature = "embedded"))]
-    let server = String::new();
-    let kl = super::later_setting("kl_coef", a.kl_coef != 0.0, a.kl_coef);
-    format!(
-        "{} seed={} rank={} lr={} batch={} temperature={} eval_size={} eval_every={}{kl}{server}",
-        recipe.settings(),
-        a.seed,
-        a.rank,
-        a.lr,
-        a.batch,
-        a.temperature,
-        a.eval_size,
-        a.eval_every
-    )
+/// What the resume check compares and the summary records: the recipe's own flags and
+/// the common ones that change what a step computes, as one JSON object.
+fn settings<R: Recipe>(recipe: &R, args: &CommonArgs) -> Value {
+    let mut all = match recipe.settings() {
+        Value::Object(map) => map,
+        _ => serde_json::Map::new(),
+    };
+    if let Value::Object(common) = super::settings_of(args) {
+        all.extend(common);
+    }
+    Value::Object(all)
 }
 
 /// A new run's tag: the start time and the process, in hex.
@@ -763,9 +754,7 @@ async fn state_from_uri<R: Recipe>(
         tag,
         attempt,
         completed_steps: step,
-        settings: same
-            .as_ref()
-            .map_or_else(String::new, |s| s.settings.clone()),
+        settings: same.as_ref().map_or(Value::Null, |s| s.settings.clone()),
         checkpoints,
         curves: same.as_ref().map_or_else(Vec::new, |s| s.curves.clone()),
         metrics_bytes: same.as_ref().map_or(0, |s| s.metrics_bytes),

@@ -46,19 +46,22 @@ use lathe_recipes::credit::{Credit, Normalise, Objective, Scope};
 use lathe_recipes::data::{batch_at, cases, Case};
 use lathe_recipes::env::{Env, EnvGroup};
 use lathe_recipes::play::Sampling;
-use lathe_recipes::rl::{run, Criterion, Curve, Queued, Recipe};
+use lathe_recipes::rl::{run, settings_of, Criterion, Curve, Queued, Recipe};
 use lathe_recipes::run::Curves;
 use lathe_recipes::setup::{init_tracing, parse_args, CommonArgs};
+use serde::Serialize;
+use serde_json::Value;
 
 /// The embedded server's tensors are large and short-lived: see `lathe_server::memory`.
 #[global_allocator]
 static GLOBAL: lathe_server::memory::MiMalloc = lathe_server::memory::MiMalloc;
 
 /// A doctor and a patient co-trained through a message queue.
-#[derive(Parser, Debug)]
+#[derive(Parser, Debug, Serialize)]
 #[command(name = "doctor_patient_queue", about)]
 struct Args {
     #[command(flatten)]
+    #[serde(skip)]
     common: CommonArgs,
     /// What each doctor turn's reward-to-go is compared with.
     #[arg(long, value_enum, default_value_t = Baseline::Batch)]
@@ -108,7 +111,8 @@ const CRITERION_DOCTOR_GAIN: f64 = 0.2;
 const CRITERION_PATIENT_GAIN: f64 = 0.1;
 
 /// What a doctor turn's reward-to-go is compared with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
 enum Baseline {
     /// The turn at the same position of every consultation in the step: a doctor that
     /// gives one diagnosis to every patient is still told which patients it got wrong.
@@ -257,12 +261,8 @@ impl Recipe for DoctorPatient {
         }
     }
 
-    fn settings(&self) -> String {
-        let a = &self.args;
-        format!(
-            "baseline={:?} group={} max_turns={} patient_batch={:?} max_staleness={} patient_temperature={} patient_top_p={} drill_samples={} drill_temperature={} patient_lr={:?}",
-            a.baseline, a.group, a.max_turns, a.patient_batch, a.max_staleness, a.patient_temperature, a.patient_top_p, a.drill_samples, a.drill_temperature, a.patient_lr
-        )
+    fn settings(&self) -> Value {
+        settings_of(&self.args)
     }
 }
 

@@ -30,28 +30,30 @@
 use clap::Parser;
 use lathe::types::LossFn;
 use lathe_recipes::credit::{Credit, Normalise, Objective, Scope};
-use lathe_recipes::data::{addition, batch_at, Problem};
+use lathe_recipes::data::{addition, batch_at, candidates, Problem};
 use lathe_recipes::env::{Env, EnvGroup, Episode, Observation, Reply, Transition};
 use lathe_recipes::grade::last_integer_reward;
 use lathe_recipes::play::{mix_seed, Sampling};
-use lathe_recipes::rl::{later_setting, run, Bar, Criterion, Curve, Recipe, Team};
+use lathe_recipes::rl::{run, settings_of, Bar, Criterion, Curve, Recipe, Team};
 use lathe_recipes::run::{mean, Curves};
 use lathe_recipes::setup::{init_tracing, parse_args, CommonArgs};
+use serde::Serialize;
 use serde_json::{json, Value};
 
 mod selector;
 
-use selector::{candidates, pick_of, selector_prompt, PickBy, SelectExam};
+use selector::{pick_of, PickBy, SelectExam, Selector};
 
 /// The embedded server's tensors are large and short-lived: see `lathe_server::memory`.
 #[global_allocator]
 static GLOBAL: lathe_server::memory::MiMalloc = lathe_server::memory::MiMalloc;
 
 /// Solvers, rewriters and selectors on one policy, trained on the pooled samples.
-#[derive(Parser, Debug)]
+#[derive(Parser, Debug, Serialize)]
 #[command(name = "solve_rewrite_select", about)]
 struct Args {
     #[command(flatten)]
+    #[serde(skip)]
     common: CommonArgs,
     /// Solvers, and rewriters, per problem.
     #[arg(long, default_value_t = 5)]
@@ -70,11 +72,6 @@ struct Args {
     /// selector learns from pipelines only).
     #[arg(long, default_value_t = 0)]
     select_drills: usize,
-    /// What a selector's pick that names no candidate earns for training, as a wrong
-    /// candidate earns 0 and a right one 1 (each then weighted and credited like any
-    /// pick). Below 0, it is meant to push picks towards the `Judgment: N` format.
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
-    invalid_pick_reward: f64,
     /// Show the selector a worked selection (another sum's candidates and a pick) before
     /// its own.
     #[arg(long)]
@@ -132,11 +129,7 @@ fn usable(r: &Reply) -> bool {
 struct Pipeline {
     problem: Problem,
     n: usize,
-    selectors: usize,
-    pooled_selector: bool,
-    invalid_pick: f64,
-    example: bool,
-    pick_by: PickBy,
+    selector: Selector,
     solvers: Vec<Reply>,
     rewriters: Vec<Reply>,
     picks: Vec<Reply>,
@@ -160,7 +153,7 @@ impl Pipeline {
         let texts: Vec<&str> = (usable.iter())
             .map(|&i| self.rewriters[i].sample.text.as_str())
             .collect();
-        usable.get(pick_of(s, &texts, self.pick_by)?).copied()
+        usable.get(pick_of(s, &texts, self.selector.by)?).copied()
     }
 }
 
@@ -201,8 +194,7 @@ impl Env for Pipeline {
             if texts.is_empty() {
                 return Vec::new();
             }
-            let prompt = selector_prompt(&self.problem, &texts, self.example, self.pick_by);
-            vec![Observation::line(SELECTOR, prompt, JUDGMENT_TOKENS); self.selectors]
+            self.selector.observations(&self.problem, &texts)
         } else {
             self.picks = replies;
             Vec::new()
@@ -219,10 +211,6 @@ impl Env for Pipeline {
         let random = right as f64 / usable.len().max(1) as f64;
         let picks: Vec<f64> = (self.picks.iter())
             .map(|s| self.picked(s).map_or(0.0, |k| rewriter[k]))
-            .collect();
-        // What each pick is trained on: its accuracy, or the invalid pick's reward.
-        let credited: Vec<f64> = (self.picks.iter())
-            .map(|s| self.picked(s).map_or(self.invalid_pick, |k| rewriter[k]))
             .collect();
         let team = if picks.is_empty() { 0.0 } else { mean(&picks) };
         let weight = TEAM_WRONG + (TEAM_RIGHT - TEAM_WRONG) * team;
@@ -248,7 +236,7 @@ impl Env for Pipeline {
             raw.push(team);
         }
         e.metrics.insert("raw_reward".into(), mean(&raw));
-        let pooled_selector = self.pooled_selector;
+        let pooled_selector = self.selector.pooled;
         let Self {
             solvers,
             rewriters,
@@ -265,7 +253,7 @@ impl Env for Pipeline {
             e.transitions
                 .push(Transition::new(role, reply, reward * weight, 0));
         }
-        for (reply, pick) in selectors.into_iter().zip(credited) {
+        for (reply, pick) in selectors.into_iter().zip(picks) {
             e.transitions.push(if pooled_selector {
                 Transition::new(SELECTOR, reply, pick * weight, 0)
             } else {
@@ -277,31 +265,31 @@ impl Env for Pipeline {
 }
 
 struct SolveRewriteSelect {
-    max_operand: u32,
-    n: usize,
-    selectors: usize,
-    pooled_selector: bool,
-    select_drills: usize,
-    invalid_pick: f64,
-    example: bool,
-    pick_by: PickBy,
-    seed: u64,
-    batch: usize,
-    temperature: f64,
+    args: Args,
     train: Vec<Problem>,
     held_out: Vec<Problem>,
 }
 
 impl SolveRewriteSelect {
+    /// Solvers, and rewriters, per problem.
+    fn n(&self) -> usize {
+        self.args.num_parallel.max(1)
+    }
+
+    fn selector(&self) -> Selector {
+        Selector {
+            picks: self.args.selectors.max(1),
+            pooled: self.args.pooled_selector,
+            example: self.args.selector_example,
+            by: self.args.pick_by,
+        }
+    }
+
     fn pipeline(&self, problem: &Problem) -> Box<dyn Env> {
         Box::new(Pipeline {
             problem: problem.clone(),
-            n: self.n,
-            selectors: self.selectors,
-            pooled_selector: self.pooled_selector,
-            invalid_pick: self.invalid_pick,
-            example: self.example,
-            pick_by: self.pick_by,
+            n: self.n(),
+            selector: self.selector(),
             solvers: Vec::new(),
             rewriters: Vec::new(),
             picks: Vec::new(),
@@ -310,17 +298,14 @@ impl SolveRewriteSelect {
 
     /// An exam on `problem` whose candidates and number of right ones derive from `seed`.
     fn exam(&self, problem: &Problem, seed: u64) -> Box<dyn Env> {
-        let n = self.n.max(2);
+        let n = self.n().max(2);
         let right_ones = 1 + (seed % (n as u64 - 1)) as usize;
         let (texts, right) = candidates(problem, n, right_ones, seed);
         Box::new(SelectExam {
             problem: problem.clone(),
             texts,
             right,
-            picks: self.selectors,
-            invalid_pick: self.invalid_pick,
-            example: self.example,
-            pick_by: self.pick_by,
+            selector: self.selector(),
             replies: Vec::new(),
         })
     }
@@ -349,13 +334,13 @@ impl Recipe for SolveRewriteSelect {
     }
 
     fn sampling(&self, _role: usize) -> Sampling {
-        Sampling::at(self.temperature)
+        Sampling::at(self.args.common.temperature)
     }
 
     /// Held-out pipelines sample too (a greedy team gives one answer to every
     /// rewriter), with one fixed seed, so evaluations differ only by the weights.
     fn eval_sampling(&self, _role: usize) -> Sampling {
-        Sampling::at(self.temperature)
+        Sampling::at(self.args.common.temperature)
     }
 
     fn eval_seed(&self) -> u64 {
@@ -363,12 +348,13 @@ impl Recipe for SolveRewriteSelect {
     }
 
     fn groups(&self, step: usize) -> Vec<EnvGroup> {
-        batch_at(&self.train, step, self.batch)
+        let c = &self.args.common;
+        batch_at(&self.train, step, c.batch)
             .iter()
             .enumerate()
             .map(|(i, p)| {
-                let drills = (0..self.select_drills).map(|d| {
-                    let seed = mix_seed(self.seed, &[step as u64, i as u64, d as u64]);
+                let drills = (0..self.args.select_drills).map(|d| {
+                    let seed = mix_seed(c.seed, &[step as u64, i as u64, d as u64]);
                     self.exam(p, seed)
                 });
                 std::iter::once(self.pipeline(p)).chain(drills).collect()
@@ -381,7 +367,7 @@ impl Recipe for SolveRewriteSelect {
     fn held_out(&self) -> Vec<Box<dyn Env>> {
         let pipelines = self.held_out.iter().map(|p| self.pipeline(p));
         let exams = (self.held_out.iter().enumerate())
-            .map(|(i, p)| self.exam(p, mix_seed(self.seed, &[u64::MAX, i as u64])));
+            .map(|(i, p)| self.exam(p, mix_seed(self.args.common.seed, &[u64::MAX, i as u64])));
         pipelines.chain(exams).collect()
     }
 
@@ -397,7 +383,7 @@ impl Recipe for SolveRewriteSelect {
             ("exam: random pick", "exam_random_accuracy"),
         ]
         .into_iter()
-        .map(|(label, metric)| Curve { label, metric })
+        .map(|(label, metric)| Curve::new(label, metric))
         .collect()
     }
 
@@ -424,26 +410,12 @@ impl Recipe for SolveRewriteSelect {
         )]
     }
 
-    fn settings(&self) -> String {
-        format!(
-            "num_parallel={} selectors={} pooled_selector={} select_drills={} max_operand={}{}{}{}",
-            self.n,
-            self.selectors,
-            self.pooled_selector,
-            self.select_drills,
-            self.max_operand,
-            later_setting(
-                "invalid_pick_reward",
-                self.invalid_pick != 0.0,
-                self.invalid_pick
-            ),
-            later_setting("selector_example", self.example, true),
-            later_setting("pick_by", self.pick_by == PickBy::Value, "value"),
-        )
+    fn settings(&self) -> Value {
+        settings_of(&self.args)
     }
 
     fn summary_fields(&self) -> serde_json::Map<String, Value> {
-        serde_json::Map::from_iter([("num_parallel".to_string(), json!(self.n))])
+        serde_json::Map::from_iter([("num_parallel".to_string(), json!(self.n()))])
     }
 }
 
@@ -458,24 +430,14 @@ async fn main() -> anyhow::Result<()> {
         ("eval_every", "4"),
         ("eval_size", "24"),
     ]);
-    let c = &args.common;
+    let c = args.common.clone();
     let (train, held_out) = addition(1, args.max_operand, c.seed, c.eval_size);
     let recipe = SolveRewriteSelect {
-        max_operand: args.max_operand,
-        n: args.num_parallel.max(1),
-        selectors: args.selectors.max(1),
-        pooled_selector: args.pooled_selector,
-        select_drills: args.select_drills,
-        invalid_pick: args.invalid_pick_reward,
-        example: args.selector_example,
-        pick_by: args.pick_by,
-        seed: c.seed,
-        batch: c.batch,
-        temperature: c.temperature,
+        args,
         train,
         held_out,
     };
-    run(&recipe, c).await?;
+    run(&recipe, &c).await?;
     Ok(())
 }
 
@@ -512,11 +474,12 @@ mod tests {
         let mut env = Box::new(Pipeline {
             problem: problem(),
             n: 2,
-            selectors: picks.len(),
-            pooled_selector,
-            invalid_pick: 0.0,
-            example: false,
-            pick_by: PickBy::Index,
+            selector: Selector {
+                picks: picks.len(),
+                pooled: pooled_selector,
+                example: false,
+                by: PickBy::Index,
+            },
             solvers: Vec::new(),
             rewriters: Vec::new(),
             picks: Vec::new(),
@@ -587,18 +550,23 @@ mod tests {
 
     #[test]
     fn the_selector_bar_reads_the_exam() {
+        let args = Args::parse_from([
+            "solve_rewrite_select",
+            "--steps",
+            "12",
+            "--lr",
+            "5e-4",
+            "--batch",
+            "4",
+            "--temperature",
+            "0.7",
+            "--eval-every",
+            "4",
+            "--eval-size",
+            "24",
+        ]);
         let recipe = SolveRewriteSelect {
-            max_operand: 30,
-            n: 5,
-            selectors: 8,
-            pooled_selector: false,
-            select_drills: 0,
-            invalid_pick: 0.0,
-            example: false,
-            pick_by: PickBy::Index,
-            seed: 0,
-            batch: 4,
-            temperature: 0.7,
+            args,
             train: Vec::new(),
             held_out: Vec::new(),
         };

@@ -7,19 +7,39 @@ use lathe_recipes::data::Problem;
 use lathe_recipes::env::{rate, Env, Episode, Observation, Reply};
 use lathe_recipes::grade::{judgment, last_integer};
 use lathe_recipes::run::mean;
-use rand::rngs::StdRng;
-use rand::seq::SliceRandom;
-use rand::SeedableRng;
 
 use super::{against_chance, numbered, JUDGMENT_TOKENS, SELECTOR};
 
 /// How a selector's `Judgment: N` names the solution it picks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 pub(crate) enum PickBy {
     /// N is the solution's 1-based index.
     Index,
     /// N is the solution's final number.
     Value,
+}
+
+/// How the selector is asked and credited (the recipe's selector flags).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Selector {
+    /// Picks sampled per problem.
+    pub(crate) picks: usize,
+    /// Credited within the problem's group of every role's samples (Miles), not against
+    /// a random pick.
+    pub(crate) pooled: bool,
+    /// A worked selection before the task.
+    pub(crate) example: bool,
+    /// How a pick names its solution.
+    pub(crate) by: PickBy,
+}
+
+impl Selector {
+    /// The selector's observations of `solutions` to `p`: one per pick.
+    pub(crate) fn observations(&self, p: &Problem, solutions: &[&str]) -> Vec<Observation> {
+        let prompt = selector_prompt(p, solutions, self.example, self.by);
+        vec![Observation::line(SELECTOR, prompt, JUDGMENT_TOKENS); self.picks]
+    }
 }
 
 /// A worked selection shown before the selector's task when `--selector-example` is on:
@@ -65,59 +85,20 @@ pub(crate) fn pick_of(s: &Reply, candidates: &[&str], by: PickBy) -> Option<usiz
     }
 }
 
-/// `n` (at least 2) candidate solutions of an addition `p`, each `"<question's sum> =
-/// <value>"`, of which `right` (clamped to 1..n-1) say the answer and the others a
-/// non-negative value off by 1, 2 or 10 (distinct while there are at most 5 wrong ones);
-/// shuffled with `seed`. Returns the texts and which are right.
-pub(crate) fn candidates(
-    p: &Problem,
-    n: usize,
-    right: usize,
-    seed: u64,
-) -> (Vec<String>, Vec<bool>) {
-    assert!(n >= 2, "an exam needs a right and a wrong candidate");
-    let mut rng = StdRng::seed_from_u64(seed);
-    let answer: i64 = p.answer.parse().expect("an addition's answer is a number");
-    let sum = p
-        .question
-        .trim_start_matches("What is ")
-        .trim_end_matches('?');
-    let right = right.clamp(1, n - 1);
-    let mut offsets: Vec<i64> = [-10, -2, -1, 1, 2, 10]
-        .into_iter()
-        .filter(|d| answer + d >= 0)
-        .collect();
-    offsets.shuffle(&mut rng);
-    let mut picked: Vec<(i64, bool)> = (0..n)
-        .map(|i| match i.checked_sub(right) {
-            None => (answer, true),
-            Some(k) => (answer + offsets[k % offsets.len()], false),
-        })
-        .collect();
-    picked.shuffle(&mut rng);
-    picked
-        .into_iter()
-        .map(|(v, ok)| (format!("{sum} = {v}"), ok))
-        .unzip()
-}
-
-/// The selector's exam: one problem, fixed candidates, `picks` sampled picks.
+/// The selector's exam: one problem, fixed candidates, the selector's picks of them
+/// (each credited against a random pick, even with a pooled selector).
 pub(crate) struct SelectExam {
     pub(crate) problem: Problem,
     pub(crate) texts: Vec<String>,
     pub(crate) right: Vec<bool>,
-    pub(crate) picks: usize,
-    pub(crate) invalid_pick: f64,
-    pub(crate) example: bool,
-    pub(crate) pick_by: PickBy,
+    pub(crate) selector: Selector,
     pub(crate) replies: Vec<Reply>,
 }
 
 impl Env for SelectExam {
     fn initial_observations(&mut self) -> Vec<Observation> {
         let texts: Vec<&str> = self.texts.iter().map(String::as_str).collect();
-        let prompt = selector_prompt(&self.problem, &texts, self.example, self.pick_by);
-        vec![Observation::line(SELECTOR, prompt, JUDGMENT_TOKENS); self.picks]
+        self.selector.observations(&self.problem, &texts)
     }
 
     fn step(&mut self, replies: Vec<Reply>) -> Vec<Observation> {
@@ -131,11 +112,10 @@ impl Env for SelectExam {
         let mut scores = Vec::new();
         for reply in self.replies {
             let texts: Vec<&str> = self.texts.iter().map(String::as_str).collect();
-            let right = pick_of(&reply, &texts, self.pick_by).map(|k| self.right[k]);
-            let score = rate(right.unwrap_or(false));
-            scores.push(score);
-            let credited = right.map_or(self.invalid_pick, rate);
-            e.transitions.push(against_chance(reply, credited, random));
+            let right = pick_of(&reply, &texts, self.selector.by).is_some_and(|k| self.right[k]);
+            scores.push(rate(right));
+            e.transitions
+                .push(against_chance(reply, rate(right), random));
         }
         e.metrics.insert("exam_pick_accuracy".into(), mean(&scores));
         e.metrics.insert("exam_random_accuracy".into(), random);
@@ -147,7 +127,7 @@ impl Env for SelectExam {
 mod tests {
     use super::*;
     use crate::tests::replies;
-    use lathe_recipes::grade::last_integer_reward;
+    use lathe_recipes::data::candidates;
 
     #[test]
     fn picks_name_an_index_or_the_first_solution_ending_in_a_value() {
@@ -163,27 +143,11 @@ mod tests {
     }
 
     #[test]
-    fn an_exam_has_right_and_wrong_candidates_and_credits_picks_against_chance() {
+    fn an_exam_credits_picks_against_chance() {
         let p = Problem {
             question: "What is 12 + 9?".into(),
             answer: "21".into(),
         };
-        for right in 0..7 {
-            let (texts, ok) = candidates(&p, 5, right, 7);
-            let n_right = ok.iter().filter(|&&r| r).count();
-            assert_eq!(n_right, right.clamp(1, 4));
-            for (t, r) in texts.iter().zip(&ok) {
-                assert!(t.starts_with("12 + 9 = "));
-                assert_eq!(*r, last_integer_reward(t, "21") == 1.0, "{t}");
-            }
-            let wrong: std::collections::BTreeSet<&String> = texts
-                .iter()
-                .zip(&ok)
-                .filter(|(_, r)| !**r)
-                .map(|(t, _)| t)
-                .collect();
-            assert_eq!(wrong.len(), 5 - n_right, "distinct wrong values");
-        }
         // Candidates 1 and 2: the first right, the second wrong (2 of 5 right).
         let (texts, ok) = candidates(&p, 5, 2, 7);
         let first_right = ok.iter().position(|&r| r).unwrap() + 1;
@@ -192,10 +156,12 @@ mod tests {
             problem: p,
             texts,
             right: ok,
-            picks: 3,
-            invalid_pick: -0.5,
-            example: true,
-            pick_by: PickBy::Index,
+            selector: Selector {
+                picks: 3,
+                pooled: true,
+                example: true,
+                by: PickBy::Index,
+            },
             replies: Vec::new(),
         });
         assert_eq!(exam.initial_observations().len(), 3);
@@ -213,11 +179,12 @@ mod tests {
             .collect();
         assert_eq!(
             credited,
-            // A pick that names no candidate earns the invalid pick's reward.
+            // A pick that names no candidate earns what a wrong one does, and a pooled
+            // selector's exam picks are still credited against a random pick.
             vec![
                 (1.2, Some(0.4 * 1.2)),
                 (0.0, Some(0.4 * 1.2)),
-                (-0.5 * 1.2, Some(0.4 * 1.2))
+                (0.0, Some(0.4 * 1.2))
             ]
         );
     }
