@@ -16,6 +16,7 @@
 //!   plain buffers.
 //! - [`pool`]: keeping rayon's threads awake across a pass's short regions.
 
+pub mod attention;
 pub mod bf16;
 pub mod decode_step;
 pub mod decode_weights;

@@ -1,0 +1,212 @@
+//! Causal attention on the host in query blocks: the forward and backward products of
+//! [`crate::model::ops::attention_stacked`] over the keys each block can see, instead of
+//! over every key.
+//!
+//! candle's batched `matmul` multiplies the whole `(queries, keys)` square, and the
+//! causal mask then throws the upper half away: at 128 tokens or more, half of every
+//! attention product of a training step is work whose result is zeroed. Here each block
+//! of [`QUERY_BLOCK`] queries multiplies only the keys up to its last query's position
+//! (the gemm crate's products through [`super::gemm`]), so the waste is the diagonal
+//! blocks' upper halves alone, and the masked probabilities are written as zeros rather
+//! than computed. The layouts are those of `attention_stacked`: `qg (batches, group * tq,
+//! hd)` (row `g * tq + i` is query `i` of the group's head `g`), `kh` and `vh`
+//! `(batches, tk, hd)`, probabilities `(batches, group * tq, tk)`; query `i` sits at
+//! position `tk - tq + i` and sees keys `0..=tk - tq + i`.
+
+use rayon::prelude::*;
+
+use super::gemm::{gemm, Mat, MatMut};
+use super::vector_math::exp_f32;
+
+/// Queries per block: small enough that the diagonal block's masked half is a small
+/// share of a 128-token sequence's work, large enough for the gemm crate's kernels.
+pub const QUERY_BLOCK: usize = 64;
+
+/// The shapes of one call: `batches` independent `(group * tq, hd)` query sets, each
+/// against its own `tk` keys and values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    /// Independent batches (sequences times key-value heads).
+    pub batches: usize,
+    /// Query heads per key-value head.
+    pub group: usize,
+    /// Queries per head.
+    pub tq: usize,
+    /// Keys (at least `tq`: the cached prefix, then the queries' own).
+    pub tk: usize,
+    /// Head width.
+    pub hd: usize,
+}
+
+impl Shape {
+    fn rows(&self) -> usize {
+        self.group * self.tq
+    }
+
+    /// Keys visible to query `i`: those up to its position.
+    fn visible(&self, i: usize) -> usize {
+        self.tk - self.tq + i + 1
+    }
+
+    /// The query blocks of one head: `(first query, queries, keys visible to the last)`.
+    fn blocks(&self) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
+        (0..self.tq).step_by(QUERY_BLOCK).map(|i0| {
+            let len = QUERY_BLOCK.min(self.tq - i0);
+            (i0, len, self.visible(i0 + len - 1))
+        })
+    }
+
+    fn check(&self, q: usize, k: usize, v: usize) {
+        let s = self;
+        assert!(
+            s.tq <= s.tk,
+            "attention: {} queries after {} keys",
+            s.tq,
+            s.tk
+        );
+        assert_eq!(q, s.batches * s.rows() * s.hd, "attention: query size");
+        assert_eq!(k, s.batches * s.tk * s.hd, "attention: key size");
+        assert_eq!(v, s.batches * s.tk * s.hd, "attention: value size");
+    }
+}
+
+/// The forward pass: `(o, p)`, the output `(batches, group * tq, hd)` and the
+/// probabilities `(batches, group * tq, tk)` (zero at masked keys), from `q`, `k`, `v`
+/// in the module's layouts, the scores scaled by `scale`.
+pub fn forward(q: &[f32], k: &[f32], v: &[f32], s: Shape, scale: f32) -> (Vec<f32>, Vec<f32>) {
+    s.check(q.len(), k.len(), v.len());
+    let (tq, tk, hd) = (s.tq, s.tk, s.hd);
+    let mut o = vec![0f32; s.batches * s.rows() * hd];
+    let mut p = vec![0f32; s.batches * s.rows() * tk];
+    if o.is_empty() || p.is_empty() {
+        return (o, p);
+    }
+    // One chunk per (batch, head): its `tq` rows of `o` and `p`.
+    o.par_chunks_mut(tq * hd)
+        .zip(p.par_chunks_mut(tq * tk))
+        .enumerate()
+        .for_each(|(bh, (oh, ph))| {
+            let b = bh / s.group;
+            let qh = Mat::new(&q[bh * tq * hd..(bh + 1) * tq * hd], tq, hd);
+            let kb = Mat::new(&k[b * tk * hd..(b + 1) * tk * hd], tk, hd);
+            let vb = Mat::new(&v[b * tk * hd..(b + 1) * tk * hd], tk, hd);
+            let mut om = MatMut::new(oh, tq, hd, hd);
+            for (i0, len, keys) in s.blocks() {
+                let block = &mut ph[i0 * tk..(i0 + len) * tk];
+                let mut scores = MatMut::new(block, len, keys, tk);
+                gemm(
+                    &mut scores,
+                    qh.rows(i0, len),
+                    kb.rows(0, keys).t(),
+                    1.0,
+                    false,
+                );
+                for (r, row) in block.chunks_exact_mut(tk).enumerate() {
+                    softmax_visible(row, s.visible(i0 + r), scale);
+                }
+                let probs = Mat::strided(block, len, keys, tk, 1);
+                gemm(
+                    &mut om.block(i0, len, 0, hd),
+                    probs,
+                    vb.rows(0, keys),
+                    1.0,
+                    false,
+                );
+            }
+        });
+    (o, p)
+}
+
+/// Row `row`'s probabilities in place: the softmax of its first `visible` scores times
+/// `scale`, zeros after them.
+fn softmax_visible(row: &mut [f32], visible: usize, scale: f32) {
+    let (seen, masked) = row.split_at_mut(visible);
+    let max = seen.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) * scale;
+    let mut sum = 0f32;
+    for v in seen.iter_mut() {
+        *v = exp_f32(*v * scale - max);
+        sum += *v;
+    }
+    let inv = 1.0 / sum;
+    seen.iter_mut().for_each(|v| *v *= inv);
+    masked.fill(0.0);
+}
+
+/// The backward pass: `(dq, dk, dv)` in the layouts of `q`, `k`, `v`, from the output's
+/// gradient `dout` `(batches, group * tq, hd)` and the forward's `q`, `k`, `v` and
+/// probabilities `p`.
+pub fn backward(
+    dout: &[f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    p: &[f32],
+    s: Shape,
+    scale: f32,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    s.check(q.len(), k.len(), v.len());
+    assert_eq!(
+        dout.len(),
+        q.len(),
+        "attention backward: output gradient size"
+    );
+    assert_eq!(
+        p.len(),
+        s.batches * s.rows() * s.tk,
+        "attention backward: probabilities"
+    );
+    let (rows, tk, hd) = (s.rows(), s.tk, s.hd);
+    let mut dq = vec![0f32; q.len()];
+    let mut dk = vec![0f32; k.len()];
+    let mut dv = vec![0f32; v.len()];
+    if dq.is_empty() || dk.is_empty() {
+        return (dq, dk, dv);
+    }
+    // One chunk per batch: its heads' query gradients and its keys' and values'.
+    dq.par_chunks_mut(rows * hd)
+        .zip(dk.par_chunks_mut(tk * hd).zip(dv.par_chunks_mut(tk * hd)))
+        .enumerate()
+        .for_each(|(b, (dqb, (dkb, dvb)))| {
+            let qb = Mat::new(&q[b * rows * hd..(b + 1) * rows * hd], rows, hd);
+            let gb = Mat::new(&dout[b * rows * hd..(b + 1) * rows * hd], rows, hd);
+            let pb = Mat::new(&p[b * rows * tk..(b + 1) * rows * tk], rows, tk);
+            let kb = Mat::new(&k[b * tk * hd..(b + 1) * tk * hd], tk, hd);
+            let vb = Mat::new(&v[b * tk * hd..(b + 1) * tk * hd], tk, hd);
+            let mut dqm = MatMut::new(dqb, rows, hd, hd);
+            let mut dkm = MatMut::new(dkb, tk, hd, hd);
+            let mut dvm = MatMut::new(dvb, tk, hd, hd);
+            let mut ds = vec![0f32; QUERY_BLOCK.min(s.tq) * tk];
+            for g in 0..s.group {
+                for (i0, len, keys) in s.blocks() {
+                    let r0 = g * s.tq + i0;
+                    let (pr, gr, qr) = (
+                        pb.rows(r0, len).cols(0, keys),
+                        gb.rows(r0, len),
+                        qb.rows(r0, len),
+                    );
+                    // dp = dout vᵀ, then ds = scale p (dp - rowsum(dp p)) in place.
+                    let mut dsm = MatMut::new(&mut ds, len, keys, keys);
+                    gemm(&mut dsm, gr, vb.rows(0, keys).t(), 1.0, false);
+                    for r in 0..len {
+                        let prow = pr.row(r).expect("rows of p are contiguous");
+                        let drow = dsm.row_mut(r);
+                        let dot: f32 = prow.iter().zip(drow.iter()).map(|(&a, &b)| a * b).sum();
+                        for (d, &pv) in drow.iter_mut().zip(prow) {
+                            *d = scale * pv * (*d - dot);
+                        }
+                    }
+                    let dsm = Mat::new(&ds[..len * keys], len, keys);
+                    gemm(
+                        &mut dqm.block(r0, len, 0, hd),
+                        dsm,
+                        kb.rows(0, keys),
+                        1.0,
+                        false,
+                    );
+                    gemm(&mut dkm.block(0, keys, 0, hd), dsm.t(), qr, 1.0, true);
+                    gemm(&mut dvm.block(0, keys, 0, hd), pr.t(), gr, 1.0, true);
+                }
+            }
+        });
+    (dq, dk, dv)
+}
