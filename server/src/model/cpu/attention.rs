@@ -16,7 +16,7 @@
 use rayon::prelude::*;
 
 use super::gemm::{gemm, Mat, MatMut};
-use super::vector_math::exp_f32;
+use super::vector_math::{dot, exp_in_place, row_max};
 
 /// Queries per block: small enough that the diagonal block's masked half is a small
 /// share of a 128-token sequence's work, large enough for the gemm crate's kernels.
@@ -121,13 +121,8 @@ pub fn forward(q: &[f32], k: &[f32], v: &[f32], s: Shape, scale: f32) -> (Vec<f3
 /// `scale`, zeros after them.
 fn softmax_visible(row: &mut [f32], visible: usize, scale: f32) {
     let (seen, masked) = row.split_at_mut(visible);
-    let max = seen.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) * scale;
-    let mut sum = 0f32;
-    for v in seen.iter_mut() {
-        *v = exp_f32(*v * scale - max);
-        sum += *v;
-    }
-    let inv = 1.0 / sum;
+    let max = row_max(seen) * scale;
+    let inv = 1.0 / exp_in_place(seen, scale, max);
     seen.iter_mut().for_each(|v| *v *= inv);
     masked.fill(0.0);
 }
@@ -190,7 +185,7 @@ pub fn backward(
                     for r in 0..len {
                         let prow = pr.row(r).expect("rows of p are contiguous");
                         let drow = dsm.row_mut(r);
-                        let dot: f32 = prow.iter().zip(drow.iter()).map(|(&a, &b)| a * b).sum();
+                        let dot = dot(prow, drow);
                         for (d, &pv) in drow.iter_mut().zip(prow) {
                             *d = scale * pv * (*d - dot);
                         }

@@ -83,6 +83,42 @@ pub fn sum_exp<T: Real>(row: &[T], shift: T) -> T {
     acc.iter().fold(s, |s, &v| s + v)
 }
 
+/// `sum_i a_i b_i` over the shorter of the two.
+#[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2+fma"))]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut acc = [0f32; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let (ta, tb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for ((s, &u), &v) in acc.iter_mut().zip(x).zip(y) {
+            *s += u * v;
+        }
+    }
+    let s = ta.iter().zip(tb).fold(0f32, |s, (&u, &v)| s + u * v);
+    acc.iter().fold(s, |s, &v| s + v)
+}
+
+/// Replaces every element `x` of `row` by `e^(x * scale - shift)` and returns their sum.
+#[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2+fma"))]
+pub fn exp_in_place(row: &mut [f32], scale: f32, shift: f32) -> f32 {
+    let mut acc = [0f32; LANES];
+    let mut chunks = row.chunks_exact_mut(LANES);
+    for c in &mut chunks {
+        for (s, v) in acc.iter_mut().zip(c.iter_mut()) {
+            *v = exp_f32(*v * scale - shift);
+            *s += *v;
+        }
+    }
+    let mut s = 0f32;
+    for v in chunks.into_remainder() {
+        *v = exp_f32(*v * scale - shift);
+        s += *v;
+    }
+    acc.iter().fold(s, |s, &v| s + v)
+}
+
 /// `e^((x - shift) * scale)` of every element of `row`.
 #[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2+fma"))]
 pub fn exp_scaled(row: &[f32], shift: f32, scale: f32) -> Vec<f32> {
@@ -92,6 +128,27 @@ pub fn exp_scaled(row: &[f32], shift: f32, scale: f32) -> Vec<f32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dot_and_exp_in_place_match_plain_loops() {
+        for n in [0, 1, 15, 16, 17, 100] {
+            let a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+            let b: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
+            let want: f64 = a.iter().zip(&b).map(|(&x, &y)| x as f64 * y as f64).sum();
+            assert!((dot(&a, &b) as f64 - want).abs() < 1e-5, "dot of {n}");
+            let mut row = a.clone();
+            let sum = exp_in_place(&mut row, 0.5, 0.25);
+            for (got, &x) in row.iter().zip(&a) {
+                let want = ((x as f64) * 0.5 - 0.25).exp();
+                assert!((*got as f64 - want).abs() < 1e-6 * want, "exp of {x}");
+            }
+            let want: f64 = a.iter().map(|&x| ((x as f64) * 0.5 - 0.25).exp()).sum();
+            assert!(
+                (sum as f64 - want).abs() < 1e-5 * want.max(1.0),
+                "sum of {n}"
+            );
+        }
+    }
 
     #[test]
     fn fast_exp_is_within_two_ulp_of_exp_over_its_range() {
