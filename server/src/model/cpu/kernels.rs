@@ -12,7 +12,7 @@ use candle_core::{DType, Device, Result, Storage, Tensor, WithDType};
 use num_traits::Float;
 use rayon::prelude::*;
 
-use super::vector_math::{exp_f32, row_max, sum_exp};
+use super::vector_math::{dot as row_dot, dot3, exp_f32, row_max, sum_exp};
 
 /// Float types the kernels run on.
 pub trait Real: WithDType + Float + num_traits::NumAssign + Send + Sync {
@@ -154,7 +154,7 @@ pub fn rms_norm<T: Real>(x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Te
                         .zip(xs.par_chunks(c))
                         .with_min_len(grain(c))
                         .for_each(|((yr, r), xr)| {
-                            let ms = xr.iter().fold(T::zero(), |acc, &v| acc + v * v) * inv_c;
+                            let ms = row_dot(xr, xr) * inv_c;
                             *r = T::one() / (ms + eps).sqrt();
                             for ((o, &v), &g) in yr.iter_mut().zip(xr).zip(ws) {
                                 o.write(v * *r * g);
@@ -190,11 +190,7 @@ pub fn rms_norm_backward<T: Real>(
                                 .zip(rs.par_iter())
                                 .with_min_len(grain(c))
                                 .for_each(|(((dxr, dyr), xr), &r)| {
-                                    let mut dot = T::zero();
-                                    for ((&d, &v), &g) in dyr.iter().zip(xr).zip(ws) {
-                                        dot += d * g * v * r;
-                                    }
-                                    let m = dot * inv_c;
+                                    let m = dot3(dyr, ws, xr) * r * inv_c;
                                     let each = dxr.iter_mut().zip(dyr).zip(xr).zip(ws);
                                     for (((o, &d), &v), &g) in each {
                                         o.write(r * (d * g - v * r * m));

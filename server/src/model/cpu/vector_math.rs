@@ -85,10 +85,10 @@ pub fn sum_exp<T: Real>(row: &[T], shift: T) -> T {
 
 /// `sum_i a_i b_i` over the shorter of the two.
 #[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2+fma"))]
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+pub fn dot<T: Real>(a: &[T], b: &[T]) -> T {
     let n = a.len().min(b.len());
     let (a, b) = (&a[..n], &b[..n]);
-    let mut acc = [0f32; LANES];
+    let mut acc = [T::zero(); LANES];
     let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
     let (ta, tb) = (ca.remainder(), cb.remainder());
     for (x, y) in ca.zip(cb) {
@@ -96,7 +96,24 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
             *s += u * v;
         }
     }
-    let s = ta.iter().zip(tb).fold(0f32, |s, (&u, &v)| s + u * v);
+    let s = ta.iter().zip(tb).fold(T::zero(), |s, (&u, &v)| s + u * v);
+    acc.iter().fold(s, |s, &v| s + v)
+}
+
+/// `sum_i a_i b_i c_i` over the shortest of the three.
+#[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2+fma"))]
+pub fn dot3<T: Real>(a: &[T], b: &[T], c: &[T]) -> T {
+    let n = a.len().min(b.len()).min(c.len());
+    let (a, b, c) = (&a[..n], &b[..n], &c[..n]);
+    let mut acc = [T::zero(); LANES];
+    let whole = n / LANES * LANES;
+    for i in (0..whole).step_by(LANES) {
+        let (x, y, z) = (&a[i..i + LANES], &b[i..i + LANES], &c[i..i + LANES]);
+        for l in 0..LANES {
+            acc[l] += x[l] * y[l] * z[l];
+        }
+    }
+    let s = (whole..n).fold(T::zero(), |s, i| s + a[i] * b[i] * c[i]);
     acc.iter().fold(s, |s, &v| s + v)
 }
 
