@@ -16,6 +16,7 @@
 use rayon::prelude::*;
 
 use super::gemm::{gemm, Mat, MatMut};
+use super::row_loops;
 use super::vector_math::{dot, exp_in_place, row_max};
 
 /// Queries per block: small enough that the diagonal block's masked half is a small
@@ -123,7 +124,7 @@ fn softmax_visible(row: &mut [f32], visible: usize, scale: f32) {
     let (seen, masked) = row.split_at_mut(visible);
     let max = row_max(seen) * scale;
     let inv = 1.0 / exp_in_place(seen, scale, max);
-    seen.iter_mut().for_each(|v| *v *= inv);
+    row_loops::scale(seen, inv);
     masked.fill(0.0);
 }
 
@@ -186,9 +187,7 @@ pub fn backward(
                         let prow = pr.row(r).expect("rows of p are contiguous");
                         let drow = dsm.row_mut(r);
                         let dot = dot(prow, drow);
-                        for (d, &pv) in drow.iter_mut().zip(prow) {
-                            *d = scale * pv * (*d - dot);
-                        }
+                        row_loops::softmax_grad(drow, prow, dot, scale);
                     }
                     let dsm = Mat::new(&ds[..len * keys], len, keys);
                     gemm(

@@ -12,6 +12,7 @@ use candle_core::{DType, Device, Result, Storage, Tensor, WithDType};
 use num_traits::Float;
 use rayon::prelude::*;
 
+use super::row_loops;
 use super::vector_math::{dot as row_dot, dot3, exp_f32, row_max, sum_exp};
 
 /// Float types the kernels run on.
@@ -124,11 +125,7 @@ pub fn add<T: Real>(a: &Tensor, b: &Tensor) -> Result<Tensor> {
                     y.par_chunks_mut(CHUNK)
                         .zip(xs.par_chunks(CHUNK).zip(zs.par_chunks(CHUNK)))
                         .with_min_len(grain(CHUNK))
-                        .for_each(|(yc, (xc, zc))| {
-                            for ((y, &x), &z) in yc.iter_mut().zip(xc).zip(zc) {
-                                y.write(x + z);
-                            }
-                        })
+                        .for_each(|(yc, (xc, zc))| row_loops::add(yc, xc, zc))
                 })
             };
             Ok(y)
@@ -156,9 +153,7 @@ pub fn rms_norm<T: Real>(x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Te
                         .for_each(|((yr, r), xr)| {
                             let ms = row_dot(xr, xr) * inv_c;
                             *r = T::one() / (ms + eps).sqrt();
-                            for ((o, &v), &g) in yr.iter_mut().zip(xr).zip(ws) {
-                                o.write(v * *r * g);
-                            }
+                            row_loops::norm_scale(yr, xr, ws, *r);
                         })
                 })
             };
@@ -191,10 +186,7 @@ pub fn rms_norm_backward<T: Real>(
                                 .with_min_len(grain(c))
                                 .for_each(|(((dxr, dyr), xr), &r)| {
                                     let m = dot3(dyr, ws, xr) * r * inv_c;
-                                    let each = dxr.iter_mut().zip(dyr).zip(xr).zip(ws);
-                                    for (((o, &d), &v), &g) in each {
-                                        o.write(r * (d * g - v * r * m));
-                                    }
+                                    row_loops::norm_grad(dxr, dyr, xr, ws, r, m);
                                 })
                         })
                     };
@@ -204,10 +196,6 @@ pub fn rms_norm_backward<T: Real>(
         })
     })?;
     out(dx, x.dims())
-}
-
-fn sigmoid<T: Real>(v: T) -> T {
-    T::one() / (T::one() + (-v).fast_exp())
 }
 
 /// `silu(gate) * up` for `gate_up = [gate | up]`, `(rows, 2f)`: the stacked projection's
@@ -224,9 +212,7 @@ pub fn swiglu<T: Real>(gate_up: &Tensor) -> Result<Tensor> {
                     .with_min_len(grain(2 * f))
                     .for_each(|(yr, gur)| {
                         let (g, u) = gur.split_at(f);
-                        for ((o, &gv), &uv) in yr.iter_mut().zip(g).zip(u) {
-                            o.write(gv * sigmoid(gv) * uv);
-                        }
+                        row_loops::swiglu(yr, g, u);
                     })
             })
         };
@@ -251,11 +237,7 @@ pub fn swiglu_backward<T: Real>(dy: &Tensor, gate_up: &Tensor) -> Result<Tensor>
                         .for_each(|(dr, (gur, dyr))| {
                             let (g, u) = gur.split_at(f);
                             let (dg, du) = dr.split_at_mut(f);
-                            for i in 0..f {
-                                let s = sigmoid(g[i]);
-                                du[i].write(dyr[i] * g[i] * s);
-                                dg[i].write(dyr[i] * u[i] * s * (T::one() + g[i] * (T::one() - s)));
-                            }
+                            row_loops::swiglu_grad(dg, du, g, u, dyr);
                         })
                 })
             };
@@ -290,11 +272,7 @@ pub fn rope<T: Real>(x: &Tensor, cos: &Tensor, sin: &Tensor, sign: f64) -> Resul
                                 for h in 0..heads {
                                     let xo = &xr[h * hd..(h + 1) * hd];
                                     let yo = &mut yr[h * hd..(h + 1) * hd];
-                                    for i in 0..half {
-                                        let (x1, x2, sn) = (xo[i], xo[i + half], s[i] * sign);
-                                        yo[i].write(x1 * c[i] - x2 * sn);
-                                        yo[i + half].write(x2 * c[i] + x1 * sn);
-                                    }
+                                    row_loops::rope(yo, xo, &c[..half], &s[..half], sign);
                                 }
                             })
                     })
@@ -420,9 +398,7 @@ pub fn logprobs_at_backward<T: Real>(
                         )
                         .for_each(|((o, row), (&l, (dr, t)))| {
                             let total = dr.iter().fold(T::zero(), |a, &x| a + x);
-                            for (ov, &x) in o.iter_mut().zip(row) {
-                                ov.write(-(x - l).fast_exp() * total);
-                            }
+                            row_loops::neg_softmax_times(o, row, l, total);
                             // SAFETY: the loop above wrote the whole row.
                             let o = unsafe { assume_written(o) };
                             for (&ti, &dv) in t.iter().zip(dr) {

@@ -25,4 +25,5 @@ pub mod input_grad;
 pub mod kernels;
 pub mod pool;
 pub mod quant;
+pub mod row_loops;
 pub mod vector_math;
