@@ -31,7 +31,7 @@ pub struct RunState {
     pub attempt: u32,
     /// Training steps done (the next step to run).
     pub completed_steps: usize,
-    /// The run's settings when it started (a JSON object of flags; a string from builds
+    /// The run's settings as of this save (a JSON object of flags; a string from builds
     /// before 2026-11-26), for a warning when a resume differs.
     #[serde(default)]
     pub settings: Value,
@@ -184,34 +184,49 @@ pub async fn sibling_states(
     Ok((step, found))
 }
 
-/// What differs between the settings a run was saved with (`then`) and a resume's
-/// (`now`), one line per flag (`lr: 0.0005 -> 0.0001`), or `None` when nothing does.
-/// Settings saved before they were a JSON object (a string) or not at all are not
-/// compared: a line says so.
-pub fn changed_settings(then: &Value, now: &Value) -> Option<Vec<String>> {
+/// How a resume's settings compare with those the run was saved with.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SettingsCheck {
+    /// Flags with another value now, one line each (`lr: 0.0005 -> 0.0001`): the run
+    /// will not continue exactly.
+    pub changed: Vec<String>,
+    /// What could not be compared: flags the saving build did not have (their value now),
+    /// flags it had that this build lacks, or settings from before they were recorded
+    /// flag by flag.
+    pub notes: Vec<String>,
+}
+
+/// Compares the settings a run was saved with (`then`, the JSON object of its flags)
+/// with a resume's (`now`). A flag only one of them has is a note, not a change: a build
+/// that added a flag (at its default) still continues a run saved before it exactly.
+/// Settings saved as a string (builds before 2026-11-26) are not compared; none saved
+/// (`null`) gives nothing to say.
+pub fn changed_settings(then: &Value, now: &Value) -> SettingsCheck {
+    let mut check = SettingsCheck::default();
     let (Value::Object(then), Value::Object(now)) = (then, now) else {
-        return match then {
-            Value::Null => None,
-            _ => Some(vec![
-                "(the run's settings were saved by an older build and cannot be compared)".into(),
-            ]),
-        };
+        if !then.is_null() {
+            check.notes.push(
+                "the run's settings were saved by an earlier build and cannot be compared".into(),
+            );
+        }
+        return check;
     };
-    let absent = Value::String("(absent)".into());
     let mut names: Vec<&String> = then.keys().chain(now.keys()).collect();
     names.sort();
     names.dedup();
-    let changes: Vec<String> = names
-        .into_iter()
-        .filter_map(|name| {
-            let (a, b) = (
-                then.get(name).unwrap_or(&absent),
-                now.get(name).unwrap_or(&absent),
-            );
-            (a != b).then(|| format!("{name}: {a} -> {b}"))
-        })
-        .collect();
-    (!changes.is_empty()).then_some(changes)
+    for name in names {
+        match (then.get(name), now.get(name)) {
+            (Some(a), Some(b)) if a != b => check.changed.push(format!("{name}: {a} -> {b}")),
+            (None, Some(b)) => check
+                .notes
+                .push(format!("{name} is new since the run was saved (now {b})")),
+            (Some(a), None) => check
+                .notes
+                .push(format!("{name} (then {a}) is not a flag of this build")),
+            _ => {}
+        }
+    }
+    check
 }
 
 #[cfg(test)]
@@ -221,22 +236,33 @@ mod tests {
 
     #[test]
     fn changed_settings_name_each_flag_that_differs() {
-        let then = json!({"lr": 0.0005, "group": 4, "loss": "Ppo"});
-        assert_eq!(changed_settings(&then, &then.clone()), None);
-        let now = json!({"lr": 0.0001, "group": 4, "drills": 2});
+        let then = json!({"lr": 0.0005, "group": 4, "loss": "ppo"});
         assert_eq!(
-            changed_settings(&then, &now).unwrap(),
+            changed_settings(&then, &then.clone()),
+            SettingsCheck::default()
+        );
+        let now = json!({"lr": 0.0001, "group": 4, "drills": 2});
+        let check = changed_settings(&then, &now);
+        assert_eq!(check.changed, vec!["lr: 0.0005 -> 0.0001"]);
+        // A flag only one side has is a note, not a change.
+        assert_eq!(
+            check.notes,
             vec![
-                "drills: \"(absent)\" -> 2",
-                "loss: \"Ppo\" -> \"(absent)\"",
-                "lr: 0.0005 -> 0.0001"
+                "drills is new since the run was saved (now 2)",
+                "loss (then \"ppo\") is not a flag of this build"
             ]
         );
-        // A run saved by an older build (a string) is not compared; one saved with no
-        // settings is not warned about.
-        let old = changed_settings(&json!("group=4 seed=0"), &now).unwrap();
-        assert!(old[0].contains("older build"), "{old:?}");
-        assert_eq!(changed_settings(&Value::Null, &now), None);
+        // A run saved by an earlier build (a string) is not compared; one saved with no
+        // settings gives nothing to say.
+        let old = changed_settings(&json!("group=4 seed=0"), &now);
+        assert!(
+            old.changed.is_empty() && old.notes[0].contains("earlier build"),
+            "{old:?}"
+        );
+        assert_eq!(
+            changed_settings(&Value::Null, &now),
+            SettingsCheck::default()
+        );
     }
 
     #[test]

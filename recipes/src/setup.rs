@@ -16,9 +16,9 @@ use crate::resume::ResumeFrom;
 /// Flags of every recipe. The recipe names its own defaults for the flags marked
 /// "recipe's default" through [`parse_args`], and `--help` shows them.
 ///
-/// Serialized, it holds the flags that change what a step computes (the run's settings,
-/// compared on resume): the step count, where and how often to save, and the session
-/// limits are left out.
+/// Serialized, it holds the flags that change what the run computes or logs (the run's
+/// settings, compared on resume): the step count and where, how often and whether to
+/// save or check are left out.
 #[derive(Args, Debug, Clone, serde::Serialize)]
 pub struct CommonArgs {
     /// Training steps (recipe's default).
@@ -63,7 +63,6 @@ pub struct CommonArgs {
     pub kl_coef: f64,
     /// Use one session for every role even if more could be created.
     #[arg(long)]
-    #[serde(skip)]
     pub force_fallback: bool,
     /// Output directory (default `runs/<recipe>-<unix time>/`).
     #[arg(long)]
@@ -81,7 +80,6 @@ pub struct CommonArgs {
     /// Limit of LoRA sessions of the embedded server (1 exercises the fallback).
     #[cfg(feature = "embedded")]
     #[arg(long, default_value_t = 8)]
-    #[serde(skip)]
     pub max_sessions: usize,
     /// Element type of the embedded server's base-model products in training and
     /// prefill.

@@ -39,6 +39,7 @@ use serde_json::Value;
 static GLOBAL: lathe_server::memory::MiMalloc = lathe_server::memory::MiMalloc;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
 enum Loss {
     /// Tinker's `importance_sampling`.
     ImportanceSampling,
@@ -79,9 +80,10 @@ struct Args {
     /// own session.
     #[arg(long, conflicts_with = "single_agent")]
     verifier_lr: Option<f64>,
-    /// Verdict drills per training problem, in contrast pairs: the problem's sum written
-    /// once with its answer and once off by 1, 2 or 10, each judged by the verifier and
-    /// trained on beside the chains (0: the verifier learns from the solver's answers only).
+    /// Contrast pairs of verdict drills per problem: the problem's sum written once with
+    /// its answer and once off by 1, 2 or 10, each judged by the verifier, trained on
+    /// beside the chains and evaluated on the held-out problems too (0: the verifier
+    /// learns from the solver's answers only).
     #[arg(long, default_value_t = 0, conflicts_with_all = ["single_agent", "no_balance"])]
     verifier_drills: usize,
 }
@@ -654,7 +656,7 @@ mod tests {
         // The settings are the recipe's own flags.
         let settings = hot.settings();
         assert_eq!(settings["group"], 4);
-        assert_eq!(settings["loss"], "ImportanceSampling");
+        assert_eq!(settings["loss"], "importance-sampling");
         assert!(settings.get("common").is_none());
     }
 }

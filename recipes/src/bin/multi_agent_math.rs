@@ -23,7 +23,7 @@ use serde_json::{json, Value};
 static GLOBAL: lathe_server::memory::MiMalloc = lathe_server::memory::MiMalloc;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "kebab-case")]
 enum ObjectiveArg {
     /// Cross-entropy on the known answer (MinT's recipe).
     Supervised,

@@ -33,7 +33,7 @@ pub use run::run;
 /// deriving `Serialize`, with its flattened [`crate::setup::CommonArgs`] marked
 /// `#[serde(skip)]`: the loop adds those itself) as a JSON object.
 pub fn settings_of(args: &impl Serialize) -> Value {
-    serde_json::to_value(args).unwrap_or(Value::Null)
+    serde_json::to_value(args).expect("a recipe's flags serialise to JSON")
 }
 
 pub use sessions::AgentRecord;
@@ -197,7 +197,8 @@ pub struct Summary {
     pub resumed_from_step: Option<usize>,
     /// The base model.
     pub base_model: String,
-    /// Every flag that changes what a step computes: the recipe's and the common ones.
+    /// Every flag that changes what the run computes or logs: the recipe's and the common
+    /// ones.
     pub settings: Value,
     /// The held-out curves: `{label: {before, after, curve}}`.
     pub held_out: Value,

@@ -305,11 +305,15 @@ async fn begin<R: Recipe>(recipe: &R, args: &CommonArgs) -> anyhow::Result<Begun
             s.completed_steps,
             s.completed_steps
         );
-        if let Some(changes) = changed_settings(&s.settings, &settings(recipe, args)) {
+        let check = changed_settings(&s.settings, &settings(recipe, args));
+        if !check.changed.is_empty() {
             eprintln!(
-                "warning: resuming with other settings than the run started with; it will not continue exactly:\n  {}",
-                changes.join("\n  ")
+                "warning: resuming with other settings than the run was saved with; it will not continue exactly:\n  {}",
+                check.changed.join("\n  ")
             );
+        }
+        for note in &check.notes {
+            eprintln!("note: {note}");
         }
     }
     Ok(Begun {
@@ -704,12 +708,22 @@ impl<R: Recipe> Loop<'_, R> {
 /// What the resume check compares and the summary records: the recipe's own flags and
 /// the common ones that change what a step computes, as one JSON object.
 fn settings<R: Recipe>(recipe: &R, args: &CommonArgs) -> Value {
-    let mut all = match recipe.settings() {
-        Value::Object(map) => map,
-        _ => serde_json::Map::new(),
+    let Value::Object(mut all) = recipe.settings() else {
+        panic!(
+            "{}'s settings are not a JSON object of flags",
+            recipe.name()
+        );
     };
-    if let Value::Object(common) = super::settings_of(args) {
-        all.extend(common);
+    let Value::Object(common) = super::settings_of(args) else {
+        unreachable!("the common flags serialise to an object");
+    };
+    for (name, value) in common {
+        let shadowed = all.insert(name.clone(), value);
+        assert!(
+            shadowed.is_none(),
+            "{} has its own flag {name}, a common one",
+            recipe.name()
+        );
     }
     Value::Object(all)
 }

@@ -727,9 +727,20 @@ mod tests {
         let f32s = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
         let f64s = |t: &Tensor| t.to_dtype(DType::F64).unwrap();
         let (heads, kv_heads, hd) = (6, 2, 8);
-        let t = 2 * host_attention::QUERY_BLOCK + 7;
-        // (queries, keys, sequences): stacked sequences, then one with a cached prefix.
-        for (tq, tk, seqs) in [(t, t, 2), (t, t + 5, 1)] {
+        let (block, t) = (
+            host_attention::QUERY_BLOCK,
+            2 * host_attention::QUERY_BLOCK + 7,
+        );
+        // (queries, keys, sequences): stacked sequences; cached prefixes, one longer than
+        // a block behind a few queries; a single query; a last block of one row.
+        let shapes = [
+            (t, t, 2),
+            (t, t + 5, 1),
+            (3, t, 1),
+            (1, t, 1),
+            (block + 1, block + 1, 2),
+        ];
+        for (tq, tk, seqs) in shapes {
             let q = rand(&[seqs * tq, heads * hd], 30);
             let k = rand(&[seqs * tk, kv_heads * hd], 31);
             let v = rand(&[seqs * tk, kv_heads * hd], 32);

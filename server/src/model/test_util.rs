@@ -18,16 +18,25 @@ pub fn uniform_matrix(rows: usize, cols: usize, seed: u64) -> Tensor {
         .expect("f32")
 }
 
-/// The largest entry of `t`, in f64.
+/// The largest entry of `t`, in f64; NaN when any entry is NaN (candle's `max` skips a
+/// NaN, which would hide an element a kernel never wrote).
 pub fn max_entry(t: &Tensor) -> f64 {
-    t.flatten_all()
-        .and_then(|d| d.max(0))
+    let all: Vec<f64> = t
+        .flatten_all()
         .and_then(|d| d.to_dtype(DType::F64))
-        .and_then(|d| d.to_scalar::<f64>())
-        .expect("a non-empty tensor")
+        .and_then(|d| d.to_vec1())
+        .expect("a tensor");
+    assert!(!all.is_empty(), "the largest entry of an empty tensor");
+    all.into_iter().fold(f64::NEG_INFINITY, |m, v| {
+        if v.is_nan() || m.is_nan() {
+            f64::NAN
+        } else {
+            m.max(v)
+        }
+    })
 }
 
-/// `max |a - b|`, in f64.
+/// `max |a - b|`, in f64: NaN (which fails every `< tolerance`) when either holds a NaN.
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
     max_entry(&(a - b).and_then(|d| d.abs()).expect("same shapes"))
 }

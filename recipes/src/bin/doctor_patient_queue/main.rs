@@ -112,7 +112,7 @@ const CRITERION_PATIENT_GAIN: f64 = 0.1;
 
 /// What a doctor turn's reward-to-go is compared with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "kebab-case")]
 enum Baseline {
     /// The turn at the same position of every consultation in the step: a doctor that
     /// gives one diagnosis to every patient is still told which patients it got wrong.

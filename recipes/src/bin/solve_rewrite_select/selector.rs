@@ -12,7 +12,7 @@ use super::{against_chance, numbered, JUDGMENT_TOKENS, SELECTOR};
 
 /// How a selector's `Judgment: N` names the solution it picks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "kebab-case")]
 pub(crate) enum PickBy {
     /// N is the solution's 1-based index.
     Index,

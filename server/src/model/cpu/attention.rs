@@ -19,8 +19,9 @@ use super::gemm::{gemm, Mat, MatMut};
 use super::row_loops;
 use super::vector_math::{dot, exp_in_place, row_max};
 
-/// Queries per block: small enough that the diagonal block's masked half is a small
-/// share of a 128-token sequence's work, large enough for the gemm crate's kernels.
+/// Queries per block: the gemm crate's largest row tile, so that each block's products
+/// run its fastest kernel; smaller blocks would waste less of the diagonal block but
+/// multiply less efficiently.
 pub const QUERY_BLOCK: usize = 64;
 
 /// The shapes of one call: `batches` independent `(group * tq, hd)` query sets, each
@@ -73,7 +74,8 @@ impl Shape {
 
 /// The forward pass: `(o, p)`, the output `(batches, group * tq, hd)` and the
 /// probabilities `(batches, group * tq, tk)` (zero at masked keys), from `q`, `k`, `v`
-/// in the module's layouts, the scores scaled by `scale`.
+/// in the module's layouts, the scores scaled by `scale`. Panics when the slices' sizes
+/// are not the shape's or `tq > tk` (the caller builds both from one tensor shape).
 pub fn forward(q: &[f32], k: &[f32], v: &[f32], s: Shape, scale: f32) -> (Vec<f32>, Vec<f32>) {
     s.check(q.len(), k.len(), v.len());
     let (tq, tk, hd) = (s.tq, s.tk, s.hd);
@@ -130,7 +132,7 @@ fn softmax_visible(row: &mut [f32], visible: usize, scale: f32) {
 
 /// The backward pass: `(dq, dk, dv)` in the layouts of `q`, `k`, `v`, from the output's
 /// gradient `dout` `(batches, group * tq, hd)` and the forward's `q`, `k`, `v` and
-/// probabilities `p`.
+/// probabilities `p`. Panics as [`forward`] does.
 pub fn backward(
     dout: &[f32],
     q: &[f32],

@@ -65,9 +65,9 @@ pub(super) fn grain(unit: usize) -> usize {
 
 /// A vector of `len` values that `fill` writes, without zeroing the memory first as
 /// `vec![0; len]` does: the allocator's zeroing of reused memory is one more pass over
-/// every activation a training step makes, about a tenth of a bf16 step on the CPU. In
-/// debug builds (the tests) the memory holds NaN before `fill` runs, so an element
-/// `fill` missed shows up in every test that reads it.
+/// every activation a training step makes. In debug builds (the tests) the memory holds
+/// NaN before `fill` runs, so an element `fill` missed turns the tests' comparisons
+/// (`test_util::max_abs_diff`) into NaN, which fails them.
 ///
 /// # Safety
 /// `fill` must write every element of the slice it is given.
@@ -99,6 +99,15 @@ unsafe fn assume_written<T>(row: &mut [MaybeUninit<T>]) -> &mut [T] {
 
 fn out<T: Real>(v: Vec<T>, shape: &[usize]) -> Result<Tensor> {
     Tensor::from_vec(v, shape, &Device::Cpu)
+}
+
+/// Fails unless `t` has `dims`: the kernels write every element of their outputs only
+/// when their inputs' shapes agree (a mismatch would leave output rows unwritten).
+fn expect_dims(what: &str, t: &Tensor, dims: &[usize]) -> Result<()> {
+    if t.dims() != dims {
+        candle_core::bail!("{what}: shape {:?}, expected {dims:?}", t.dims());
+    }
+    Ok(())
 }
 
 fn cols(t: &Tensor) -> Result<usize> {
@@ -137,6 +146,10 @@ pub fn add<T: Real>(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 /// RMSNorm over the last dim: returns `(y, rstd)` with `rstd` of shape `(rows,)`.
 pub fn rms_norm<T: Real>(x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
     let c = cols(x)?;
+    if c == 0 {
+        candle_core::bail!("rms_norm: rows of no elements");
+    }
+    expect_dims("rms_norm weight", w, &[c])?;
     let rows = x.elem_count() / c;
     let eps = T::from(eps).expect("eps fits");
     let inv_c = T::one() / T::from(c).expect("cols fit");
@@ -171,6 +184,12 @@ pub fn rms_norm_backward<T: Real>(
     rstd: &Tensor,
 ) -> Result<Tensor> {
     let c = cols(x)?;
+    if c == 0 {
+        candle_core::bail!("rms_norm_backward: rows of no elements");
+    }
+    expect_dims("rms_norm_backward weight", w, &[c])?;
+    expect_dims("rms_norm_backward output gradient", dy, x.dims())?;
+    expect_dims("rms_norm_backward rstd", rstd, &[x.elem_count() / c])?;
     let inv_c = T::one() / T::from(c).expect("cols fit");
     let dx = with::<T, _>(dy, |dys| {
         with::<T, _>(x, |xs| {
@@ -201,7 +220,11 @@ pub fn rms_norm_backward<T: Real>(
 /// `silu(gate) * up` for `gate_up = [gate | up]`, `(rows, 2f)`: the stacked projection's
 /// output is read in place, so the two halves are never copied apart.
 pub fn swiglu<T: Real>(gate_up: &Tensor) -> Result<Tensor> {
-    let f = cols(gate_up)? / 2;
+    let width = cols(gate_up)?;
+    if width % 2 != 0 {
+        candle_core::bail!("swiglu: {width} columns are not a gate and an up half");
+    }
+    let f = width / 2;
     let rows = gate_up.elem_count() / (2 * f).max(1);
     let y = with::<T, _>(gate_up, |gu| {
         // SAFETY: each row of `y` (`f` wide) pairs with a row of `gu` and is written whole.
@@ -224,7 +247,13 @@ pub fn swiglu<T: Real>(gate_up: &Tensor) -> Result<Tensor> {
 /// SwiGLU backward: the gradient of `gate_up`, `(rows, 2f)` = `[dgate | dup]`, laid out
 /// like the stacked projection it flows back into.
 pub fn swiglu_backward<T: Real>(dy: &Tensor, gate_up: &Tensor) -> Result<Tensor> {
-    let f = cols(gate_up)? / 2;
+    let width = cols(gate_up)?;
+    if width % 2 != 0 {
+        candle_core::bail!("swiglu_backward: {width} columns are not a gate and an up half");
+    }
+    let f = width / 2;
+    let rows = gate_up.elem_count() / width.max(1);
+    expect_dims("swiglu_backward output gradient", dy, &[rows, f])?;
     let d = with::<T, _>(dy, |d| {
         with::<T, _>(gate_up, |gu| {
             // SAFETY: each row of `dgu` pairs with a row of `gu`, and both of its halves
@@ -251,8 +280,12 @@ pub fn swiglu_backward<T: Real>(dy: &Tensor, gate_up: &Tensor) -> Result<Tensor>
 /// -1 rotates backwards (the backward pass).
 pub fn rope<T: Real>(x: &Tensor, cos: &Tensor, sin: &Tensor, sign: f64) -> Result<Tensor> {
     let dims = x.dims().to_vec();
-    let (heads, hd) = (dims[1], dims[2]);
+    let &[n, heads, hd] = dims.as_slice() else {
+        candle_core::bail!("rope: shape {dims:?} is not (n, heads, head dim)");
+    };
     let half = hd / 2;
+    expect_dims("rope cos", cos, &[n, half])?;
+    expect_dims("rope sin", sin, &[n, half])?;
     let sign = T::from(sign).expect("sign fits");
     let y = with::<T, _>(x, |xs| {
         with::<T, _>(cos, |cs| {
@@ -288,7 +321,9 @@ pub fn rope<T: Real>(x: &Tensor, cos: &Tensor, sin: &Tensor, sign: f64) -> Resul
 /// is query `r % tq`, at position `tk - tq + r % tq`, and sees keys up to it.
 pub fn causal_softmax<T: Real>(scores: &Tensor, tq: usize, scale: f64) -> Result<Tensor> {
     let tk = cols(scores)?;
-    let offset = tk - tq;
+    let Some(offset) = tk.checked_sub(tq) else {
+        candle_core::bail!("causal_softmax: {tq} queries after {tk} keys");
+    };
     let scale = T::from(scale).expect("scale fits");
     let p = with::<T, _>(scores, |s| {
         let fill = |p: &mut [MaybeUninit<T>]| {
@@ -327,6 +362,7 @@ pub fn causal_softmax<T: Real>(scores: &Tensor, tq: usize, scale: f64) -> Result
 /// Softmax backward with the scale folded in: `ds = scale * p * (dp - sum(dp * p))`.
 pub fn softmax_backward<T: Real>(p: &Tensor, dp: &Tensor, scale: f64) -> Result<Tensor> {
     let tk = cols(p)?;
+    expect_dims("softmax_backward gradient", dp, p.dims())?;
     let scale = T::from(scale).expect("scale fits");
     let ds = with::<T, _>(p, |ps| {
         with::<T, _>(dp, |dps| {
@@ -385,6 +421,13 @@ pub fn logprobs_at_backward<T: Real>(
 ) -> Result<Tensor> {
     let v = cols(logits)?;
     let k = cols(targets)?;
+    let rows = logits.elem_count() / v.max(1);
+    if k == 0 {
+        candle_core::bail!("logprobs_at_backward: no targets");
+    }
+    expect_dims("logprobs_at_backward targets", targets, &[rows, k])?;
+    expect_dims("logprobs_at_backward gradient", d, &[rows, k])?;
+    expect_dims("logprobs_at_backward lse", lse, &[rows])?;
     let tg: Vec<u32> = targets.flatten_all()?.to_vec1()?;
     let dl = with::<T, _>(logits, |ls| {
         with::<T, _>(lse, |lses| {

@@ -4,7 +4,8 @@
 //! A build for the default x86-64 target may use SSE2 alone, so a loop the compiler
 //! vectorises runs four lanes wide; these run sixteen (AVX-512) or eight (AVX2) wide
 //! where the CPU has them. Each is elementwise, with no reduction, so every version
-//! computes the same floats.
+//! computes the same floats. Each writes every element of its output and panics when its
+//! inputs' lengths disagree with it (the callers write outputs that were never zeroed).
 
 use std::mem::MaybeUninit;
 
@@ -17,9 +18,13 @@ fn sigmoid<T: Real>(v: T) -> T {
     T::one() / (T::one() + (-v).fast_exp())
 }
 
-/// `out = a + b`, over the shortest of the three.
+/// `out = a + b`.
 #[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2+fma"))]
 pub fn add<T: Real>(out: &mut [MaybeUninit<T>], a: &[T], b: &[T]) {
+    assert!(
+        a.len() == out.len() && b.len() == out.len(),
+        "add: lengths differ"
+    );
     for ((o, &x), &z) in out.iter_mut().zip(a).zip(b) {
         o.write(x + z);
     }
@@ -28,6 +33,10 @@ pub fn add<T: Real>(out: &mut [MaybeUninit<T>], a: &[T], b: &[T]) {
 /// RMSNorm's output row: `out = x r w`.
 #[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2+fma"))]
 pub fn norm_scale<T: Real>(out: &mut [MaybeUninit<T>], x: &[T], w: &[T], r: T) {
+    assert!(
+        x.len() == out.len() && w.len() == out.len(),
+        "norm_scale: lengths differ"
+    );
     for ((o, &v), &g) in out.iter_mut().zip(x).zip(w) {
         o.write(v * r * g);
     }
@@ -36,6 +45,11 @@ pub fn norm_scale<T: Real>(out: &mut [MaybeUninit<T>], x: &[T], w: &[T], r: T) {
 /// RMSNorm's input gradient row: `out = r (dy w - x r m)`.
 #[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2+fma"))]
 pub fn norm_grad<T: Real>(out: &mut [MaybeUninit<T>], dy: &[T], x: &[T], w: &[T], r: T, m: T) {
+    let n = out.len();
+    assert!(
+        dy.len() == n && x.len() == n && w.len() == n,
+        "norm_grad: lengths differ"
+    );
     for (((o, &d), &v), &g) in out.iter_mut().zip(dy).zip(x).zip(w) {
         o.write(r * (d * g - v * r * m));
     }
@@ -44,6 +58,10 @@ pub fn norm_grad<T: Real>(out: &mut [MaybeUninit<T>], dy: &[T], x: &[T], w: &[T]
 /// SwiGLU's output row: `out = silu(g) u`.
 #[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2+fma"))]
 pub fn swiglu<T: Real>(out: &mut [MaybeUninit<T>], g: &[T], u: &[T]) {
+    assert!(
+        g.len() == out.len() && u.len() == out.len(),
+        "swiglu: lengths differ"
+    );
     for ((o, &gv), &uv) in out.iter_mut().zip(g).zip(u) {
         o.write(gv * sigmoid(gv) * uv);
     }
@@ -58,12 +76,9 @@ pub fn swiglu_grad<T: Real>(
     u: &[T],
     dy: &[T],
 ) {
-    let n = dg
-        .len()
-        .min(du.len())
-        .min(g.len())
-        .min(u.len())
-        .min(dy.len());
+    let n = dg.len();
+    let same = du.len() == n && g.len() == n && u.len() == n && dy.len() == n;
+    assert!(same, "swiglu_grad: lengths differ");
     for i in 0..n {
         let s = sigmoid(g[i]);
         du[i].write(dy[i] * g[i] * s);
@@ -76,9 +91,11 @@ pub fn swiglu_grad<T: Real>(
 #[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2+fma"))]
 pub fn rope<T: Real>(out: &mut [MaybeUninit<T>], x: &[T], c: &[T], s: &[T], sign: T) {
     let half = c.len();
+    let same = out.len() == 2 * half && x.len() == 2 * half && s.len() == half;
+    assert!(same, "rope: lengths differ");
     let (lo, hi) = out.split_at_mut(half);
     let (x1, x2) = x.split_at(half);
-    for i in 0..half.min(s.len()).min(hi.len()).min(x2.len()) {
+    for i in 0..half {
         let sn = s[i] * sign;
         lo[i].write(x1[i] * c[i] - x2[i] * sn);
         hi[i].write(x2[i] * c[i] + x1[i] * sn);
@@ -88,6 +105,7 @@ pub fn rope<T: Real>(out: &mut [MaybeUninit<T>], x: &[T], c: &[T], s: &[T], sign
 /// The log-softmax gradient's dense part: `out = -e^(x - lse) total`.
 #[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2+fma"))]
 pub fn neg_softmax_times<T: Real>(out: &mut [MaybeUninit<T>], x: &[T], lse: T, total: T) {
+    assert_eq!(x.len(), out.len(), "neg_softmax_times: lengths differ");
     for (o, &v) in out.iter_mut().zip(x) {
         o.write(-(v - lse).fast_exp() * total);
     }
