@@ -589,6 +589,23 @@ pub struct TokenizerResponse {
 mod tests {
     use super::*;
 
+    /// A metric reads back as the very f64 the server wrote: JSON numbers parse correctly
+    /// rounded (serde_json's `float_roundtrip`; its default parser can land one ulp off,
+    /// as it did on this loss).
+    #[test]
+    fn metrics_parse_to_the_bits_the_server_wrote() {
+        let loss = f64::from_bits(0x4079_778c_2200_0000);
+        let body = serde_json::json!({
+            "loss_fn_output_type": "TorchLossReturn",
+            "loss_fn_outputs": [],
+            "metrics": {"loss:sum": loss},
+        });
+        let text = serde_json::to_string(&body).unwrap();
+        assert!(text.contains("407.47171211242676"), "{text}");
+        let back: ForwardBackwardOutput = serde_json::from_str(&text).unwrap();
+        assert_eq!(back.loss().map(f64::to_bits), Some(loss.to_bits()));
+    }
+
     #[test]
     fn forward_backward_request_parses_the_observed_body() {
         let body = r#"{"forward_backward_input": {
