@@ -332,7 +332,13 @@ pub fn attention_stacked(
     let (kh, vh) = (by_head(k)?, by_head(v)?); // (b*KV, tk, hd)
     let (o, p) = if be.fused(&qg) && qg.dtype() == DType::F32 {
         // On the CPU in f32: only the keys each query block sees are multiplied.
-        let shape = host_attention_shape(b * kv_heads, group, tq, tk, hd);
+        let shape = host_attention::Shape {
+            batches: b * kv_heads,
+            group,
+            tq,
+            tk,
+            hd,
+        };
         let (o, p) = with_slices(&[&qg, &kh, &vh], |s| {
             Ok(host_attention::forward(
                 s[0],
@@ -394,6 +400,12 @@ impl AttnSaved {
     pub fn rows(&self) -> Result<usize> {
         Ok(self.seqs * self.qg.dim(1)? / (self.heads / self.kv_heads))
     }
+
+    /// The attention probabilities `(sequences * kv_heads, group * tq, tk)`.
+    #[cfg(test)]
+    pub(crate) fn probabilities(&self) -> &Tensor {
+        &self.p
+    }
 }
 
 /// Attention backward: returns `(dq, dk, dv)` in the input layouts.
@@ -414,7 +426,13 @@ pub fn attention_backward(
         .contiguous()?
         .reshape((b * s.kv_heads, group * tq, hd))?;
     let (dqg, dk, dv) = if be.fused(&dog) && dog.dtype() == DType::F32 {
-        let shape = host_attention_shape(b * s.kv_heads, group, tq, tk, hd);
+        let shape = host_attention::Shape {
+            batches: b * s.kv_heads,
+            group,
+            tq,
+            tk,
+            hd,
+        };
         let (dq, dk, dv) = with_slices(&[&dog, &s.qg, &s.kh, &s.vh, &s.p], |t| {
             Ok(host_attention::backward(
                 t[0],
@@ -455,23 +473,6 @@ pub fn attention_backward(
             .reshape((b * tk, kvd))
     };
     Ok((dq, by_row(dk)?, by_row(dv)?))
-}
-
-/// The shape of a host attention call, for [`host_attention`].
-fn host_attention_shape(
-    batches: usize,
-    group: usize,
-    tq: usize,
-    tk: usize,
-    hd: usize,
-) -> host_attention::Shape {
-    host_attention::Shape {
-        batches,
-        group,
-        tq,
-        tk,
-        hd,
-    }
 }
 
 /// The causal softmax of [`attention`] off the CPU fast path: the fused kernel on a GPU,
@@ -715,88 +716,6 @@ mod tests {
             seqs
         )
         .is_err());
-    }
-
-    /// f32 attention on the host, in query blocks over the keys each block sees, equals
-    /// the f64 composite (every key, then the mask) to f32 rounding: forward,
-    /// probabilities and gradients, with several blocks (the last one partial), a cached
-    /// prefix, grouped heads and stacked sequences; and a stacked sequence's numbers are
-    /// its own alone, bit for bit.
-    #[test]
-    fn host_block_attention_matches_the_composite() {
-        let f32s = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
-        let f64s = |t: &Tensor| t.to_dtype(DType::F64).unwrap();
-        let (heads, kv_heads, hd) = (6, 2, 8);
-        let (block, t) = (
-            host_attention::QUERY_BLOCK,
-            2 * host_attention::QUERY_BLOCK + 7,
-        );
-        // (queries, keys, sequences): stacked sequences; cached prefixes, one longer than
-        // a block behind a few queries; a single query; a last block of one row.
-        let shapes = [
-            (t, t, 2),
-            (t, t + 5, 1),
-            (3, t, 1),
-            (1, t, 1),
-            (block + 1, block + 1, 2),
-        ];
-        for (tq, tk, seqs) in shapes {
-            let q = rand(&[seqs * tq, heads * hd], 30);
-            let k = rand(&[seqs * tk, kv_heads * hd], 31);
-            let v = rand(&[seqs * tk, kv_heads * hd], 32);
-            let dout = rand(&[seqs * tq, heads * hd], 33);
-            let (want, want_saved) =
-                attention_stacked(Backend::Device, &q, &k, &v, heads, kv_heads, seqs).unwrap();
-            let (q32, k32, v32) = (f32s(&q), f32s(&k), f32s(&v));
-            let (got, saved) =
-                attention_stacked(Backend::Cpu, &q32, &k32, &v32, heads, kv_heads, seqs).unwrap();
-            assert!(diff(&f64s(&got), &want) < 1e-5, "out, tq {tq} tk {tk}");
-            assert!(
-                diff(&f64s(&saved.p), &want_saved.p) < 1e-6,
-                "p, tq {tq} tk {tk}"
-            );
-            let grads = attention_backward(Backend::Cpu, &f32s(&dout), &saved).unwrap();
-            let want = attention_backward(Backend::Device, &dout, &want_saved).unwrap();
-            for (name, g, w) in [
-                ("dq", &grads.0, &want.0),
-                ("dk", &grads.1, &want.1),
-                ("dv", &grads.2, &want.2),
-            ] {
-                assert!(
-                    diff(&f64s(g), w) < 1e-5,
-                    "{name}, tq {tq} tk {tk}: {}",
-                    diff(&f64s(g), w)
-                );
-            }
-            if seqs > 1 {
-                let rows = |x: &Tensor, i: usize| x.narrow(0, i * tq, tq).unwrap();
-                for i in 0..seqs {
-                    let (o1, s1) = attention(
-                        Backend::Cpu,
-                        &rows(&q32, i),
-                        &rows(&k32, i),
-                        &rows(&v32, i),
-                        heads,
-                        kv_heads,
-                    )
-                    .unwrap();
-                    let (dq1, dk1, dv1) =
-                        attention_backward(Backend::Cpu, &rows(&f32s(&dout), i), &s1).unwrap();
-                    for (got, alone) in [
-                        (&got, &o1),
-                        (&grads.0, &dq1),
-                        (&grads.1, &dk1),
-                        (&grads.2, &dv1),
-                    ] {
-                        assert_eq!(
-                            diff(&f64s(&rows(got, i)), &f64s(alone)),
-                            0.0,
-                            "sequence {i}"
-                        );
-                    }
-                }
-            }
-        }
     }
 
     #[test]

@@ -206,3 +206,95 @@ pub fn backward(
         });
     (dq, dk, dv)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::QUERY_BLOCK;
+    use crate::model::backend::Backend;
+    use crate::model::ops::{attention, attention_backward, attention_stacked};
+    use crate::model::test_util::{max_abs_diff as diff, uniform};
+    use candle_core::{DType, Tensor};
+
+    fn rand(shape: &[usize], seed: u64) -> Tensor {
+        uniform(shape, 2.0, seed)
+    }
+
+    /// f32 attention on the host, in query blocks over the keys each block sees, equals
+    /// the f64 composite (every key, then the mask) to f32 rounding: forward,
+    /// probabilities and gradients, with several blocks (the last one partial), a cached
+    /// prefix, grouped heads and stacked sequences; and a stacked sequence's numbers are
+    /// its own alone, bit for bit.
+    #[test]
+    fn host_block_attention_matches_the_composite() {
+        let f32s = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+        let f64s = |t: &Tensor| t.to_dtype(DType::F64).unwrap();
+        let (heads, kv_heads, hd) = (6, 2, 8);
+        let (block, t) = (QUERY_BLOCK, 2 * QUERY_BLOCK + 7);
+        // (queries, keys, sequences): stacked sequences; cached prefixes, one longer than
+        // a block behind a few queries; a single query; a last block of one row.
+        let shapes = [
+            (t, t, 2),
+            (t, t + 5, 1),
+            (3, t, 1),
+            (1, t, 1),
+            (block + 1, block + 1, 2),
+        ];
+        for (tq, tk, seqs) in shapes {
+            let q = rand(&[seqs * tq, heads * hd], 30);
+            let k = rand(&[seqs * tk, kv_heads * hd], 31);
+            let v = rand(&[seqs * tk, kv_heads * hd], 32);
+            let dout = rand(&[seqs * tq, heads * hd], 33);
+            let (want, want_saved) =
+                attention_stacked(Backend::Device, &q, &k, &v, heads, kv_heads, seqs).unwrap();
+            let (q32, k32, v32) = (f32s(&q), f32s(&k), f32s(&v));
+            let (got, saved) =
+                attention_stacked(Backend::Cpu, &q32, &k32, &v32, heads, kv_heads, seqs).unwrap();
+            assert!(diff(&f64s(&got), &want) < 1e-5, "out, tq {tq} tk {tk}");
+            assert!(
+                diff(&f64s(saved.probabilities()), want_saved.probabilities()) < 1e-6,
+                "p, tq {tq} tk {tk}"
+            );
+            let grads = attention_backward(Backend::Cpu, &f32s(&dout), &saved).unwrap();
+            let want = attention_backward(Backend::Device, &dout, &want_saved).unwrap();
+            for (name, g, w) in [
+                ("dq", &grads.0, &want.0),
+                ("dk", &grads.1, &want.1),
+                ("dv", &grads.2, &want.2),
+            ] {
+                assert!(
+                    diff(&f64s(g), w) < 1e-5,
+                    "{name}, tq {tq} tk {tk}: {}",
+                    diff(&f64s(g), w)
+                );
+            }
+            if seqs > 1 {
+                let rows = |x: &Tensor, i: usize| x.narrow(0, i * tq, tq).unwrap();
+                for i in 0..seqs {
+                    let (o1, s1) = attention(
+                        Backend::Cpu,
+                        &rows(&q32, i),
+                        &rows(&k32, i),
+                        &rows(&v32, i),
+                        heads,
+                        kv_heads,
+                    )
+                    .unwrap();
+                    let (dq1, dk1, dv1) =
+                        attention_backward(Backend::Cpu, &rows(&f32s(&dout), i), &s1).unwrap();
+                    for (got, alone) in [
+                        (&got, &o1),
+                        (&grads.0, &dq1),
+                        (&grads.1, &dk1),
+                        (&grads.2, &dv1),
+                    ] {
+                        assert_eq!(
+                            diff(&f64s(&rows(got, i)), &f64s(alone)),
+                            0.0,
+                            "sequence {i}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
