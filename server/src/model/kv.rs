@@ -15,7 +15,7 @@ use multiversion::multiversion;
 use rayon::prelude::*;
 
 use super::backend::Backend;
-use super::cpu::kernels::dot;
+use super::cpu::vector_math::dot_lanes as dot;
 use super::cpu::vector_math::exp_f32;
 use super::ops;
 use super::transformer::SeqSpan;

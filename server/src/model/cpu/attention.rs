@@ -215,10 +215,6 @@ mod tests {
     use crate::model::test_util::{max_abs_diff as diff, uniform};
     use candle_core::{DType, Tensor};
 
-    fn rand(shape: &[usize], seed: u64) -> Tensor {
-        uniform(shape, 2.0, seed)
-    }
-
     /// f32 attention on the host, in query blocks over the keys each block sees, equals
     /// the f64 composite (every key, then the mask) to f32 rounding: forward,
     /// probabilities and gradients, with several blocks (the last one partial), a cached
@@ -240,10 +236,10 @@ mod tests {
             (block + 1, block + 1, 2),
         ];
         for (tq, tk, seqs) in shapes {
-            let q = rand(&[seqs * tq, heads * hd], 30);
-            let k = rand(&[seqs * tk, kv_heads * hd], 31);
-            let v = rand(&[seqs * tk, kv_heads * hd], 32);
-            let dout = rand(&[seqs * tq, heads * hd], 33);
+            let q = uniform(&[seqs * tq, heads * hd], 2.0, 30);
+            let k = uniform(&[seqs * tk, kv_heads * hd], 2.0, 31);
+            let v = uniform(&[seqs * tk, kv_heads * hd], 2.0, 32);
+            let dout = uniform(&[seqs * tq, heads * hd], 2.0, 33);
             let (want, want_saved) =
                 attention_stacked(Backend::Device, &q, &k, &v, heads, kv_heads, seqs).unwrap();
             let (q32, k32, v32) = (f32s(&q), f32s(&k), f32s(&v));

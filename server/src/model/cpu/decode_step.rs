@@ -22,7 +22,7 @@ use multiversion::multiversion;
 use rayon::prelude::*;
 
 use super::decode_weights::DecodeWeights;
-use super::kernels::dot;
+use super::vector_math::dot_lanes as dot;
 use super::vector_math::exp_f32;
 use crate::model::backend::Backend;
 use crate::model::kv::{self, HostQkv, KvCache};

@@ -13,7 +13,7 @@ use num_traits::Float;
 use rayon::prelude::*;
 
 use super::row_loops;
-use super::vector_math::{dot as row_dot, dot3, exp_f32, row_max, sum_exp};
+use super::vector_math::{dot as row_dot, dot3, dot_lanes as dot, exp_f32, row_max, sum_exp};
 
 /// Float types the kernels run on.
 pub trait Real: WithDType + Float + num_traits::NumAssign + Send + Sync {
@@ -625,26 +625,6 @@ fn dot_block_generic(xs: &[f32], m: usize, k: usize, wrows: &[f32], out: &mut [f
             out[o * m + mi] = dot(wr, x);
         }
     }
-}
-
-/// Dot product of two equal-length rows, vectorised.
-#[inline(always)]
-pub fn dot(w: &[f32], x: &[f32]) -> f32 {
-    const L: usize = 16;
-    let mut acc = [0f32; L];
-    let (wc, xc) = (w.chunks_exact(L), x.chunks_exact(L));
-    let tail: f32 = wc
-        .remainder()
-        .iter()
-        .zip(xc.remainder())
-        .map(|(a, b)| a * b)
-        .sum();
-    for (a, b) in wc.zip(xc) {
-        for l in 0..L {
-            acc[l] += a[l] * b[l];
-        }
-    }
-    acc.iter().sum::<f32>() + tail
 }
 
 /// Asks the CPU to bring the cache lines of `len` bytes from `start` into the cache: for

@@ -83,21 +83,31 @@ pub fn sum_exp<T: Real>(row: &[T], shift: T) -> T {
     acc.iter().fold(s, |s, &v| s + v)
 }
 
-/// `sum_i a_i b_i` over the shorter of the two.
-#[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2+fma"))]
-pub fn dot<T: Real>(a: &[T], b: &[T]) -> T {
+/// `sum_i a_i b_i` over the shorter of the two, in `LANES` partial sums: the one
+/// definition of a row dot product, inlined into callers already compiled for a vector
+/// width (the decode step, the few-rows products, the host KV attention) and reached
+/// through [`dot`] from the others.
+#[inline(always)]
+pub fn dot_lanes<T: Real>(a: &[T], b: &[T]) -> T {
     let n = a.len().min(b.len());
     let (a, b) = (&a[..n], &b[..n]);
     let mut acc = [T::zero(); LANES];
     let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let (ta, tb) = (ca.remainder(), cb.remainder());
+    let tail = (ca.remainder().iter())
+        .zip(cb.remainder())
+        .fold(T::zero(), |s, (&u, &v)| s + u * v);
     for (x, y) in ca.zip(cb) {
-        for ((s, &u), &v) in acc.iter_mut().zip(x).zip(y) {
-            *s += u * v;
+        for l in 0..LANES {
+            acc[l] += x[l] * y[l];
         }
     }
-    let s = ta.iter().zip(tb).fold(T::zero(), |s, (&u, &v)| s + u * v);
-    acc.iter().fold(s, |s, &v| s + v)
+    acc.iter().fold(T::zero(), |s, &v| s + v) + tail
+}
+
+/// [`dot_lanes`] compiled for AVX-512 and AVX2 too, picked at run time.
+#[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2+fma"))]
+pub fn dot<T: Real>(a: &[T], b: &[T]) -> T {
+    dot_lanes(a, b)
 }
 
 /// `sum_i a_i b_i c_i` over the shortest of the three.
