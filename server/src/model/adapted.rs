@@ -3,8 +3,9 @@
 //!
 //! A projection may be stacked (q/k/v, gate/up): one weight whose output columns are
 //! split into parts, each its own LoRA target. On the CPU in f32 — training's hot path —
-//! the products go straight through `gemm` ([`super::cpu::gemm`]): each delta is accumulated
-//! into the frozen product in place, and each part's columns are read and written through
+//! the frozen product goes straight through `gemm` ([`super::cpu::gemm`], or the bf16
+//! products), and each delta is added to it in place row by row ([`super::cpu::lora_rows`],
+//! the order the decode step shares), each part's columns read and written through
 //! strides. Elsewhere (f64 checks, CUDA) the same maths runs as candle ops
 //! ([`lora_forward`] / [`lora_backward`]); a test holds the two paths equal.
 
@@ -15,6 +16,7 @@ use super::cpu::bf16::{self, Bf16Ref};
 use super::cpu::gemm::{gemm, with_slices, Mat, MatMut};
 use super::cpu::input_grad;
 use super::cpu::kernels;
+use super::cpu::lora_rows;
 use super::lora::{
     lora_backward, lora_forward, Adapter, AdapterGrads, LoraCache, LoraPair, Segment, Target,
 };
@@ -142,20 +144,13 @@ pub fn forward(
                 let r = pair.a.dim(0)?;
                 let mut u = vec![0f32; seg.len * r];
                 with_slices(&[&pair.a, &pair.b], |ab| {
-                    let xseg = xs.rows(seg.start, seg.len);
-                    gemm(
-                        &mut MatMut::new(&mut u, seg.len, r, r),
-                        xseg,
-                        Mat::new(ab[0], r, d_in).t(),
-                        1.0,
-                        false,
-                    );
-                    gemm(
-                        &mut out.block(seg.start, seg.len, col, width),
-                        Mat::new(&u, seg.len, r),
-                        Mat::new(ab[1], width, r).t(),
+                    lora_rows::add_deltas(
+                        ab[0],
+                        &lora_rows::transposed(ab[1], width, r),
                         scale as f32,
-                        true,
+                        xs.rows(seg.start, seg.len),
+                        &mut out.block(seg.start, seg.len, col, width),
+                        &mut u,
                     );
                     Ok(())
                 })?;

@@ -11,12 +11,10 @@
 //! the whole cache.
 
 use candle_core::{Device, Tensor};
-use multiversion::multiversion;
 use rayon::prelude::*;
 
 use super::backend::Backend;
-use super::cpu::vector_math::dot_lanes as dot;
-use super::cpu::vector_math::exp_f32;
+use super::cpu::attention::{probabilities_row, weighted_row};
 use super::ops;
 use super::transformer::SeqSpan;
 
@@ -351,10 +349,8 @@ struct HostLayer<'a> {
 }
 
 /// Attention of one query row `q` (its heads, `hd` values each) over `cache`, written
-/// to `out`; consecutive query heads share a key/value head. Compiled for AVX-512 and
-/// AVX2 too, picked at run time (the default target has only SSE2); the lanes are
-/// explicit ([`dot`]), so every version computes the same floats.
-#[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2+fma"))]
+/// to `out`; consecutive query heads share a key/value head. Each head is
+/// [`probabilities_row`] and [`weighted_row`], as in training.
 fn attend_row(q: &[f32], cache: HostLayer<'_>, hd: usize, scale: f32, out: &mut [f32]) {
     let HostLayer {
         k,
@@ -366,23 +362,8 @@ fn attend_row(q: &[f32], cache: HostLayer<'_>, hd: usize, scale: f32, out: &mut 
     let mut p = vec![0f32; visible];
     for (h, (qh, oh)) in q.chunks_exact(hd).zip(out.chunks_exact_mut(hd)).enumerate() {
         let at = (h / group) * hd;
-        let mut max = f32::NEG_INFINITY;
-        for (j, pj) in p.iter_mut().enumerate() {
-            *pj = dot(qh, &k[j * kv_dim + at..j * kv_dim + at + hd]) * scale;
-            max = max.max(*pj);
-        }
-        let mut sum = 0f32;
-        for pj in p.iter_mut() {
-            *pj = exp_f32(*pj - max);
-            sum += *pj;
-        }
-        oh.fill(0.0);
-        for (j, pj) in p.iter().enumerate() {
-            let w = pj / sum;
-            for (x, y) in oh.iter_mut().zip(&v[j * kv_dim + at..j * kv_dim + at + hd]) {
-                *x += w * y;
-            }
-        }
+        probabilities_row(qh, &k[at..], kv_dim, scale, &mut p);
+        weighted_row(&p, &v[at..], kv_dim, oh);
     }
 }
 

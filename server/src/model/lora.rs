@@ -12,6 +12,8 @@ use rand::{rngs::StdRng, Rng, SeedableRng};
 
 use super::backend::Backend;
 use super::config::ModelConfig;
+use super::cpu::gemm::{Mat, MatMut};
+use super::cpu::lora_rows;
 use super::ops;
 use super::weights::matmul_t;
 use super::ModelError;
@@ -379,6 +381,16 @@ pub fn lora_forward(
     {
         return Ok((y, caches.pop().expect("one part")));
     }
+    let host = |t: &Tensor| be.host_f32(t);
+    let on_host = host(x)
+        && host(&base)
+        && segments
+            .iter()
+            .filter_map(pair_of)
+            .all(|(p, _)| host(&p.a) && host(&p.b));
+    if on_host {
+        return lora_forward_host(x, &base, segments, pair_of);
+    }
     let out_dim = base.dims()[1];
     let mut cache = Vec::with_capacity(segments.len());
     let mut deltas = Vec::with_capacity(segments.len());
@@ -406,6 +418,43 @@ pub fn lora_forward(
         Tensor::cat(&deltas, 0)?
     };
     Ok((base.add(&delta)?, cache))
+}
+
+/// [`lora_forward`] on the host in f32: every row through [`lora_rows`], as the fused
+/// projections and the decode step compute it.
+fn lora_forward_host<'p>(
+    x: &Tensor,
+    base: &Tensor,
+    segments: &[Segment],
+    pair_of: impl Fn(&Segment) -> Option<(&'p LoraPair, f64)>,
+) -> candle_core::Result<(Tensor, LoraCache)> {
+    let (rows, d_in) = x.dims2()?;
+    let d_out = base.dim(1)?;
+    let xs: Vec<f32> = x.flatten_all()?.to_vec1()?;
+    let mut y: Vec<f32> = base.flatten_all()?.to_vec1()?;
+    let mut cache = Vec::with_capacity(segments.len());
+    for seg in segments {
+        let Some((pair, scale)) = pair_of(seg) else {
+            cache.push(None);
+            continue;
+        };
+        let r = pair.a.dim(0)?;
+        let a: Vec<f32> = pair.a.flatten_all()?.to_vec1()?;
+        let b: Vec<f32> = pair.b.flatten_all()?.to_vec1()?;
+        let mut u = vec![0f32; seg.len * r];
+        let xm = Mat::new(&xs, rows, d_in).rows(seg.start, seg.len);
+        let mut ym = MatMut::new(&mut y, rows, d_out, d_out);
+        lora_rows::add_deltas(
+            &a,
+            &lora_rows::transposed(&b, d_out, r),
+            scale as f32,
+            xm,
+            &mut ym.block(seg.start, seg.len, 0, d_out),
+            &mut u,
+        );
+        cache.push(Some(Tensor::from_vec(u, (seg.len, r), x.device())?));
+    }
+    Ok((Tensor::from_vec(y, (rows, d_out), x.device())?, cache))
 }
 
 /// Most rows a segment may have for [`lora_forward_sgmv`]: each row reads its adapter's

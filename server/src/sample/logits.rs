@@ -27,10 +27,12 @@ impl Default for Picker {
 
 /// `log_softmax(logits)[token]`: the model's own log-probability, independent of
 /// temperature and truncation. Computed as the trainer computes its log-softmax (f32,
-/// the same vectorised `exp` and reductions), so the two agree to f32 rounding.
+/// the same vectorised `exp`, reductions and order of operations), so equal logits give
+/// the trainer's value bit for bit.
 pub fn token_logprob(logits: &[f32], token: usize) -> f64 {
     let max = row_max(logits);
-    (logits[token] - max - sum_exp(logits, max).ln()) as f64
+    let lse = sum_exp(logits, max).ln() + max;
+    (logits[token] - lse) as f64
 }
 
 /// Candidates first looked at for the nucleus; grown eightfold while their mass falls

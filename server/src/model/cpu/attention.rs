@@ -1,23 +1,26 @@
-//! Causal attention on the host in query blocks: the forward and backward products of
-//! [`crate::model::ops::attention_stacked`] over the keys each block can see, instead of
-//! over every key.
+//! Causal attention on the host over the keys each query can see, instead of over every
+//! key: the forward and backward passes of [`crate::model::ops::attention_stacked`].
 //!
 //! candle's batched `matmul` multiplies the whole `(queries, keys)` square, and the
 //! causal mask then throws the upper half away: at 128 tokens or more, half of every
-//! attention product of a training step is work whose result is zeroed. Here each block
-//! of [`QUERY_BLOCK`] queries multiplies only the keys up to its last query's position
-//! (the gemm crate's products through [`super::gemm`]), so the waste is the diagonal
-//! blocks' upper halves alone, and the masked probabilities are written as zeros rather
-//! than computed. The layouts are those of `attention_stacked`: `qg (batches, group * tq,
+//! attention product of a training step is work whose result is zeroed. Here the forward
+//! pass runs each query row over its visible keys with [`probabilities_row`] and
+//! [`weighted_row`], the definition that prefill and decoding use too (so a sampled
+//! token's log-probability is the trainer's bit for bit); the backward pass runs blocks
+//! of [`QUERY_BLOCK`] queries through the gemm crate's products ([`super::gemm`]) over
+//! the keys up to each block's last query. Masked probabilities are written as zeros
+//! rather than computed. The layouts are those of `attention_stacked`: `qg (batches, group * tq,
 //! hd)` (row `g * tq + i` is query `i` of the group's head `g`), `kh` and `vh`
 //! `(batches, tk, hd)`, probabilities `(batches, group * tq, tk)`; query `i` sits at
 //! position `tk - tq + i` and sees keys `0..=tk - tq + i`.
 
 use rayon::prelude::*;
 
+use multiversion::multiversion;
+
 use super::gemm::{gemm, Mat, MatMut};
 use super::row_loops;
-use super::vector_math::{dot, exp_in_place, row_max};
+use super::vector_math::{dot, dots, exp_f32, row_max, sum};
 
 /// Queries per block: the gemm crate's largest row tile, so that each block's products
 /// run its fastest kernel; smaller blocks would waste less of the diagonal block but
@@ -74,8 +77,10 @@ impl Shape {
 
 /// The forward pass: `(o, p)`, the output `(batches, group * tq, hd)` and the
 /// probabilities `(batches, group * tq, tk)` (zero at masked keys), from `q`, `k`, `v`
-/// in the module's layouts, the scores scaled by `scale`. Panics when the slices' sizes
-/// are not the shape's or `tq > tk` (the caller builds both from one tensor shape).
+/// in the module's layouts, the scores scaled by `scale`. Each query row is
+/// [`probabilities_row`] and [`weighted_row`], as in prefill and decoding. Panics when
+/// the slices' sizes are not the shape's or `tq > tk` (the caller builds both from one
+/// tensor shape).
 pub fn forward(q: &[f32], k: &[f32], v: &[f32], s: Shape, scale: f32) -> (Vec<f32>, Vec<f32>) {
     s.check(q.len(), k.len(), v.len());
     let (tq, tk, hd) = (s.tq, s.tk, s.hd);
@@ -90,44 +95,95 @@ pub fn forward(q: &[f32], k: &[f32], v: &[f32], s: Shape, scale: f32) -> (Vec<f3
         .enumerate()
         .for_each(|(bh, (oh, ph))| {
             let b = bh / s.group;
-            let qh = Mat::new(&q[bh * tq * hd..(bh + 1) * tq * hd], tq, hd);
-            let kb = Mat::new(&k[b * tk * hd..(b + 1) * tk * hd], tk, hd);
-            let vb = Mat::new(&v[b * tk * hd..(b + 1) * tk * hd], tk, hd);
-            let mut om = MatMut::new(oh, tq, hd, hd);
-            for (i0, len, keys) in s.blocks() {
-                let block = &mut ph[i0 * tk..(i0 + len) * tk];
-                let mut scores = MatMut::new(block, len, keys, tk);
-                gemm(
-                    &mut scores,
-                    qh.rows(i0, len),
-                    kb.rows(0, keys).t(),
-                    1.0,
-                    false,
-                );
-                for (r, row) in block.chunks_exact_mut(tk).enumerate() {
-                    softmax_visible(row, s.visible(i0 + r), scale);
-                }
-                let probs = Mat::strided(block, len, keys, tk, 1);
-                gemm(
-                    &mut om.block(i0, len, 0, hd),
-                    probs,
-                    vb.rows(0, keys),
-                    1.0,
-                    false,
-                );
+            let qh = &q[bh * tq * hd..(bh + 1) * tq * hd];
+            let kb = &k[b * tk * hd..(b + 1) * tk * hd];
+            let vb = &v[b * tk * hd..(b + 1) * tk * hd];
+            let rows = ph.chunks_exact_mut(tk).zip(qh.chunks_exact(hd));
+            for (i, (pr, qr)) in rows.enumerate() {
+                probabilities_row(qr, kb, hd, scale, &mut pr[..s.visible(i)]);
             }
+            weighted_rows(ph, tk, |i| s.visible(i), vb, hd, oh);
         });
     (o, p)
 }
 
-/// Row `row`'s probabilities in place: the softmax of its first `visible` scores times
-/// `scale`, zeros after them.
-fn softmax_visible(row: &mut [f32], visible: usize, scale: f32) {
-    let (seen, masked) = row.split_at_mut(visible);
-    let max = row_max(seen) * scale;
-    let inv = 1.0 / exp_in_place(seen, scale, max);
-    row_loops::scale(seen, inv);
-    masked.fill(0.0);
+/// One query's attention probabilities over the first `p.len()` keys, written to `p`:
+/// scores `dot_lanes(q, k_j) * scale` (key `j` being the `q.len()` values of `keys` from
+/// `j * stride`), then `e^(score - max)` over their [`sum`]. The one definition that
+/// training, prefill and decoding share, so that a sampled token's log-probability is
+/// the trainer's bit for bit. Panics when `keys` is too short.
+#[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2+fma"))]
+pub fn probabilities_row(q: &[f32], keys: &[f32], stride: usize, scale: f32, p: &mut [f32]) {
+    dots(q, keys, stride, p);
+    p.iter_mut().for_each(|s| *s *= scale);
+    let max = row_max(p);
+    p.iter_mut().for_each(|s| *s = exp_f32(*s - max));
+    let total = sum(p);
+    p.iter_mut().for_each(|s| *s /= total);
+}
+
+/// `o = sum_j p_j v_j` in order of `j` (each step one fused multiply-add), value `j`
+/// being the `o.len()` values of `values` from `j * stride`: an attention output row,
+/// shared as [`probabilities_row`] is. Panics when `values` is too short.
+#[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2+fma"))]
+pub fn weighted_row(p: &[f32], values: &[f32], stride: usize, o: &mut [f32]) {
+    let hd = o.len();
+    o.fill(0.0);
+    for (j, &w) in p.iter().enumerate() {
+        let vj = &values[j * stride..j * stride + hd];
+        for (x, &y) in o.iter_mut().zip(vj) {
+            *x = w.mul_add(y, *x);
+        }
+    }
+}
+
+/// [`weighted_row`] of every row of `p` (rows `tk` apart, row `i` reaching
+/// `visible(i)` keys, non-decreasing) into the rows of `o`, values `stride` apart: bit
+/// for bit the same, four rows at a time sharing each value row's loads where the head
+/// width is 64.
+#[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2+fma"))]
+fn weighted_rows(
+    p: &[f32],
+    tk: usize,
+    visible: impl Fn(usize) -> usize,
+    values: &[f32],
+    stride: usize,
+    o: &mut [f32],
+) {
+    const HD: usize = 64;
+    let hd = stride.min(o.len());
+    let rows = o.len() / hd.max(1);
+    let mut i = 0;
+    if hd == HD {
+        while i + 4 <= rows {
+            let vis: [usize; 4] = std::array::from_fn(|r| visible(i + r));
+            let mut acc = [[0f32; HD]; 4];
+            for j in 0..vis[0] {
+                let vj: &[f32; HD] = values[j * HD..(j + 1) * HD].try_into().expect("a row");
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let w = p[(i + r) * tk + j];
+                    for d in 0..HD {
+                        a[d] = w.mul_add(vj[d], a[d]);
+                    }
+                }
+            }
+            for (r, a) in acc.iter_mut().enumerate() {
+                for j in vis[0]..vis[r] {
+                    let vj: &[f32; HD] = values[j * HD..(j + 1) * HD].try_into().expect("a row");
+                    let w = p[(i + r) * tk + j];
+                    for d in 0..HD {
+                        a[d] = w.mul_add(vj[d], a[d]);
+                    }
+                }
+                o[(i + r) * HD..(i + r + 1) * HD].copy_from_slice(a);
+            }
+            i += 4;
+        }
+    }
+    for r in i..rows {
+        let pr = &p[r * tk..r * tk + visible(r)];
+        weighted_row(pr, values, stride, &mut o[r * hd..(r + 1) * hd]);
+    }
 }
 
 /// The backward pass: `(dq, dk, dv)` in the layouts of `q`, `k`, `v`, from the output's

@@ -14,16 +14,17 @@
 //! - RMSNorm, RoPE, SwiGLU and the residual adds are plain loops on the row;
 //! - attention appends to the same host KV caches that the prefill filled.
 //!
-//! The arithmetic matches [`Transformer::forward_cached`] with the decode weights, up to
-//! float summation order; tests check the two agree.
+//! Around the products, each row's arithmetic is the trainer's in the same order
+//! (`kernels::rms_rows`, `lora_rows`, the shared attention rows, `row_loops::swiglu`),
+//! so where the products are the trainer's too (bf16 precision) a step's logits are the
+//! trainer's bit for bit; tests check both.
 
 use candle_core::{DType, Tensor};
-use multiversion::multiversion;
 use rayon::prelude::*;
 
 use super::decode_weights::DecodeWeights;
-use super::vector_math::dot_lanes as dot;
-use super::vector_math::exp_f32;
+use super::kernels;
+use super::lora_rows;
 use crate::model::backend::Backend;
 use crate::model::kv::{self, HostQkv, KvCache};
 use crate::model::lora::{Adapter, Proj, Target};
@@ -48,24 +49,11 @@ impl HostLora {
         })
     }
 
-    /// Adds the adapter's delta for input row `x` to output row `y`.
+    /// Adds the adapter's delta for input row `x` to output row `y`, as training adds it
+    /// ([`lora_rows`]).
     fn apply(&self, x: &[f32], y: &mut [f32]) {
-        lora_delta(&self.a, &self.bt, self.scale, x, y);
-    }
-}
-
-/// `y += scale * B (A x)` with `a` = `A` `(r, in)` and `bt` = `B^T` `(r, out)`, both
-/// row-major. Compiled for AVX-512 and AVX2 too, picked at run time: the default target
-/// has only SSE2, and this is serial work on every row of every decode step. The lanes
-/// are explicit ([`dot`]), so every version computes the same floats.
-#[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2+fma"))]
-fn lora_delta(a: &[f32], bt: &[f32], scale: f32, x: &[f32], y: &mut [f32]) {
-    let (k, n) = (x.len(), y.len());
-    for (aj, bj) in a.chunks_exact(k).zip(bt.chunks_exact(n)) {
-        let u = dot(aj, x) * scale;
-        for (o, &b) in y.iter_mut().zip(bj) {
-            *o += u * b;
-        }
+        let mut u = vec![0f32; self.bt.len() / y.len().max(1)];
+        lora_rows::add_delta_row(&self.a, &self.bt, self.scale, x, y, &mut u);
     }
 }
 
@@ -243,8 +231,7 @@ impl<'m> HostDecoder<'m> {
                 return Err(ModelError::Input("adapter index out of range".into()));
             }
         }
-        let (d, hq, hkv, hd) = (
-            cfg.hidden_size,
+        let (hq, hkv, hd) = (
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
             cfg.head_dim,
@@ -271,7 +258,7 @@ impl<'m> HostDecoder<'m> {
             .collect();
         let mut attn = vec![0f32; m * hq * hd];
         for (li, block) in self.blocks.iter().enumerate() {
-            let x1 = rms_rows(&h, d, &block.input, eps);
+            let x1 = kernels::rms_rows(&h, &block.input, eps);
             let [mut q, mut k, v] = self.stacked(
                 &x1,
                 rows,
@@ -279,8 +266,8 @@ impl<'m> HostDecoder<'m> {
                 [(Proj::Q, hq * hd), (Proj::K, hkv * hd), (Proj::V, hkv * hd)],
             )?;
             if let (Some(qn), Some(kn)) = (&block.q, &block.k) {
-                q = rms_rows(&q, hd, qn, eps);
-                k = rms_rows(&k, hd, kn, eps);
+                q = kernels::rms_rows(&q, qn, eps);
+                k = kernels::rms_rows(&k, kn, eps);
             }
             rope_rows(&mut q, hq, hd, &cos, &sin);
             rope_rows(&mut k, hkv, hd, &cos, &sin);
@@ -293,18 +280,14 @@ impl<'m> HostDecoder<'m> {
             kv::attend_host(li, new, &spans, caches, hq, &mut attn)?;
             let o = self.project(&attn, rows, li, Proj::O)?;
             add_into(&mut h, &o);
-            let x2 = rms_rows(&h, d, &block.post, eps);
+            let x2 = kernels::rms_rows(&h, &block.post, eps);
             let f = cfg.intermediate_size;
             let [gate, up] = self.stacked(&x2, rows, li, [(Proj::Gate, f), (Proj::Up, f)])?;
-            let act: Vec<f32> = gate
-                .iter()
-                .zip(&up)
-                .map(|(&g, &u)| g / (1.0 + exp_f32(-g)) * u)
-                .collect();
+            let act = kernels::swiglu_rows(&gate, &up);
             let down = self.project(&act, rows, li, Proj::Down)?;
             add_into(&mut h, &down);
         }
-        let xf = rms_rows(&h, d, &self.final_norm, eps);
+        let xf = kernels::rms_rows(&h, &self.final_norm, eps);
         let head = self.dec.map(|dec| &dec.lm_head);
         let mut logits = match head.filter(|l| l.quantizes(m)) {
             Some(l) => l.forward_host(&xf, m, self.model.block_arith())?,
@@ -432,19 +415,6 @@ impl<'m> HostDecoder<'m> {
                 .for_each(add);
         }
     }
-}
-
-/// RMSNorm of each `width`-long piece of `x` with weight `w`.
-fn rms_rows(x: &[f32], width: usize, w: &[f32], eps: f32) -> Vec<f32> {
-    let mut y = vec![0f32; x.len()];
-    for (yr, xr) in y.chunks_exact_mut(width).zip(x.chunks_exact(width)) {
-        let ms = dot(xr, xr) / width as f32;
-        let r = 1.0 / (ms + eps).sqrt();
-        for ((o, &v), &g) in yr.iter_mut().zip(xr).zip(w) {
-            *o = v * r * g;
-        }
-    }
-    y
 }
 
 /// Rotate-half RoPE in place on `x`, `(rows, heads, hd)`, with each row's `(cos, sin)`

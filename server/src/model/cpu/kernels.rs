@@ -152,7 +152,6 @@ pub fn rms_norm<T: Real>(x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Te
     expect_dims("rms_norm weight", w, &[c])?;
     let rows = x.elem_count() / c;
     let eps = T::from(eps).expect("eps fits");
-    let inv_c = T::one() / T::from(c).expect("cols fit");
     let (y, rstd) = with::<T, _>(x, |xs| {
         with::<T, _>(w, |ws| {
             let mut rstd = vec![T::zero(); rows];
@@ -163,17 +162,51 @@ pub fn rms_norm<T: Real>(x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Te
                         .zip(rstd.par_iter_mut())
                         .zip(xs.par_chunks(c))
                         .with_min_len(grain(c))
-                        .for_each(|((yr, r), xr)| {
-                            let ms = row_dot(xr, xr) * inv_c;
-                            *r = T::one() / (ms + eps).sqrt();
-                            row_loops::norm_scale(yr, xr, ws, *r);
-                        })
+                        .for_each(|((yr, r), xr)| *r = rms_row(yr, xr, ws, eps))
                 })
             };
             Ok((y, rstd))
         })
     })?;
     Ok((out(y, x.dims())?, out(rstd, &[rows])?))
+}
+
+/// One RMSNorm row: writes `x r w` to `out` and returns `r = 1 / sqrt(mean(x²) + eps)`.
+/// The one definition that training, prefill and decoding share. Panics when the
+/// lengths differ.
+pub fn rms_row<T: Real>(out: &mut [MaybeUninit<T>], x: &[T], w: &[T], eps: T) -> T {
+    let inv_c = T::one() / T::from(x.len()).expect("cols fit");
+    let ms = row_dot(x, x) * inv_c;
+    let r = T::one() / (ms + eps).sqrt();
+    row_loops::norm_scale(out, x, w, r);
+    r
+}
+
+/// [`rms_row`] of every `w.len()`-wide row of `x`, on the calling thread (the decode
+/// step's rows).
+pub fn rms_rows(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    let c = w.len().max(1);
+    assert_eq!(
+        x.len() % c,
+        0,
+        "rms_rows: rows of {c} do not tile {}",
+        x.len()
+    );
+    // SAFETY: every row of the output pairs with a row of `x` and `rms_row` writes it whole.
+    unsafe {
+        written(x.len(), |y| {
+            for (yr, xr) in y.chunks_exact_mut(c).zip(x.chunks_exact(c)) {
+                rms_row(yr, xr, w, eps);
+            }
+        })
+    }
+}
+
+/// SwiGLU of the decode step's rows: `silu(g) u` elementwise, [`row_loops::swiglu`] as
+/// in training.
+pub fn swiglu_rows(g: &[f32], u: &[f32]) -> Vec<f32> {
+    // SAFETY: `row_loops::swiglu` writes every element (it panics on other lengths).
+    unsafe { written(g.len(), |y| row_loops::swiglu(y, g, u)) }
 }
 
 /// RMSNorm input gradient: `dx = rstd * (g*dy - xhat * mean(g*dy * xhat))`.

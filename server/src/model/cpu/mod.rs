@@ -8,7 +8,9 @@
 //!   log-softmax, residual adds) with their backward passes, f32 and f64, and the
 //!   few-rows products of decoding; [`vector_math`] their vectorisable `exp` and sums.
 //! - [`gemm`]: bounds-checked strided views over the `gemm` crate, used for training's
-//!   products with the LoRA deltas added in place; [`input_grad`] the few-rows `dy W`.
+//!   products; [`input_grad`] the few-rows `dy W`; [`lora_rows`] the LoRA deltas row by
+//!   row and [`attention`] causal attention, each in one order of operations that
+//!   training, prefill and decoding share.
 //! - [`bf16`]: the frozen products in bf16 on AMX tiles or AVX512-BF16, chosen at run
 //!   time.
 //! - [`quant`]: block-quantized matrices and their kernels; [`decode_weights`] the
@@ -23,6 +25,7 @@ pub mod decode_weights;
 pub mod gemm;
 pub mod input_grad;
 pub mod kernels;
+pub mod lora_rows;
 pub mod pool;
 pub mod quant;
 pub mod row_loops;

@@ -86,7 +86,8 @@ pub fn sum_exp<T: Real>(row: &[T], shift: T) -> T {
 /// `sum_i a_i b_i` over the shorter of the two, in `LANES` partial sums: the one
 /// definition of a row dot product, inlined into callers already compiled for a vector
 /// width (the decode step, the few-rows products, the host KV attention) and reached
-/// through [`dot`] from the others.
+/// through [`dot`] from the others. [`dots_lanes`] computes many at once, bit for bit
+/// equal to this.
 #[inline(always)]
 pub fn dot_lanes<T: Real>(a: &[T], b: &[T]) -> T {
     let n = a.len().min(b.len());
@@ -101,13 +102,114 @@ pub fn dot_lanes<T: Real>(a: &[T], b: &[T]) -> T {
             acc[l] += x[l] * y[l];
         }
     }
-    acc.iter().fold(T::zero(), |s, &v| s + v) + tail
+    fold_lanes(acc) + tail
+}
+
+/// The sum of a dot product's lane partials in halving steps (lane `l` plus lane
+/// `l + 8`, then `l + 4`, ...): a fixed order, so every caller gets the same float, and
+/// one that runs as a few vector shuffles rather than fifteen dependent additions.
+#[inline(always)]
+fn fold_lanes<T: Real>(acc: [T; LANES]) -> T {
+    // Unrolled by hand: with constant indices the steps become shuffles in registers.
+    let mut a = [T::zero(); 8];
+    for l in 0..8 {
+        a[l] = acc[l] + acc[l + 8];
+    }
+    let b = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
+    (b[0] + b[2]) + (b[1] + b[3])
 }
 
 /// [`dot_lanes`] compiled for AVX-512 and AVX2 too, picked at run time.
 #[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2+fma"))]
 pub fn dot<T: Real>(a: &[T], b: &[T]) -> T {
     dot_lanes(a, b)
+}
+
+/// `out[j] = dot_lanes(x, row j)` for every `j < out.len()`, row `j` being the `x.len()`
+/// values of `rows` from `j * stride`: bit for bit [`dot_lanes`], with four dot products
+/// in flight at once (one alone waits on its own additions), in AVX-512 registers where
+/// the CPU has them. The products of attention scores and of LoRA's `A x` in training,
+/// prefill and decoding alike, so that a row's numbers never depend on which of them
+/// computed it. Panics when `rows` is too short.
+pub fn dots(x: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
+    let (m, n) = (out.len(), x.len());
+    if m == 0 {
+        return;
+    }
+    assert!(
+        (m - 1).checked_mul(stride).and_then(|e| e.checked_add(n)) <= Some(rows.len()),
+        "dots: {m} rows of {n} at stride {stride} need more than {} values",
+        rows.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        let mut j = 0;
+        while j + 4 <= m {
+            // SAFETY: the CPU has AVX-512F, and rows `j..j + 4` lie within `rows` (asserted
+            // above for every row below `m`).
+            unsafe { avx512::dots4(x, &rows[j * stride..], stride, &mut out[j..j + 4]) };
+            j += 4;
+        }
+        for (i, o) in out.iter_mut().enumerate().skip(j) {
+            *o = dot(x, &rows[i * stride..i * stride + n]);
+        }
+        return;
+    }
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = dot(x, &rows[i * stride..i * stride + n]);
+    }
+}
+
+/// [`dots`] in AVX-512 registers.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::LANES;
+
+    /// Four of [`super::dots`]'s products, each [`super::dot_lanes`]'s operations in the
+    /// same order: lane-wise products added per lane, the lanes folded in halves, the
+    /// tail added last.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F, `out` must hold 4 values, and `rows` must hold
+    /// `3 * stride + x.len()` values.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn dots4(x: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
+        let n = x.len();
+        assert!(
+            out.len() == 4 && rows.len() >= 3 * stride + n,
+            "dots4: sizes"
+        );
+        let whole = n / LANES * LANES;
+        let (xp, rp) = (x.as_ptr(), rows.as_ptr());
+        let mut acc = [_mm512_setzero_ps(); 4];
+        for c in (0..whole).step_by(LANES) {
+            // SAFETY: `c + LANES <= n`, and row `g` holds `n` values from `g * stride`.
+            let xc = unsafe { _mm512_loadu_ps(xp.add(c)) };
+            for (g, a) in acc.iter_mut().enumerate() {
+                let r = unsafe { _mm512_loadu_ps(rp.add(g * stride + c)) };
+                *a = _mm512_add_ps(*a, _mm512_mul_ps(xc, r));
+            }
+        }
+        for (g, (a, o)) in acc.into_iter().zip(out.iter_mut()).enumerate() {
+            let row = &rows[g * stride..g * stride + n];
+            let tail = (whole..n).fold(0f32, |s, i| s + x[i] * row[i]);
+            *o = fold(a) + tail;
+        }
+    }
+
+    /// [`super::fold_lanes`]: lane `l` plus lane `l + 8`, then `l + 4`, `l + 2`, `l + 1`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn fold(a: __m512) -> f32 {
+        let lo = _mm512_castps512_ps256(a);
+        let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+        let h = _mm256_add_ps(lo, hi);
+        let q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+        let e = _mm_add_ps(q, _mm_movehl_ps(q, q));
+        _mm_cvtss_f32(_mm_add_ss(e, _mm_shuffle_ps(e, e, 1)))
+    }
 }
 
 /// `sum_i a_i b_i c_i` over the shortest of the three.
@@ -174,6 +276,29 @@ mod tests {
                 (sum as f64 - want).abs() < 1e-5 * want.max(1.0),
                 "sum of {n}"
             );
+        }
+    }
+
+    /// `dots` is `dot_lanes` bit for bit, whatever the count of rows (the four-row
+    /// AVX-512 groups and the single rows after them), the row length (whole lane chunks
+    /// and tails) and the stride.
+    #[test]
+    fn dots_are_dot_lanes_bit_for_bit() {
+        let wave = |n: usize, f: f32| -> Vec<f32> {
+            (0..n).map(|i| (i as f32 * f).sin() * 3.0 + 0.1).collect()
+        };
+        for n in [0, 1, 8, 15, 16, 17, 64, 100, 576] {
+            for m in [0, 1, 3, 4, 5, 9] {
+                let stride = n + 3;
+                let x = wave(n, 0.37);
+                let rows = wave(m * stride + n, 0.11);
+                let mut got = vec![f32::NAN; m];
+                dots(&x, &rows, stride, &mut got);
+                for (j, &g) in got.iter().enumerate() {
+                    let want = dot_lanes(&x, &rows[j * stride..j * stride + n]);
+                    assert_eq!(g.to_bits(), want.to_bits(), "n {n}, m {m}, row {j}");
+                }
+            }
         }
     }
 
