@@ -7,7 +7,8 @@
 //! products), and each delta is added to it in place row by row ([`super::cpu::lora_rows`],
 //! the order the decode step shares), each part's columns read and written through
 //! strides. Elsewhere (f64 checks, CUDA) the same maths runs as candle ops
-//! ([`lora_forward`] / [`lora_backward`]); a test holds the two paths equal.
+//! ([`lora_forward`] / [`lora_backward`]; `lora_forward` itself takes the row-by-row
+//! deltas for host f32 tensors); a test holds the paths equal.
 
 use candle_core::{Device, Result, Tensor};
 
@@ -166,8 +167,8 @@ pub fn forward(
     Ok((host_tensor(y, n, d_out)?, caches))
 }
 
-/// Adds each part's LoRA deltas to the frozen output `y` with candle ops (the path off
-/// the CPU, and for the quantized decode weights).
+/// Adds each part's LoRA deltas to the frozen output `y` through [`lora_forward`] (for
+/// the quantized decode weights' products, and off the CPU).
 pub fn add_deltas(
     be: Backend,
     x: &Tensor,

@@ -287,7 +287,9 @@ pub fn attend_host(
     } = new;
     let qd = out.len() / seqs.iter().map(|s| s.len).sum::<usize>().max(1);
     let hd = qd / heads;
-    let scale = 1.0 / (hd as f32).sqrt();
+    // The trainer's scale (`ops::attention_stacked`: computed in f64, then rounded), so
+    // that scores are its own bit for bit at every head width.
+    let scale = (1.0 / (hd as f64).sqrt()) as f32;
     // Split the output rows by sequence so each sequence's work owns its slice.
     let mut chunks: Vec<&mut [f32]> = Vec::with_capacity(seqs.len());
     let mut rest = out;

@@ -22,9 +22,9 @@ use super::gemm::{gemm, Mat, MatMut};
 use super::row_loops;
 use super::vector_math::{dot, dots, exp_f32, row_max, sum};
 
-/// Queries per block: the gemm crate's largest row tile, so that each block's products
-/// run its fastest kernel; smaller blocks would waste less of the diagonal block but
-/// multiply less efficiently.
+/// Queries per block of the backward pass: the gemm crate's largest row tile, so that
+/// each block's products run its fastest kernel; smaller blocks would waste less of the
+/// diagonal block but multiply less efficiently.
 pub const QUERY_BLOCK: usize = 64;
 
 /// The shapes of one call: `batches` independent `(group * tq, hd)` query sets, each
@@ -138,21 +138,21 @@ pub fn weighted_row(p: &[f32], values: &[f32], stride: usize, o: &mut [f32]) {
 }
 
 /// [`weighted_row`] of every row of `p` (rows `tk` apart, row `i` reaching
-/// `visible(i)` keys, non-decreasing) into the rows of `o`, values `stride` apart: bit
-/// for bit the same, four rows at a time sharing each value row's loads where the head
-/// width is 64.
+/// `visible(i)` keys, non-decreasing) into the `hd`-wide rows of `o`, from values `hd`
+/// wide and contiguous: bit for bit the same, four rows at a time sharing each value
+/// row's loads where the head width is 64.
 #[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2+fma"))]
 fn weighted_rows(
     p: &[f32],
     tk: usize,
     visible: impl Fn(usize) -> usize,
     values: &[f32],
-    stride: usize,
+    hd: usize,
     o: &mut [f32],
 ) {
     const HD: usize = 64;
-    let hd = stride.min(o.len());
-    let rows = o.len() / hd.max(1);
+    assert!(hd > 0 && o.len().is_multiple_of(hd), "weighted_rows: rows of {hd}");
+    let rows = o.len() / hd;
     let mut i = 0;
     if hd == HD {
         while i + 4 <= rows {
@@ -182,7 +182,7 @@ fn weighted_rows(
     }
     for r in i..rows {
         let pr = &p[r * tk..r * tk + visible(r)];
-        weighted_row(pr, values, stride, &mut o[r * hd..(r + 1) * hd]);
+        weighted_row(pr, values, hd, &mut o[r * hd..(r + 1) * hd]);
     }
 }
 

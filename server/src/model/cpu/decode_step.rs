@@ -52,8 +52,17 @@ impl HostLora {
     /// Adds the adapter's delta for input row `x` to output row `y`, as training adds it
     /// ([`lora_rows`]).
     fn apply(&self, x: &[f32], y: &mut [f32]) {
-        let mut u = vec![0f32; self.bt.len() / y.len().max(1)];
-        lora_rows::add_delta_row(&self.a, &self.bt, self.scale, x, y, &mut u);
+        let r = self.bt.len() / y.len().max(1);
+        // Ranks up to 64 (the usual ones) without an allocation per row and site.
+        let mut small = [0f32; 64];
+        let mut large = Vec::new();
+        let u = if r <= small.len() {
+            &mut small[..r]
+        } else {
+            large.resize(r, 0f32);
+            &mut large[..]
+        };
+        lora_rows::add_delta_row(&self.a, &self.bt, self.scale, x, y, u);
     }
 }
 

@@ -31,19 +31,38 @@ pub fn add_delta_row(a: &[f32], bt: &[f32], scale: f32, x: &[f32], y: &mut [f32]
 }
 
 /// `y += (s u_j) bt_j` for `j` ascending.
-#[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2+fma"))]
 fn add_up(bt: &[f32], scale: f32, u: &[f32], y: &mut [f32]) {
     let n = y.len();
+    add_up_columns(bt, n, 0..n, scale, u, y);
+}
+
+/// `y += (s u_j) bt_j[cols]` for `j` ascending, `bt` having rows of `n`.
+#[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2+fma"))]
+fn add_up_columns(
+    bt: &[f32],
+    n: usize,
+    cols: std::ops::Range<usize>,
+    scale: f32,
+    u: &[f32],
+    y: &mut [f32],
+) {
     for (j, &uj) in u.iter().enumerate() {
         let us = uj * scale;
-        for (o, &b) in y.iter_mut().zip(&bt[j * n..(j + 1) * n]) {
+        let row = &bt[j * n + cols.start..j * n + cols.end];
+        for (o, &b) in y.iter_mut().zip(row) {
             *o += us * b;
         }
     }
 }
 
+/// Output columns per pass of [`add_deltas`] over a block of rows: `r` rows of `Bᵀ` this
+/// wide stay in cache while every row of the block adds them, so a wide output (the
+/// vocabulary, for an adapted head) reads `Bᵀ` once per block rather than once per row.
+const COLUMN_TILE: usize = 1024;
+
 /// [`add_delta_row`] for every row of `x` (contiguous rows) into the same row of `y`, with
-/// `u` `(rows, r)`; rows split across the pool's threads.
+/// `u` `(rows, r)`; rows split across the pool's threads. Bit for bit [`add_delta_row`]
+/// row by row: each output element still adds its `r` terms in order of `j`.
 pub fn add_deltas(
     a: &[f32],
     bt: &[f32],
@@ -68,9 +87,30 @@ pub fn add_deltas(
         .into_par_iter()
         .zip(u.par_chunks_mut((block * r).max(1)))
         .for_each(|((start, mut yb), ub)| {
-            for i in 0..yb.shape().0 {
+            let (len, n) = yb.shape();
+            let k = x.shape().1;
+            assert!(
+                a.len() == r * k && bt.len() == r * n,
+                "LoRA deltas: A of {} and Bᵀ of {} values for rank {r}, {k} inputs, {n} outputs",
+                a.len(),
+                bt.len()
+            );
+            for i in 0..len {
                 let xr = x.row(start + i).expect("LoRA input rows are contiguous");
-                add_delta_row(a, bt, scale, xr, yb.row_mut(i), &mut ub[i * r..(i + 1) * r]);
+                dots(xr, a, k, &mut ub[i * r..(i + 1) * r]);
+            }
+            for c0 in (0..n).step_by(COLUMN_TILE) {
+                let c1 = (c0 + COLUMN_TILE).min(n);
+                for i in 0..len {
+                    add_up_columns(
+                        bt,
+                        n,
+                        c0..c1,
+                        scale,
+                        &ub[i * r..(i + 1) * r],
+                        &mut yb.row_mut(i)[c0..c1],
+                    );
+                }
             }
         });
 }

@@ -85,9 +85,8 @@ pub fn sum_exp<T: Real>(row: &[T], shift: T) -> T {
 
 /// `sum_i a_i b_i` over the shorter of the two, in `LANES` partial sums: the one
 /// definition of a row dot product, inlined into callers already compiled for a vector
-/// width (the decode step, the few-rows products, the host KV attention) and reached
-/// through [`dot`] from the others. [`dots_lanes`] computes many at once, bit for bit
-/// equal to this.
+/// width (the few-rows products) and reached through [`dot`] from the others. [`dots`]
+/// computes many at once (attention scores, LoRA's `A x`), bit for bit equal to this.
 #[inline(always)]
 pub fn dot_lanes<T: Real>(a: &[T], b: &[T]) -> T {
     let n = a.len().min(b.len());
