@@ -151,7 +151,10 @@ fn weighted_rows(
     o: &mut [f32],
 ) {
     const HD: usize = 64;
-    assert!(hd > 0 && o.len().is_multiple_of(hd), "weighted_rows: rows of {hd}");
+    assert!(
+        hd > 0 && o.len().is_multiple_of(hd),
+        "weighted_rows: rows of {hd}"
+    );
     let rows = o.len() / hd;
     let mut i = 0;
     if hd == HD {

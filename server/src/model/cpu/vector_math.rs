@@ -228,25 +228,6 @@ pub fn dot3<T: Real>(a: &[T], b: &[T], c: &[T]) -> T {
     acc.iter().fold(s, |s, &v| s + v)
 }
 
-/// Replaces every element `x` of `row` by `e^(x * scale - shift)` and returns their sum.
-#[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2+fma"))]
-pub fn exp_in_place(row: &mut [f32], scale: f32, shift: f32) -> f32 {
-    let mut acc = [0f32; LANES];
-    let mut chunks = row.chunks_exact_mut(LANES);
-    for c in &mut chunks {
-        for (s, v) in acc.iter_mut().zip(c.iter_mut()) {
-            *v = exp_f32(*v * scale - shift);
-            *s += *v;
-        }
-    }
-    let mut s = 0f32;
-    for v in chunks.into_remainder() {
-        *v = exp_f32(*v * scale - shift);
-        s += *v;
-    }
-    acc.iter().fold(s, |s, &v| s + v)
-}
-
 /// `e^((x - shift) * scale)` of every element of `row`.
 #[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2+fma"))]
 pub fn exp_scaled(row: &[f32], shift: f32, scale: f32) -> Vec<f32> {
@@ -258,46 +239,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn dot_and_exp_in_place_match_plain_loops() {
+    fn dot_matches_a_plain_loop() {
         for n in [0, 1, 15, 16, 17, 100] {
             let a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
             let b: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
             let want: f64 = a.iter().zip(&b).map(|(&x, &y)| x as f64 * y as f64).sum();
             assert!((dot(&a, &b) as f64 - want).abs() < 1e-5, "dot of {n}");
-            let mut row = a.clone();
-            let sum = exp_in_place(&mut row, 0.5, 0.25);
-            for (got, &x) in row.iter().zip(&a) {
-                let want = ((x as f64) * 0.5 - 0.25).exp();
-                assert!((*got as f64 - want).abs() < 1e-6 * want, "exp of {x}");
-            }
-            let want: f64 = a.iter().map(|&x| ((x as f64) * 0.5 - 0.25).exp()).sum();
-            assert!(
-                (sum as f64 - want).abs() < 1e-5 * want.max(1.0),
-                "sum of {n}"
-            );
-        }
-    }
-
-    /// `dots` is `dot_lanes` bit for bit, whatever the count of rows (the four-row
-    /// AVX-512 groups and the single rows after them), the row length (whole lane chunks
-    /// and tails) and the stride.
-    #[test]
-    fn dots_are_dot_lanes_bit_for_bit() {
-        let wave = |n: usize, f: f32| -> Vec<f32> {
-            (0..n).map(|i| (i as f32 * f).sin() * 3.0 + 0.1).collect()
-        };
-        for n in [0, 1, 8, 15, 16, 17, 64, 100, 576] {
-            for m in [0, 1, 3, 4, 5, 9] {
-                let stride = n + 3;
-                let x = wave(n, 0.37);
-                let rows = wave(m * stride + n, 0.11);
-                let mut got = vec![f32::NAN; m];
-                dots(&x, &rows, stride, &mut got);
-                for (j, &g) in got.iter().enumerate() {
-                    let want = dot_lanes(&x, &rows[j * stride..j * stride + n]);
-                    assert_eq!(g.to_bits(), want.to_bits(), "n {n}, m {m}, row {j}");
-                }
-            }
         }
     }
 
