@@ -55,53 +55,66 @@ fn sampled_logprobs_equal_the_training_forward() {
     }
 }
 
-/// Under bf16 precision on a CPU with AMX a sampled token's log-probability is the
-/// trainer's bit for bit. Every frozen product of decoding is the trainer's bf16 product
-/// (the block weights' tile products, which `bf16::tests` checks with Qwen2's q/k/v
-/// bias, or the trainer's own product in exact mode), and everything around the products
-/// (RMSNorm, attention, the LoRA deltas, SwiGLU, the log-softmax) is computed row by row
-/// in one order shared by training, prefill and decoding. Any last-bit difference there
-/// would now and then round an activation to the neighbouring bf16 value in the next
-/// product and move a token's logprob by up to a few hundredths, so the check is exact
-/// equality over eight seeds, three architectures and both modes; the control (f32
-/// decoding of the same weights, scored by the bf16 trainer) shows that it can see a
-/// difference. Batched decoding still equals decoding alone.
+/// Under bf16 precision a sampled token's log-probability is the trainer's bit for bit,
+/// with each bf16 kernel this CPU has (AMX tiles, AVX512-BF16 pairs). Every frozen
+/// product of decoding is the trainer's bf16 product with the trainer's kernel (the
+/// block weights' products, which `bf16::tests` checks with Qwen2's q/k/v bias, or the
+/// trainer's own product in exact mode), and everything around the products (RMSNorm,
+/// attention, the LoRA deltas, SwiGLU, the log-softmax) is computed row by row in one
+/// order shared by training, prefill and decoding. Any last-bit difference there would
+/// now and then round an activation to the neighbouring bf16 value in the next product
+/// and move a token's logprob by up to a few hundredths, so the check is exact equality
+/// over eight seeds, three architectures and both modes; the control (f32 decoding of
+/// the same weights, scored by the bf16 trainer) shows that it can see a difference.
+/// Batched decoding still equals decoding alone.
 #[test]
 fn bf16_sampled_logprobs_equal_the_bf16_trainers() {
-    for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
-        let mut model = tiny_model_q4_1(arch, 1234).unwrap();
-        let precision = model.transformer.set_precision(Precision::Bf16).unwrap();
-        if precision != Precision::Bf16 || model.transformer.block_arith() != BlockArith::Bf16Tiles
-        {
-            eprintln!("this CPU has no AMX tiles: bf16 decoding stays f32 and is not checked");
-            return;
-        }
-        // The control: the same weights sampled with f32 products.
-        let f32_model = tiny_model_q4_1(arch, 1234).unwrap();
-        for mode in [DecodeMode::Fast, DecodeMode::Exact] {
-            let label = format!("{arch:?} {mode:?} bf16");
-            let same: Vec<f32> = (0..8)
-                .flat_map(|s| sampled_vs_trained(&model, &model, mode, s).0)
-                .collect();
-            let f32s: Vec<f32> = (0..8)
-                .flat_map(|s| sampled_vs_trained(&f32_model, &model, mode, s).0)
-                .collect();
-            let mean = |d: &[f32]| d.iter().map(|&x| x as f64).sum::<f64>() / d.len() as f64;
-            let worst = same.iter().fold(0f32, |m, &x| m.max(x));
-            // The control shows that the check can see a difference: the f32 products'
-            // tokens score differently under the bf16 trainer.
-            assert!(
-                mean(&f32s) > 0.0,
-                "{label}: f32 decoding matched bf16 exactly"
+    let kernels = lathe_server::model::cpu::bf16::available();
+    if kernels.is_empty() {
+        eprintln!("this CPU has no bf16 kernel: bf16 stays f32 and is not checked");
+        return;
+    }
+    for &kernel in kernels {
+        for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
+            let mut model = tiny_model_q4_1(arch, 1234).unwrap();
+            let precision = model
+                .transformer
+                .set_precision_with(Precision::Bf16, Some(kernel))
+                .unwrap();
+            assert_eq!(precision, Precision::Bf16);
+            assert_eq!(
+                model.transformer.block_arith(),
+                BlockArith::Bf16(kernel),
+                "{arch:?} {}: decoding's products are not the trainer's",
+                kernel.name()
             );
-            assert!(
-                worst == 0.0,
-                "{label}: mean difference {} (f32 decoding: {}), largest {worst}",
-                mean(&same),
-                mean(&f32s)
-            );
+            // The control: the same weights sampled with f32 products.
+            let f32_model = tiny_model_q4_1(arch, 1234).unwrap();
+            for mode in [DecodeMode::Fast, DecodeMode::Exact] {
+                let label = format!("{arch:?} {mode:?} bf16 {}", kernel.name());
+                let same: Vec<f32> = (0..8)
+                    .flat_map(|s| sampled_vs_trained(&model, &model, mode, s).0)
+                    .collect();
+                let f32s: Vec<f32> = (0..8)
+                    .flat_map(|s| sampled_vs_trained(&f32_model, &model, mode, s).0)
+                    .collect();
+                let mean = |d: &[f32]| d.iter().map(|&x| x as f64).sum::<f64>() / d.len() as f64;
+                let worst = same.iter().fold(0f32, |m, &x| m.max(x));
+                // The control shows that the check can see a difference: the f32
+                // products' tokens score differently under the bf16 trainer.
+                assert!(
+                    mean(&f32s) > 0.0,
+                    "{label}: f32 decoding matched bf16 exactly"
+                );
+                assert!(
+                    worst == 0.0,
+                    "{label}: mean difference {} (f32 decoding: {}), largest {worst}",
+                    mean(&same),
+                    mean(&f32s)
+                );
+            }
+            assert_batched_equals_alone(&model, DecodeMode::Fast);
         }
-        assert_batched_equals_alone(&model, DecodeMode::Fast);
     }
 }
 

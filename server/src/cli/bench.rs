@@ -259,9 +259,11 @@ const DECODE_SHAPES: [(&str, usize, usize, GgmlDType); 4] = [
 /// Microseconds per decode product (`m` activation rows times exact block weights) in
 /// each arithmetic this CPU has, medians over `iters`.
 fn decode_products(iters: usize) -> anyhow::Result<Vec<serde_json::Value>> {
-    let mut ariths = vec![(BlockArith::F32, "f32")];
-    if blocks::usable() {
-        ariths.push((BlockArith::Bf16Tiles, "bf16_tiles"));
+    let mut ariths = vec![(BlockArith::F32, "f32".to_string())];
+    for &kernel in bf16::available() {
+        if blocks::usable(kernel) {
+            ariths.push((BlockArith::Bf16(kernel), format!("bf16_{}", kernel.name())));
+        }
     }
     let mut out = Vec::new();
     for (name, rows, cols, format) in DECODE_SHAPES {
@@ -274,7 +276,8 @@ fn decode_products(iters: usize) -> anyhow::Result<Vec<serde_json::Value>> {
                 .to_vec1()?;
             let mut row =
                 json!({"product": name, "rows": rows, "cols": cols, "m": m, "format": q.format()});
-            for &(arith, label) in &ariths {
+            for (arith, label) in &ariths {
+                let arith = *arith;
                 q.matmul_t_host(&x, m, arith, None)?;
                 let mut times = Vec::with_capacity(iters);
                 for _ in 0..iters {

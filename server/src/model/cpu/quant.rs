@@ -16,14 +16,16 @@
 //! [`QuantMatrix::exact`] says which: when every decode matrix is exact, decoding
 //! multiplies by the trainer's own weights and the sampler needs no rescoring pass.
 //! Activations stay f32 in both (GGML also quantizes them to 8 bits), except under
-//! `--precision bf16` on a CPU with AMX, where a product rounds weights and activations
-//! to bf16 exactly as the trainer's does ([`BlockArith::Bf16Tiles`]).
+//! `--precision bf16` on a CPU with a bf16 kernel (AMX or AVX512-BF16), where a product
+//! rounds weights and activations to bf16 and sums as the trainer's does
+//! ([`BlockArith::Bf16`]).
 
 use candle_core::{DType, Result, Tensor};
 use half::f16;
 use rayon::prelude::*;
 
 use super::bf16::blocks::{self, TileRows};
+use super::bf16::Kernel;
 #[cfg(target_arch = "x86_64")]
 use super::kernels::prefetch_lines;
 use super::kernels::{from_transposed, grain, transpose, with};
@@ -55,11 +57,12 @@ pub enum BlockArith {
     /// trainer's f32 products up to f32 rounding.
     #[default]
     F32,
-    /// Weights and activations rounded to bf16, f32 sums, on AMX tiles: with exact
-    /// blocks, the trainer's `--precision bf16` products bit for bit ([`blocks`]). Only
-    /// where [`blocks::usable`] holds, and for up to [`blocks::MAX_ROWS`] activation
-    /// rows.
-    Bf16Tiles,
+    /// Weights and activations rounded to bf16, f32 sums in the order of the trainer's
+    /// bf16 product with this kernel: with exact blocks, the trainer's
+    /// `--precision bf16` products bit for bit ([`blocks`]). Only where
+    /// [`blocks::usable`] holds for the kernel, and for up to [`blocks::MAX_ROWS`]
+    /// activation rows.
+    Bf16(Kernel),
 }
 
 /// A frozen `(rows, cols)` weight matrix in a block-quantized format, multiplied with few
@@ -197,12 +200,15 @@ impl QuantMatrix {
         // The activations rounded and laid out for the tiles, or `None` for the f32 kernels.
         let tiles = match arith {
             BlockArith::F32 => None,
-            BlockArith::Bf16Tiles if !blocks::usable() => {
-                candle_core::bail!("this CPU has no AMX tiles for bf16 tile products")
+            BlockArith::Bf16(kernel) if !blocks::usable(kernel) => candle_core::bail!(
+                "this CPU cannot run bf16 block products with {}",
+                kernel.name()
+            ),
+            BlockArith::Bf16(kernel) if m <= blocks::MAX_ROWS => {
+                Some((kernel, TileRows::new(xs, m, k)))
             }
-            BlockArith::Bf16Tiles if m <= blocks::MAX_ROWS => Some(TileRows::new(xs, m, k)),
-            BlockArith::Bf16Tiles => candle_core::bail!(
-                "bf16 tile products take 1 to {} rows; asked for {m}",
+            BlockArith::Bf16(_) => candle_core::bail!(
+                "bf16 block products take 1 to {} rows; asked for {m}",
                 blocks::MAX_ROWS
             ),
         };
@@ -223,7 +229,7 @@ impl QuantMatrix {
                 .for_each(|((i, out), (q, s))| {
                     let bias = rows_of(i, out);
                     match &tiles {
-                        Some(x) => blocks::q8(x, q, s, bias, out),
+                        Some((kernel, x)) => blocks::q8(*kernel, x, q, s, bias, out),
                         None => {
                             q8_rows(xs, m, k, q, s, out);
                             add_row_bias(out, m, bias);
@@ -247,7 +253,7 @@ impl QuantMatrix {
                 .for_each(|((i, out), (q, (d, mn)))| {
                     let bias = rows_of(i, out);
                     match &tiles {
-                        Some(x) => blocks::q41(x, q, d, mn, bias, out),
+                        Some((kernel, x)) => blocks::q41(*kernel, x, q, d, mn, bias, out),
                         None => {
                             q41_rows(xs, m, k, q, d, mn, out);
                             add_row_bias(out, m, bias);

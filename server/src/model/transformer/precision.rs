@@ -45,11 +45,9 @@ impl Transformer {
     /// On the CPU backend, bf16 needs f32 weights and a CPU with a bf16 kernel (AMX or
     /// AVX512-BF16); without one the model stays in f32 (and says so in the log).
     /// Packing the weights takes a moment and holds as many bytes again as the f32
-    /// weights (two bf16 layouts of each). With the AMX kernel, decoding computes the
-    /// same bf16 products ([`Transformer::block_arith`],
-    /// [`Transformer::frozen_product_host`]); with AVX512-BF16 alone the block weights'
-    /// products stay f32, and exact mode and the products they do not take use the
-    /// trainer's bf16 product.
+    /// weights (two bf16 layouts of each). Decoding computes the same bf16 products
+    /// with the same kernel ([`Transformer::block_arith`],
+    /// [`Transformer::frozen_product_host`]).
     ///
     /// On the device backend, bf16 stores the projection matrices, the embedding and
     /// the output head in bf16 in place of f32 (half the memory); every product then
@@ -57,6 +55,24 @@ impl Transformer {
     /// sampling uses the same weights as training. This cannot be undone: going back to
     /// f32 means loading the model again.
     pub fn set_precision(&mut self, precision: Precision) -> Result<Precision, ModelError> {
+        self.set_precision_with(precision, None)
+    }
+
+    /// [`Transformer::set_precision`] with the CPU backend's bf16 products on `kernel`
+    /// rather than the fastest this CPU has ([`bf16::kernel`]): for tests and
+    /// benchmarks of a kernel that is not the first choice. An error if this CPU lacks
+    /// `kernel`.
+    pub fn set_precision_with(
+        &mut self,
+        precision: Precision,
+        kernel: Option<bf16::Kernel>,
+    ) -> Result<Precision, ModelError> {
+        if let Some(k) = kernel.filter(|k| !bf16::available().contains(k)) {
+            return Err(ModelError::Input(format!(
+                "this CPU has no {} kernel for bf16 products",
+                k.name()
+            )));
+        }
         if self.backend == Backend::Device {
             return self.set_device_precision(precision);
         }
@@ -69,7 +85,7 @@ impl Transformer {
                 "bf16 precision needs the model's f32 weights".into(),
             ));
         }
-        let Some(kernel) = bf16::kernel() else {
+        let Some(kernel) = kernel.or_else(bf16::kernel) else {
             tracing::warn!(
                 "this CPU has neither AMX nor AVX512-BF16: the base model's products stay in f32"
             );
@@ -144,16 +160,12 @@ impl Transformer {
         }
     }
 
-    /// The arithmetic of the decode weights' products. With bf16 products on AMX tiles
-    /// they are the trainer's bf16 products on tiles too, so sampling computes what
-    /// training computes (with AVX512-BF16 alone the trainer's sums run in another order,
-    /// which the decode kernels do not reproduce, so the block weights' products stay
-    /// f32).
+    /// The arithmetic of the decode weights' products: in bf16 precision the trainer's
+    /// bf16 products with the trainer's kernel (AMX tiles or AVX512-BF16 pairs), so
+    /// sampling computes what training computes; f32 otherwise.
     pub fn block_arith(&self) -> BlockArith {
         match &self.bf16 {
-            Some(b) if b.kernel == bf16::Kernel::Amx && bf16::blocks::usable() => {
-                BlockArith::Bf16Tiles
-            }
+            Some(b) if bf16::blocks::usable(b.kernel) => BlockArith::Bf16(b.kernel),
             _ => BlockArith::F32,
         }
     }

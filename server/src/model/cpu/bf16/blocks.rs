@@ -1,33 +1,39 @@
-//! Block-quantized weights times a few activation rows in bf16 on AMX tiles: the decode
-//! step's frozen products under `--precision bf16`.
+//! Block-quantized weights times a few activation rows in bf16: the decode step's frozen
+//! products under `--precision bf16`, computed as the trainer computes them, on AMX tiles
+//! or with AVX512-BF16 pair dot products, whichever kernel the trainer uses.
 //!
 //! A decode step multiplies a few rows (one per live sequence) by every frozen weight,
 //! which the decode weights hold in blocks of 32 along the input (Q4_1 or Q8, see
 //! `cpu::quant`). Under `--precision bf16` the trainer multiplies by the f32 weights
-//! rounded to bf16, with its activations rounded too and f32 sums, on AMX tiles
-//! ([`super::gemm`]). This kernel computes those same products from the blocks:
+//! rounded to bf16, with its activations rounded too and f32 sums ([`super::gemm`]).
+//! These kernels compute those same products from the blocks:
 //! - each block of 32 weights is dequantized as the f32 weights were (the same multiply
-//!   and add), so its rounding to bf16 is the packed weight's, into one row of a weight
-//!   tile;
+//!   and add), so its rounding to bf16 is the packed weight's;
 //! - the activation rows are rounded as the trainer rounds its left-hand side and laid
-//!   out as the other tile ([`TileRows`]);
-//! - `TDPBF16PS` takes the same 32-deep steps in the same order, starting from zero or,
-//!   for a projection with a bias (Qwen2's q/k/v), from the bias, as the trainer does.
+//!   out as pair rows ([`TileRows`]);
+//! - the sums take the trainer's steps in the trainer's order:
+//!   - [`Kernel::Amx`]: `TDPBF16PS` over the same 32-deep blocks, starting from zero or,
+//!     for a projection with a bias (Qwen2's q/k/v), from the bias, as the trainer's
+//!     tiles do. The trainer's tiles hold activations on the left and weights on the
+//!     right, these the other way round;
+//!   - [`Kernel::Avx512Bf16`]: one `VDPBF16PS` per pair of the input, in order from
+//!     zero, the bias added after, as the trainer's micro-kernel does. The trainer's
+//!     lanes are output columns (one activation pair broadcast against a panel of
+//!     weights); here they are activation rows (one weight pair broadcast against a pair
+//!     row of activations), which needs no transposition of the blocks.
 //!
-//! The trainer's tiles hold activations on the left and weights on the right, these the
-//! other way round. An element of a tile product sums the same 32 products of two bf16
-//! values (exact in f32 unless they underflow, which both sides flush alike) in the same
-//! positions whichever operand is which, so with exact blocks decoding reproduces the
-//! trainer's products bit for bit (`tests::decode_tiles_reproduce_the_trainers_products`).
-//! What the sampler reports can still differ from the trainer's logprobs through the f32
-//! work around the products (attention, norms, LoRA deltas), summed in another order.
+//! An element of either instruction sums the same products of two bf16 values (exact in
+//! f32 unless they underflow, which both sides flush alike) in the same positions
+//! whichever operand is which, so with exact blocks decoding reproduces the trainer's
+//! products bit for bit (`tests::decode_blocks_reproduce_the_trainers_products`).
 //!
-//! The f32 decode kernels do one multiply-add per weight per row; here the tiles do the
-//! multiplications of up to 16 rows (32 with a second tile) in one instruction per block
-//! of 16 weight rows, and the vector work is the dequantization, once per weight
-//! whatever the number of rows. Hand-written for the reason the rest of this module is.
+//! The f32 decode kernels do one multiply-add per weight per row; here one instruction
+//! multiplies a block of weights into up to 16 rows (32 with a second tile or
+//! accumulator), and the vector work is the dequantization, once per weight whatever the
+//! number of rows. Hand-written for the reason the rest of this module is.
 
 use super::pack::round_row;
+use super::Kernel;
 
 /// Weights per block along the input dimension: one weight-tile row of bf16.
 const BLOCK: usize = 32;
@@ -38,12 +44,13 @@ const TILE_COLS: usize = 16;
 /// Most activation rows one product takes (two right-hand tiles).
 pub const MAX_ROWS: usize = 2 * TILE_COLS;
 
-/// Whether this CPU runs these kernels: AMX-BF16 tiles (with the permission to use
-/// them), and AVX2, AVX-512 F and BW, and AVX512-BF16 for the dequantization.
-pub fn usable() -> bool {
+/// Whether this CPU runs these kernels with `kernel` (the trainer's, with the permission
+/// to use AMX tiles for [`Kernel::Amx`]): AVX2, AVX-512 F and BW, and AVX512-BF16 for
+/// the dequantization as well.
+pub fn usable(kernel: Kernel) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        super::available().contains(&super::Kernel::Amx)
+        super::available().contains(&kernel)
             && is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("avx512f")
             && is_x86_feature_detected!("avx512bw")
@@ -51,6 +58,7 @@ pub fn usable() -> bool {
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
+        let _ = kernel;
         false
     }
 }
@@ -111,15 +119,17 @@ fn tile_widths(m: usize) -> (usize, usize) {
     (m.min(TILE_COLS), m.saturating_sub(TILE_COLS))
 }
 
-/// Q4_1 weight rows times `x`, plus `bias` (one per weight row) if given: `out` is
-/// `(rows, x.rows())`, one weight row's outputs together. As in the trainer's product,
-/// the bias is where the sums start, not added after them. Block `i` (row `i / blocks`,
-/// block `i % blocks`) has 16 bytes of codes at `nibbles[16 i..]` (byte `j`: element `j` in the low nibble, `j + 16` in the high one,
-/// as GGML lays them out), scale `d[i]` and minimum `mn[i]`; each weight is
-/// `code * d + m`, as the dequantizer computes it.
+/// Q4_1 weight rows times `x` with `kernel`, plus `bias` (one per weight row) if given:
+/// `out` is `(rows, x.rows())`, one weight row's outputs together. The bias enters the
+/// sums where the trainer's product with `kernel` puts it (see the module's doc). Block
+/// `i` (row `i / blocks`, block `i % blocks`) has 16 bytes of codes at `nibbles[16 i..]`
+/// (byte `j`: element `j` in the low nibble, `j + 16` in the high one, as GGML lays them
+/// out), scale `d[i]` and minimum `mn[i]`; each weight is `code * d + m`, as the
+/// dequantizer computes it.
 ///
-/// Panics if the slices disagree or [`usable`] does not hold.
+/// Panics if the slices disagree or [`usable`] does not hold for `kernel`.
 pub fn q41(
+    kernel: Kernel,
     x: &TileRows,
     nibbles: &[u8],
     d: &[f32],
@@ -133,47 +143,58 @@ pub fn q41(
         "Q4_1 blocks disagree with {rows} rows of {} blocks",
         x.blocks
     );
-    check(x, rows, bias, out);
+    check(kernel, x, rows, bias, out);
     #[cfg(target_arch = "x86_64")]
     // SAFETY: `usable` holds and the slices were checked above.
     unsafe {
-        tiles::q41(x, nibbles, d, mn, bias, out)
+        simd::q41(kernel, x, nibbles, d, mn, bias, out)
     }
 }
 
 /// Q8 weight rows (block `i`: 32 signed codes at `quants[32 i..]`, scale `s[i]`, each
 /// weight `code * s`) times `x`, as [`q41`].
-pub fn q8(x: &TileRows, quants: &[i8], s: &[f32], bias: Option<&[f32]>, out: &mut [f32]) {
+pub fn q8(
+    kernel: Kernel,
+    x: &TileRows,
+    quants: &[i8],
+    s: &[f32],
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+) {
     let rows = s.len() / x.blocks;
     assert!(
         s.len() == rows * x.blocks && quants.len() == s.len() * BLOCK,
         "Q8 blocks disagree with {rows} rows of {} blocks",
         x.blocks
     );
-    check(x, rows, bias, out);
+    check(kernel, x, rows, bias, out);
     #[cfg(target_arch = "x86_64")]
     // SAFETY: as in `q41`.
     unsafe {
-        tiles::q8(x, quants, s, bias, out)
+        simd::q8(kernel, x, quants, s, bias, out)
     }
 }
 
 /// The checks both kernels share: the output's and the bias's lengths, and the CPU.
-fn check(x: &TileRows, rows: usize, bias: Option<&[f32]>, out: &[f32]) {
+fn check(kernel: Kernel, x: &TileRows, rows: usize, bias: Option<&[f32]>, out: &[f32]) {
     assert_eq!(out.len(), rows * x.m, "output is not {rows} x {}", x.m);
     if let Some(b) = bias {
         assert_eq!(b.len(), rows, "{} biases for {rows} rows", b.len());
     }
-    assert!(usable(), "this CPU cannot run the bf16 tile kernels");
+    assert!(
+        usable(kernel),
+        "this CPU cannot run the bf16 block kernels with {}",
+        kernel.name()
+    );
 }
 
 #[cfg(target_arch = "x86_64")]
-mod tiles {
+mod simd {
     use std::arch::asm;
     use std::arch::x86_64::*;
 
     use super::super::amx::{TileConfig, Tiles};
-    use super::{tile_widths, TileRows, BLOCK, GROUP, TILE_COLS};
+    use super::{tile_widths, Kernel, TileRows, BLOCK, GROUP, TILE_COLS};
 
     /// Blocks of a group's weights staged at once: 16 rows of 8 blocks are 8 KiB.
     const SPAN_BLOCKS: usize = 8;
@@ -183,6 +204,7 @@ mod tiles {
     /// [`super::usable`]; the slices as [`super::q41`] checks them.
     #[target_feature(enable = "avx2,avx512f,avx512bw,avx512bf16")]
     pub(super) unsafe fn q41(
+        kernel: Kernel,
         x: &TileRows,
         nibbles: &[u8],
         d: &[f32],
@@ -218,23 +240,21 @@ mod tiles {
             _mm512_permutexvar_epi16(codes, table)
         };
         let bytes = |o: usize, b: usize| nibbles.as_ptr().wrapping_add((o * nb + b) * 16);
-        product_t(
-            x,
-            d.len() / nb,
-            bias,
-            out,
-            block,
-            Stream {
-                bytes,
-                block_bytes: 16,
-            },
-        )
+        let stream = Stream {
+            bytes,
+            block_bytes: 16,
+        };
+        match kernel {
+            Kernel::Amx => product_t(x, d.len() / nb, bias, out, block, stream),
+            Kernel::Avx512Bf16 => product_pairs(x, d.len() / nb, bias, out, block, stream),
+        }
     }
 
     /// # Safety
     /// [`super::usable`]; the slices as [`super::q8`] checks them.
     #[target_feature(enable = "avx2,avx512f,avx512bw,avx512bf16")]
     pub(super) unsafe fn q8(
+        kernel: Kernel,
         x: &TileRows,
         quants: &[i8],
         s: &[f32],
@@ -257,17 +277,14 @@ mod tiles {
             ))
         };
         let bytes = |o: usize, b: usize| quants.as_ptr().wrapping_add((o * nb + b) * BLOCK).cast();
-        product_t(
-            x,
-            s.len() / nb,
-            bias,
-            out,
-            block,
-            Stream {
-                bytes,
-                block_bytes: BLOCK,
-            },
-        )
+        let stream = Stream {
+            bytes,
+            block_bytes: BLOCK,
+        };
+        match kernel {
+            Kernel::Amx => product_t(x, s.len() / nb, bias, out, block, stream),
+            Kernel::Avx512Bf16 => product_pairs(x, s.len() / nb, bias, out, block, stream),
+        }
     }
 
     /// `out` `(rows, m)` = weight rows times `x`, with `block(o, b)` giving block `b` of
@@ -366,6 +383,116 @@ mod tiles {
             }
             if n < GROUP {
                 out[g * m..(g + n) * m].copy_from_slice(&edge[..n * m]);
+            }
+        }
+    }
+
+    /// Weight rows [`product_pairs`] multiplies together: eight independent chains of
+    /// `VDPBF16PS` (one or two accumulators each) cover the instruction's latency.
+    const PAIR_ROWS: usize = 8;
+
+    /// `out` `(rows, m)` = weight rows times `x` with `VDPBF16PS`, `block(o, b)` giving
+    /// block `b` of weight row `o` in bf16 (16 pair words). For each group of eight
+    /// weight rows and each block, the rows' blocks are staged, and each of their pair
+    /// words, broadcast, is multiplied into the block's pair row of the activations
+    /// (lane `i`: activation row `i`; a second accumulator takes rows 16 to 31). Every
+    /// output's sum starts from zero and takes the input's pairs in order, and the bias
+    /// is added after: the trainer's micro-kernel's steps.
+    ///
+    /// # Safety
+    /// AVX2, AVX-512 F and BW and AVX512-BF16; `block(o, b)` valid for `o < rows`,
+    /// `b < x.blocks`; `out.len() == rows * x.m`.
+    #[target_feature(enable = "avx2,avx512f,avx512bw,avx512bf16")]
+    #[inline]
+    unsafe fn product_pairs(
+        x: &TileRows,
+        rows: usize,
+        bias: Option<&[f32]>,
+        out: &mut [f32],
+        block: impl Fn(usize, usize) -> __m512i,
+        stream: Stream<impl Fn(usize, usize) -> *const u8>,
+    ) {
+        let (m, nb) = (x.m, x.blocks);
+        let (w0, w1) = tile_widths(m);
+        let mut staged = [0u32; PAIR_ROWS * GROUP];
+        let mut sums = [0f32; 2 * TILE_COLS];
+        for g in (0..rows).step_by(PAIR_ROWS) {
+            let n = (rows - g).min(PAIR_ROWS);
+            // The next group's rows, a group's work ahead.
+            for r in (g + PAIR_ROWS..rows).take(PAIR_ROWS) {
+                stream.prefetch(r, 0, nb);
+            }
+            let mut acc = [[_mm512_setzero_ps(); 2]; PAIR_ROWS];
+            for b in 0..nb {
+                for r in 0..PAIR_ROWS {
+                    let v = if r < n {
+                        block(g + r, b)
+                    } else {
+                        _mm512_setzero_si512()
+                    };
+                    // SAFETY: row r's staged block is words 16 r .. 16 r + 16.
+                    _mm512_storeu_si512(staged.as_mut_ptr().add(r * GROUP).cast(), v);
+                }
+                // SAFETY: block b's pair rows are the 16 m words from 16 m b, as
+                // `TileRows` lays them out.
+                let tile = x.words.as_ptr().add(b * GROUP * m);
+                if w1 == 0 {
+                    pairs_step::<false>(&mut acc, &staged, tile, w0, 0);
+                } else {
+                    pairs_step::<true>(&mut acc, &staged, tile, w0, w1);
+                }
+            }
+            for (r, [a0, a1]) in acc.iter().enumerate().take(n) {
+                _mm512_storeu_ps(sums.as_mut_ptr(), *a0);
+                _mm512_storeu_ps(sums.as_mut_ptr().add(TILE_COLS), *a1);
+                let o = &mut out[(g + r) * m..(g + r + 1) * m];
+                o.copy_from_slice(&sums[..m]);
+                if let Some(bias) = bias {
+                    o.iter_mut().for_each(|v| *v += bias[g + r]);
+                }
+            }
+        }
+    }
+
+    /// One block's 16 pairs into [`product_pairs`]'s accumulators: `tile` holds the
+    /// block's pair rows of the first `w0` activation rows (16 rows of `w0` words), then,
+    /// with `TWO`, those of the next `w1`.
+    ///
+    /// # Safety
+    /// As [`product_pairs`]; `tile` holds `16 (w0 + w1)` words, `1 <= w0 <= 16`,
+    /// `w1 <= 16`.
+    #[target_feature(enable = "avx2,avx512f,avx512bw,avx512bf16")]
+    #[inline]
+    unsafe fn pairs_step<const TWO: bool>(
+        acc: &mut [[__m512; 2]; PAIR_ROWS],
+        staged: &[u32; PAIR_ROWS * GROUP],
+        tile: *const u32,
+        w0: usize,
+        w1: usize,
+    ) {
+        let mask = |w: usize| ((1u32 << w) - 1) as __mmask16;
+        let (k0, k1) = (mask(w0), mask(w1));
+        // SAFETY: both are 64 bytes of plain bits.
+        let bh = |v: __m512i| std::mem::transmute::<__m512i, __m512bh>(v);
+        for p in 0..GROUP {
+            // SAFETY: pair row p of each tile is in bounds; masked lanes are not read.
+            let a0 = bh(_mm512_maskz_loadu_epi32(k0, tile.add(p * w0).cast()));
+            let a1 = if TWO {
+                bh(_mm512_maskz_loadu_epi32(
+                    k1,
+                    tile.add(GROUP * w0 + p * w1).cast(),
+                ))
+            } else {
+                bh(_mm512_setzero_si512())
+            };
+            for (r, [c0, c1]) in acc.iter_mut().enumerate() {
+                let w = bh(_mm512_set1_epi32(
+                    *staged.get_unchecked(r * GROUP + p) as i32
+                ));
+                *c0 = _mm512_dpbf16_ps(*c0, a0, w);
+                if TWO {
+                    *c1 = _mm512_dpbf16_ps(*c1, a1, w);
+                }
             }
         }
     }

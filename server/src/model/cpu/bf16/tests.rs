@@ -225,68 +225,76 @@ fn a_strided_left_hand_side_is_read_through_its_strides() {
     }
 }
 
-/// The decode weights' tile products (Q4_1 and Q8 blocks, `BlockArith::Bf16Tiles`) equal
-/// the trainer's bf16 product of the same f32 weights bit for bit: for one row (a
-/// stream), a decode step's few rows, one and two right-hand tiles, partial groups of
-/// weight rows and several threads' chunks, with and without a bias. More rows than the
-/// tiles take are refused.
+/// The decode weights' bf16 block products (Q4_1 and Q8 blocks, `BlockArith::Bf16`)
+/// equal the trainer's bf16 product of the same f32 weights with the same kernel, bit
+/// for bit, for every kernel this CPU has: for one row (a stream), a decode step's few
+/// rows, one and two tiles (or accumulators) of rows, partial groups of weight rows and
+/// several threads' chunks, with and without a bias. More rows than the kernels take are
+/// refused.
 #[test]
-fn decode_tiles_reproduce_the_trainers_products() {
+fn decode_blocks_reproduce_the_trainers_products() {
     use crate::model::cpu::quant::{BlockArith, QuantMatrix};
     use candle_core::quantized::{GgmlDType, QTensor};
-    if !blocks::usable() {
-        eprintln!("this CPU has no AMX tiles: the decode tile kernels are not run");
+    let kernels: Vec<Kernel> = available()
+        .iter()
+        .copied()
+        .filter(|&k| blocks::usable(k))
+        .collect();
+    if kernels.is_empty() {
+        eprintln!("this CPU has no bf16 kernel: the decode block kernels are not run");
         return;
     }
-    for (dtype, format) in [(GgmlDType::Q4_1, "q4_1"), (GgmlDType::Q8_0, "q8")] {
-        for (rows, k) in [(40, 64), (200, 160), (16, 32), (24, 576)] {
-            let w = candle_core::Tensor::from_vec(
-                data(rows * k, 7 + rows as u64),
-                (rows, k),
-                &candle_core::Device::Cpu,
-            )
-            .unwrap();
-            let w = QTensor::quantize(&w, dtype)
-                .unwrap()
-                .dequantize(&candle_core::Device::Cpu)
+    for kernel in kernels {
+        for (dtype, format) in [(GgmlDType::Q4_1, "q4_1"), (GgmlDType::Q8_0, "q8")] {
+            for (rows, k) in [(40, 64), (200, 160), (16, 32), (24, 576), (13, 96)] {
+                let w = candle_core::Tensor::from_vec(
+                    data(rows * k, 7 + rows as u64),
+                    (rows, k),
+                    &candle_core::Device::Cpu,
+                )
                 .unwrap();
-            let q = QuantMatrix::new(&w).unwrap();
-            assert_eq!((q.format(), q.exact()), (format, true));
-            let wf: Vec<f32> = w.flatten_all().unwrap().to_vec1().unwrap();
-            let packed = PackedWeight::new(&wf, rows, k);
-            let bias = data(rows, 17);
-            for m in [1, 2, 7, 16, 17, 32] {
-                let x = data(m * k, 3 + m as u64);
-                // With a bias (Qwen2's q/k/v), the trainer's sums start from it.
-                for bias in [None, Some(bias.as_slice())] {
-                    let got = q.matmul_t_host(&x, m, BlockArith::Bf16Tiles, bias).unwrap();
-                    let mut want: Vec<f32> = match bias {
-                        Some(b) => (0..m).flat_map(|_| b.iter().copied()).collect(),
-                        None => vec![0f32; m * rows],
-                    };
-                    gemm(
-                        Kernel::Amx,
-                        &mut MatMut::new(&mut want, m, rows, rows),
-                        Mat::new(&x, m, k),
-                        &packed.forward,
-                        bias.is_some(),
-                    );
-                    assert_eq!(got.len(), want.len());
-                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                        assert_eq!(
-                            g.to_bits(),
-                            w.to_bits(),
-                            "{format} {rows}x{k}, {m} rows, bias {}: element {i}: {g} vs {w}",
-                            bias.is_some()
+                let w = QTensor::quantize(&w, dtype)
+                    .unwrap()
+                    .dequantize(&candle_core::Device::Cpu)
+                    .unwrap();
+                let q = QuantMatrix::new(&w).unwrap();
+                assert_eq!((q.format(), q.exact()), (format, true));
+                let wf: Vec<f32> = w.flatten_all().unwrap().to_vec1().unwrap();
+                let packed = PackedWeight::new(&wf, rows, k);
+                let bias = data(rows, 17);
+                let arith = BlockArith::Bf16(kernel);
+                for m in [1, 2, 7, 16, 17, 32] {
+                    let x = data(m * k, 3 + m as u64);
+                    // With a bias (Qwen2's q/k/v), as the trainer's product takes it.
+                    for bias in [None, Some(bias.as_slice())] {
+                        let got = q.matmul_t_host(&x, m, arith, bias).unwrap();
+                        let mut want: Vec<f32> = match bias {
+                            Some(b) => (0..m).flat_map(|_| b.iter().copied()).collect(),
+                            None => vec![0f32; m * rows],
+                        };
+                        gemm(
+                            kernel,
+                            &mut MatMut::new(&mut want, m, rows, rows),
+                            Mat::new(&x, m, k),
+                            &packed.forward,
+                            bias.is_some(),
                         );
+                        assert_eq!(got.len(), want.len());
+                        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                            assert_eq!(
+                                g.to_bits(),
+                                w.to_bits(),
+                                "{} {format} {rows}x{k}, {m} rows, bias {}: element {i}: {g} vs {w}",
+                                kernel.name(),
+                                bias.is_some()
+                            );
+                        }
                     }
                 }
+                let x = data(33 * k, 5);
+                let refused = q.matmul_t_host(&x, 33, arith, None).unwrap_err();
+                assert!(refused.to_string().contains("1 to 32 rows"), "{refused}");
             }
-            let x = data(33 * k, 5);
-            let refused = q
-                .matmul_t_host(&x, 33, BlockArith::Bf16Tiles, None)
-                .unwrap_err();
-            assert!(refused.to_string().contains("1 to 32 rows"), "{refused}");
         }
     }
 }
