@@ -7,7 +7,7 @@ use clap::Args;
 use lathe::types::LoraConfig;
 use lathe::{ServiceClient, TrainingClient};
 #[cfg(feature = "embedded")]
-use lathe_server::model::Precision;
+use lathe_server::model::PrecisionChoice;
 #[cfg(feature = "embedded")]
 use lathe_server::server::{RunningServer, ServerConfig};
 
@@ -81,11 +81,11 @@ pub struct CommonArgs {
     #[cfg(feature = "embedded")]
     #[arg(long, default_value_t = 8)]
     pub max_sessions: usize,
-    /// Element type of the embedded server's base-model products in training and
-    /// prefill.
+    /// Element type of the embedded server's base-model products in training, prefill
+    /// and decoding (`auto`: bf16 on a CPU with AMX tiles, f32 otherwise).
     #[cfg(feature = "embedded")]
-    #[arg(long, value_enum, default_value_t = Precision::F32)]
-    pub precision: Precision,
+    #[arg(long, value_enum, default_value_t = PrecisionChoice::Auto)]
+    pub precision: PrecisionChoice,
 }
 
 /// Parses the command line into `T` with the recipe's `defaults` (`(flag id, value)`,

@@ -201,7 +201,12 @@ fn a_kl_penalty_starts_from_zero_and_is_logged_per_agent() {
     // Two sessions: each agent's first replies come from its untrained adapter, whose
     // sampled logprobs are the base model's, so the first estimate is zero; a token
     // misaligned between the two would show as a large difference.
-    // Every reply is trained on (and so scored), whatever its advantage.
+    // Every reply is trained on (and so scored), whatever its advantage. The tiny model
+    // earns no reward, so the first update's only signal is the penalty itself: in f32
+    // the sampler's logprobs differ from the trainer's in the last bits, a penalty that
+    // Adam (whose steps do not scale with the gradient) turns into a full step, after
+    // which the estimate must follow the moved policy. In bf16 sampler and trainer agree
+    // bit for bit, the penalty is exactly zero and nothing would move.
     let bin = env!("CARGO_BIN_EXE_actor_verifier");
     let flags = [
         "--group",
@@ -211,6 +216,8 @@ fn a_kl_penalty_starts_from_zero_and_is_logged_per_agent() {
         "0.1",
         "--lr",
         "0.05",
+        "--precision",
+        "f32",
     ];
     run_recipe(bin, &model, &root.join("math"), &flags);
     let metrics = std::fs::read_to_string(root.join("math").join("metrics.jsonl")).unwrap();

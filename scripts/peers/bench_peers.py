@@ -118,7 +118,7 @@ def main() -> None:
     ]
     if not a.skip_decode:
         jobs += [
-            ("lathe_decode", [LATHE, "bench", "sample", "--model", a.model, "--iters", "3", "--streams", "8", "--adapters", "4"]),
+            ("lathe_decode", [LATHE, "bench", "sample", "--model", a.model, "--precision", "f32", "--iters", "3", "--streams", "8", "--adapters", "4"]),
             ("lathe_decode_bf16", [LATHE, "bench", "sample", "--model", a.model, "--precision", "bf16", "--iters", "3", "--streams", "8", "--adapters", "4"]),
             ("llama_decode", [py, os.path.join(PEERS, "llama_decode.py"), "--model", a.model, "--threads", threads, "--iters", "3"]),
         ]

@@ -8,7 +8,7 @@ use std::process::Command;
 use candle_core::Device;
 
 use crate::model::{
-    default_model_path, Backend, DeviceError, DeviceSpec, LoadedModel, ModelError, Precision,
+    default_model_path, Backend, DeviceError, DeviceSpec, LoadedModel, ModelError, PrecisionChoice,
     DEFAULT_MODEL_NAME,
 };
 use crate::server::{self, RunningServer, ServeError, ServerConfig};
@@ -36,23 +36,24 @@ pub enum EmbedError {
 }
 
 /// How to load the base model: the device it runs on and the element type of its
-/// frozen products. The default is the CPU in f32.
+/// frozen products. The default is the CPU with `auto` precision (bf16 where the CPU has
+/// AMX tiles, f32 otherwise: [`PrecisionChoice::resolve`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ModelOptions {
     /// Where the weights live and the operations run: the CPU (with its fast paths) or
     /// a CUDA device (candle's ops, see [`crate::model::backend`]).
     pub device: DeviceSpec,
-    /// f32, or bf16 for the frozen weights' products (on the CPU, packed for bf16
-    /// tiles; on another device, the weights themselves stored in bf16).
-    pub precision: Precision,
+    /// f32, or bf16 for the frozen weights' products (on the CPU, packed for the bf16
+    /// kernels; on another device, the weights themselves stored in bf16), or `auto`.
+    pub precision: PrecisionChoice,
 }
 
 fn fetch_script() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/fetch-model")
 }
 
-/// Loads `spec` (`default`, a `.gguf` file or a Hugging Face directory) on the CPU in
-/// f32, running `scripts/fetch-model` first when the default model is missing and this
+/// Loads `spec` (`default`, a `.gguf` file or a Hugging Face directory) on the CPU with
+/// the default [`ModelOptions`], running `scripts/fetch-model` first when the default model is missing and this
 /// build comes from a source checkout.
 pub fn load_model(spec: &str) -> Result<LoadedModel, EmbedError> {
     load_model_with(spec, ModelOptions::default())
@@ -90,7 +91,12 @@ pub fn load_model_with(spec: &str, options: ModelOptions) -> Result<LoadedModel,
         source,
     };
     let mut model = LoadedModel::load(spec, &Device::Cpu).map_err(model_error)?;
-    let precision = options.precision;
+    let backend = if device.is_cpu() {
+        Backend::Cpu
+    } else {
+        Backend::Device
+    };
+    let precision = options.precision.resolve(backend);
     let t = &mut model.transformer;
     let got = if device.is_cpu() {
         t.set_precision(precision).map_err(model_error)?

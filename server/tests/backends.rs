@@ -2,8 +2,8 @@
 //! against the CPU fast paths (fused kernels, gemm with in-place LoRA deltas, the host
 //! KV cache and decode step): training and sampling give the same numbers, f32 to 1e-5
 //! and f64 to 1e-10 (gradients in f32 and sampled log-probabilities of f64 models, which
-//! are reported in f32, to the bounds their tests explain); and the device backend's
-//! bf16 weights against f64.
+//! are reported in f32, to the bounds their tests explain); and bf16 on both backends
+//! against f64.
 
 mod common;
 
@@ -375,4 +375,58 @@ fn assert_bf16_trains_within_rounding_and_samples_the_same(arch: Arch, device: &
     }
     let mean = ratio / count as f64;
     assert!((mean - 1.0).abs() < 0.01, "{arch:?}: ratio mean {mean}");
+}
+
+/// Training in bf16 on the CPU backend (weights packed for the AMX or AVX512-BF16
+/// kernel, activations rounded at each product, f32 sums) against f64 on the same
+/// bf16-rounded weights, with each kernel this CPU has, to the bounds of the device
+/// backend's bf16 test above: the per-product bound `(2u + u²) Σ|ab| + k 2⁻²⁴ Σ|ab|`
+/// (`bf16::tests`, u = 2⁻⁸) compounds through a whole model past any useful figure, so
+/// the bounds are twice the largest errors measured on these datums (the CHANGELOG
+/// gives them; `--nocapture` prints them). The two kernels sum in different orders
+/// and must both hold.
+#[test]
+fn bf16_on_the_cpu_backend_trains_within_bf16_rounding() {
+    let kernels = lathe_server::model::cpu::bf16::available();
+    if kernels.is_empty() || test_backend() != Backend::Cpu {
+        eprintln!("no bf16 kernel on this CPU, or not the CPU backend: not checked");
+        return;
+    }
+    for &kernel in kernels {
+        for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
+            let (mut model, adapters) = model_on(arch, DType::F32, Backend::Cpu);
+            let got = model
+                .transformer
+                .set_precision_with(Precision::Bf16, Some(kernel))
+                .unwrap();
+            assert_eq!(got, Precision::Bf16);
+            // The reference: the same weights rounded to bf16, everything else in f64.
+            let (mut narrowed, _) = model_on(arch, DType::F32, Backend::Device);
+            narrowed.transformer.set_precision(Precision::Bf16).unwrap();
+            let exact = narrowed.transformer.to_dtype(DType::F64).unwrap();
+            let f64_adapters = adapters.clone().map(|a| a.to_dtype(DType::F64).unwrap());
+            let jobs = jobs(model.transformer.config.vocab_size);
+            let (got_out, got_grads) = train(&model.transformer, &adapters, &jobs);
+            let (want_out, want_grads) = train(&exact, &f64_adapters, &jobs);
+            let what = format!("{arch:?} {}", kernel.name());
+            let (mut loss, mut lp, mut grad) = (0f64, 0f64, 0f64);
+            for (w, g) in want_out.iter().zip(&got_out) {
+                loss = loss.max((w.loss - g.loss).abs() / w.loss.abs().max(1.0));
+                for (a, b) in w.logprobs.iter().zip(&g.logprobs) {
+                    let (a, b) = (f64::from(*a), f64::from(*b));
+                    lp = lp.max((a - b).abs() / a.abs().max(1.0));
+                }
+            }
+            for (w, g) in want_grads.iter().zip(&got_grads) {
+                for (t, (wa, wb)) in &w.pairs {
+                    let (ga, gb) = &g.pairs[t];
+                    grad = grad.max(rel(ga, wa)).max(rel(gb, wb));
+                }
+            }
+            eprintln!("{what}: loss {loss:.2e}, logprobs {lp:.2e}, gradients {grad:.2e}");
+            assert!(loss < 0.0025, "{what}: losses differ by {loss}");
+            assert!(lp < 0.035, "{what}: log-probabilities differ by {lp}");
+            assert!(grad < 0.22, "{what}: gradients differ by {grad}");
+        }
+    }
 }

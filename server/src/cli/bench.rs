@@ -11,7 +11,7 @@ use clap::{Args, Subcommand};
 use lathe_sdk::types::AdamParams;
 use lathe_server::model::cpu::bf16::{self, blocks};
 use lathe_server::model::cpu::quant::{BlockArith, QuantMatrix};
-use lathe_server::model::{Adapter, Backend, LoadedModel, LoraSpec, Precision};
+use lathe_server::model::{Adapter, Backend, LoadedModel, LoraSpec, Precision, PrecisionChoice};
 use lathe_server::sample::{sample_timed, DecodeMode, Picker, SampleJob, SampleTimings};
 use lathe_server::train::adamw::{self, AdamState};
 use lathe_server::train::{
@@ -56,9 +56,10 @@ pub struct TrainArgs {
     /// when several sessions' requests share one pass; each takes its own AdamW step.
     #[arg(long, default_value_t = 1)]
     adapters: usize,
-    /// Element type of the base model's products.
-    #[arg(long, value_enum, default_value_t = Precision::F32)]
-    precision: Precision,
+    /// Element type of the base model's products (`auto`: bf16 on a CPU with AMX
+    /// tiles, f32 otherwise).
+    #[arg(long, value_enum, default_value_t = PrecisionChoice::Auto)]
+    precision: PrecisionChoice,
     #[command(flatten)]
     device: super::DeviceArg,
     /// Most tokens of one pass over the model (default: 1024 on the CPU, 8192 on a GPU,
@@ -101,10 +102,11 @@ pub struct SampleArgs {
     /// Nucleus mass of the sampler (1 = the whole vocabulary, no truncation).
     #[arg(long, default_value_t = 1.0)]
     top_p: f64,
-    /// Element type of the base model's products in prefill (and in the trainer's
-    /// pass that the sampled logprobs are compared with).
-    #[arg(long, value_enum, default_value_t = Precision::F32)]
-    precision: Precision,
+    /// Element type of the base model's products in prefill and decoding (and in the
+    /// trainer's pass that the sampled logprobs are compared with); `auto`: bf16 on a
+    /// CPU with AMX tiles, f32 otherwise.
+    #[arg(long, value_enum, default_value_t = PrecisionChoice::Auto)]
+    precision: PrecisionChoice,
     #[command(flatten)]
     device: super::DeviceArg,
     /// Keep only this many most likely tokens.

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clap::Args;
 use lathe_sdk::types::AdamParams;
-use lathe_server::model::{Adapter, LoadedModel, Precision};
+use lathe_server::model::{Adapter, LoadedModel, PrecisionChoice};
 use lathe_server::server::{self, ServerConfig};
 use lathe_server::train::adamw::{self, AdamState};
 use lathe_server::train::{forward_backward, DatumJob, Loss, TokenInputs};
@@ -59,6 +59,10 @@ pub struct ServeBenchArgs {
     /// New tokens of each of the hog's 16 sampled sequences (`--fairness`).
     #[arg(long, default_value_t = 128)]
     hog_sample_tokens: usize,
+    /// Element type of the base model's products (`auto`: bf16 on a CPU with AMX
+    /// tiles, f32 otherwise).
+    #[arg(long, value_enum, default_value_t = PrecisionChoice::Auto)]
+    precision: PrecisionChoice,
 }
 
 const KEY: &str = "tml-bench";
@@ -153,10 +157,11 @@ async fn fb(http: &Http, run: &mut Run, toks: &[u32]) -> anyhow::Result<()> {
 pub fn run(a: ServeBenchArgs) -> anyhow::Result<Value> {
     let spec = seven_projections(a.rank);
     // In-process reference for the overhead measurement, on its own copy of the model.
-    let reference = super::load_model(&a.model, a.device, Precision::F32)?;
+    let reference = super::load_model(&a.model, a.device, a.precision)?;
     let mut direct = Direct::new(&reference, spec)?;
-    let model = super::load_model(&a.model, a.device, Precision::F32)?;
+    let model = super::load_model(&a.model, a.device, a.precision)?;
     let vocab = model.transformer.config.vocab_size;
+    let precision = model.transformer.precision();
     // The pass size `lathe serve` schedules on this device.
     let pass = lathe_server::train::pass_tokens(&model.transformer);
     let data_dir = std::env::temp_dir().join(format!("lathe-bench-serve-{}", std::process::id()));
@@ -387,6 +392,7 @@ pub fn run(a: ServeBenchArgs) -> anyhow::Result<Value> {
         let sr = stats(sample_ratios);
         anyhow::Ok(json!({
             "benchmark": "serve",
+            "precision": precision,
             "sessions": a.sessions,
             "rank": a.rank,
             "forward_backward": {

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
-use lathe_server::model::{ChatMessage, Precision};
+use lathe_server::model::{ChatMessage, PrecisionChoice};
 use lathe_server::sample::{sample, DecodeMode, Picker, SampleJob};
 use lathe_server::store::peft;
 
@@ -33,6 +33,10 @@ pub struct GenerateArgs {
     /// Feed the prompt as is, without the chat template.
     #[arg(long)]
     raw: bool,
+    /// Element type of the base model's products (`auto`: bf16 on a CPU with AMX
+    /// tiles, f32 otherwise).
+    #[arg(long, value_enum, default_value_t = PrecisionChoice::Auto)]
+    precision: PrecisionChoice,
     #[command(flatten)]
     device: super::DeviceArg,
 }
@@ -42,7 +46,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     if !args.temperature.is_finite() || args.temperature < 0.0 {
         anyhow::bail!("--temperature must be a finite number >= 0");
     }
-    let model = super::load_model(&args.model, args.device, Precision::F32)?;
+    let model = super::load_model(&args.model, args.device, args.precision)?;
     let adapter = args
         .adapter
         .as_ref()

@@ -8,7 +8,7 @@ pub mod serve;
 
 use clap::Args;
 use lathe_server::embedded::ModelOptions;
-use lathe_server::model::{DeviceSpec, LoadedModel, Precision};
+use lathe_server::model::{DeviceSpec, LoadedModel, PrecisionChoice};
 
 /// The `--device` flag of the commands that load the model.
 #[derive(Args, Clone, Copy, Debug)]
@@ -24,7 +24,7 @@ pub struct DeviceArg {
 pub fn load_model(
     spec: &str,
     device: DeviceArg,
-    precision: Precision,
+    precision: PrecisionChoice,
 ) -> anyhow::Result<LoadedModel> {
     let options = ModelOptions {
         device: device.device,

@@ -6,7 +6,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Args, ValueEnum};
 use lathe_server::engine::{EngineConfig, KeyLimits};
-use lathe_server::model::Precision;
+use lathe_server::model::PrecisionChoice;
 use lathe_server::sample::DecodeMode;
 use lathe_server::server::{self, ServerConfig};
 
@@ -57,10 +57,11 @@ pub struct ServeArgs {
     /// Which weights pick sampled tokens.
     #[arg(long, value_enum, default_value_t = Mode::Fast)]
     decode_mode: Mode,
-    /// Element type of the base model's products in training and prefill; on a CUDA
-    /// device, bf16 also stores the base weights in bf16.
-    #[arg(long, value_enum, default_value_t = Precision::F32)]
-    precision: Precision,
+    /// Element type of the base model's products in training, prefill and decoding
+    /// (`auto`: bf16 on a CPU with AMX tiles, f32 otherwise); on a CUDA device, bf16
+    /// also stores the base weights in bf16.
+    #[arg(long, value_enum, default_value_t = PrecisionChoice::Auto)]
+    precision: PrecisionChoice,
     #[command(flatten)]
     device: super::DeviceArg,
     /// Per-key limits (what one API key may use at once).

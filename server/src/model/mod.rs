@@ -29,7 +29,7 @@ use candle_core::Device;
 pub use backend::{Backend, DeviceError, DeviceSpec};
 pub use chat_template::{ChatMessage, ChatTemplate};
 pub use config::{Arch, ModelConfig};
-pub use cpu::bf16::Precision;
+pub use cpu::bf16::{Precision, PrecisionChoice};
 pub use kv::KvCache;
 pub use lora::{Adapter, AdapterGrads, LoraSpec, Proj, Target};
 pub use tokenizer::TextTokenizer;

@@ -199,8 +199,9 @@ fn run(
 /// allocated per product.
 const KEEP_BUFFER_WORDS: usize = 4 << 20;
 
-/// The element type of the frozen base weights' products in training and prefill (the
-/// `--precision` flag of `lathe serve`, `lathe bench` and the recipes).
+/// The element type of the frozen base weights' products in training, prefill and
+/// decoding, as it is in effect (what `--precision` resolves to, see
+/// [`PrecisionChoice`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Precision {
@@ -210,6 +211,56 @@ pub enum Precision {
     /// bf16 products with f32 accumulation (AMX or AVX512-BF16; f32 on a CPU with
     /// neither).
     Bf16,
+}
+
+/// What `--precision` asks for (`lathe serve`, `lathe generate`, `lathe bench` and the
+/// recipes): one [`Precision`], or `auto`, the one this machine trains fastest in while
+/// its sampler decodes exactly what it trains.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum PrecisionChoice {
+    /// bf16 on a CPU with AMX tiles, f32 otherwise (see [`PrecisionChoice::resolve`]).
+    #[default]
+    Auto,
+    /// f32 products.
+    F32,
+    /// bf16 products with f32 accumulation (AMX or AVX512-BF16; f32 on a CPU with
+    /// neither).
+    Bf16,
+}
+
+impl PrecisionChoice {
+    /// The precision asked for, `auto` decided for a model on `backend`: bf16 on the CPU
+    /// backend where the CPU has AMX tiles and the decode kernels that reproduce the
+    /// tiles' products (there bf16 trains fastest and decodes fastest with several
+    /// streams, and the sampler's logprobs are the trainer's bit for bit); f32 on a CPU
+    /// with AVX512-BF16 alone (its exact bf16 decode products are slower than f32's) or
+    /// with neither, and on a device backend (bf16 there narrows the stored weights for
+    /// good and has not been measured against f32).
+    pub fn resolve(self, backend: crate::model::backend::Backend) -> Precision {
+        match self {
+            PrecisionChoice::F32 => Precision::F32,
+            PrecisionChoice::Bf16 => Precision::Bf16,
+            PrecisionChoice::Auto => {
+                let amx = kernel() == Some(Kernel::Amx) && blocks::usable(Kernel::Amx);
+                if backend == crate::model::backend::Backend::Cpu && amx {
+                    Precision::Bf16
+                } else {
+                    Precision::F32
+                }
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for PrecisionChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            PrecisionChoice::Auto => "auto",
+            PrecisionChoice::F32 => "f32",
+            PrecisionChoice::Bf16 => "bf16",
+        })
+    }
 }
 
 impl std::fmt::Display for Precision {
