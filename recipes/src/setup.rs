@@ -85,7 +85,17 @@ pub struct CommonArgs {
     /// and decoding (`auto`: bf16 on a CPU with AMX tiles, f32 otherwise).
     #[cfg(feature = "embedded")]
     #[arg(long, value_enum, default_value_t = PrecisionChoice::Auto)]
+    #[serde(serialize_with = "precision_in_effect")]
     pub precision: PrecisionChoice,
+}
+
+/// Records the precision a run's embedded server computes in (`"f32"` or `"bf16"`), not
+/// the choice (`auto` means another precision on another CPU), so that a resume on
+/// another machine, or of a run saved before `auto` was the default, is compared with
+/// what actually ran.
+#[cfg(feature = "embedded")]
+fn precision_in_effect<S: serde::Serializer>(p: &PrecisionChoice, s: S) -> Result<S::Ok, S::Error> {
+    serde::Serialize::serialize(&p.resolve(lathe_server::model::Backend::Cpu), s)
 }
 
 /// Parses the command line into `T` with the recipe's `defaults` (`(flag id, value)`,
@@ -330,6 +340,45 @@ pub fn init_tracing() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The settings a run records (and a resume compares) hold the precision that runs,
+    /// not `auto`.
+    #[cfg(feature = "embedded")]
+    #[test]
+    fn settings_record_the_precision_in_effect() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            common: CommonArgs,
+        }
+        use clap::Parser;
+        let in_effect = |flags: &[&str]| {
+            // The flags each recipe gives a default.
+            let required = [
+                "--steps",
+                "1",
+                "--lr",
+                "1e-4",
+                "--batch",
+                "1",
+                "--temperature",
+                "1",
+                "--eval-every",
+                "1",
+                "--eval-size",
+                "1",
+            ];
+            let args = std::iter::once("recipe")
+                .chain(required)
+                .chain(flags.iter().copied());
+            let cli = Cli::try_parse_from(args).unwrap();
+            serde_json::to_value(&cli.common).unwrap()["precision"].clone()
+        };
+        let auto = PrecisionChoice::Auto.resolve(lathe_server::model::Backend::Cpu);
+        assert_eq!(in_effect(&[]), serde_json::to_value(auto).unwrap());
+        assert_eq!(in_effect(&["--precision", "f32"]), "f32");
+        assert_eq!(in_effect(&["--precision", "bf16"]), "bf16");
+    }
 
     #[test]
     fn fallback_is_chosen_when_a_session_fails_or_is_not_wanted() {

@@ -162,8 +162,8 @@ def main() -> None:
         report["ratios"]["lathe_batched_over_single"] = median([x["batched_over_single_ratio_median"] for x in runs["lathe_decode"]])
         bf16 = runs["lathe_decode_bf16"]
         report["decode_bf16"] = {
-            # Under --precision bf16 the decode products are the trainer's bf16 ones
-            # (AMX tiles) where the CPU has AMX, f32 otherwise.
+            # Under --precision bf16 the decode products are the trainer's bf16 ones,
+            # on AMX tiles or with AVX512-BF16 as the trainer's (f32 on a CPU with neither).
             "single_stream_tokens_per_s": median([x["single_stream_phases"]["decode_only_tokens_per_s"] for x in bf16]),
             "streams_8_adapters_4_tokens_per_s": median([x["batched_phases"]["decode_only_tokens_per_s"] for x in bf16]),
             "batched_over_single": median([x["batched_over_single_ratio_median"] for x in bf16]),

@@ -58,8 +58,8 @@ def main() -> None:
     if b:
         rows.append(
             (
-                "| single-stream decode, `--precision bf16` (products on AMX tiles where the CPU "
-                f"has them) | {b['single_stream_tokens_per_s']:.0f} tokens/s | llama.cpp: "
+                "| single-stream decode, `--precision bf16` (the trainer's bf16 products, on its "
+                f"kernel) | {b['single_stream_tokens_per_s']:.0f} tokens/s | llama.cpp: "
                 f"{d['llama_cpp_single_stream']:.0f} | {x['lathe_bf16_over_llama_cpp_decode']:.2f}x | "
                 f"1.2x{met(x['lathe_bf16_over_llama_cpp_decode'] >= 1.2)} |",
                 None,

@@ -378,9 +378,10 @@ fn assert_bf16_trains_within_rounding_and_samples_the_same(arch: Arch, device: &
 }
 
 /// Training in bf16 on the CPU backend (weights packed for the AMX or AVX512-BF16
-/// kernel, activations rounded at each product, f32 sums) against f64 on the same
-/// bf16-rounded weights, with each kernel this CPU has, to the bounds of the device
-/// backend's bf16 test above: the per-product bound `(2u + u²) Σ|ab| + k 2⁻²⁴ Σ|ab|`
+/// kernel, activations rounded at each product, f32 sums) against f64 on the weights
+/// the device backend narrows to bf16 (the projections and head as the CPU path rounds
+/// them; the embedding too, which the CPU path keeps in f32), with each kernel this
+/// CPU has. The per-product bound `(2u + u²) Σ|ab| + k 2⁻²⁴ Σ|ab|`
 /// (`bf16::tests`, u = 2⁻⁸) compounds through a whole model past any useful figure, so
 /// the bounds are twice the largest errors measured on these datums (the CHANGELOG
 /// gives them; `--nocapture` prints them). The two kernels sum in different orders
@@ -400,7 +401,7 @@ fn bf16_on_the_cpu_backend_trains_within_bf16_rounding() {
                 .set_precision_with(Precision::Bf16, Some(kernel))
                 .unwrap();
             assert_eq!(got, Precision::Bf16);
-            // The reference: the same weights rounded to bf16, everything else in f64.
+            // The reference: the device backend's bf16 weights, everything else in f64.
             let (mut narrowed, _) = model_on(arch, DType::F32, Backend::Device);
             narrowed.transformer.set_precision(Precision::Bf16).unwrap();
             let exact = narrowed.transformer.to_dtype(DType::F64).unwrap();

@@ -180,8 +180,9 @@ impl QuantMatrix {
     }
 
     /// `(rows, m)`: the products plus `bias` (one per weight row), one weight row's
-    /// outputs together. The f32 kernels add the bias after the sums; the tiles start
-    /// from it, as the trainer's bf16 product does.
+    /// outputs together. The f32 kernels add the bias after the sums; the bf16 kernels
+    /// take it where the trainer's bf16 product with the same kernel does (the tiles
+    /// start from it, the AVX512-BF16 pairs add it after).
     fn product_t(
         &self,
         xs: &[f32],

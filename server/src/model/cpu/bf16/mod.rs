@@ -242,8 +242,8 @@ impl PrecisionChoice {
             PrecisionChoice::F32 => Precision::F32,
             PrecisionChoice::Bf16 => Precision::Bf16,
             PrecisionChoice::Auto => {
-                let amx = kernel() == Some(Kernel::Amx) && blocks::usable(Kernel::Amx);
-                if backend == crate::model::backend::Backend::Cpu && amx {
+                let cpu = backend == crate::model::backend::Backend::Cpu;
+                if cpu && kernel() == Some(Kernel::Amx) && blocks::usable(Kernel::Amx) {
                     Precision::Bf16
                 } else {
                     Precision::F32
