@@ -246,6 +246,9 @@ mod simd {
         };
         match kernel {
             Kernel::Amx => product_t(x, d.len() / nb, bias, out, block, stream),
+            Kernel::Avx512Bf16 if x.m <= LANE_ROWS_MAX => {
+                product_lanes(x, d.len() / nb, bias, out, block, stream)
+            }
             Kernel::Avx512Bf16 => product_pairs(x, d.len() / nb, bias, out, block, stream),
         }
     }
@@ -283,6 +286,9 @@ mod simd {
         };
         match kernel {
             Kernel::Amx => product_t(x, s.len() / nb, bias, out, block, stream),
+            Kernel::Avx512Bf16 if x.m <= LANE_ROWS_MAX => {
+                product_lanes(x, s.len() / nb, bias, out, block, stream)
+            }
             Kernel::Avx512Bf16 => product_pairs(x, s.len() / nb, bias, out, block, stream),
         }
     }
@@ -385,6 +391,146 @@ mod simd {
                 out[g * m..(g + n) * m].copy_from_slice(&edge[..n * m]);
             }
         }
+    }
+
+    /// Most activation rows [`product_lanes`] takes; more go to [`product_pairs`], whose
+    /// cost does not grow with the rows up to 16.
+    const LANE_ROWS_MAX: usize = 8;
+
+    /// `out` `(rows, m)` = weight rows times `x` with `VDPBF16PS`, for few activation
+    /// rows: the trainer's own orientation, each lane a weight row. For each group of 16
+    /// weight rows and each block, the rows' blocks are dequantized ([`block`]) and
+    /// transposed (for each pair of the input, the 16 rows' pair words), and each
+    /// activation row's pairs, broadcast, are multiplied into them in order. Every
+    /// output's sum starts from zero and takes the input's pairs in order, and the bias
+    /// is added after: the trainer's micro-kernel's steps. One instruction per pair per
+    /// 16 weight rows and activation row, against [`product_pairs`]' one per pair per
+    /// weight row, at the price of the transposition.
+    ///
+    /// # Safety
+    /// As [`product_pairs`], and `x.m <= LANE_ROWS_MAX`.
+    #[target_feature(enable = "avx2,avx512f,avx512bw,avx512bf16")]
+    #[inline]
+    unsafe fn product_lanes(
+        x: &TileRows,
+        rows: usize,
+        bias: Option<&[f32]>,
+        out: &mut [f32],
+        block: impl Fn(usize, usize) -> __m512i,
+        stream: Stream<impl Fn(usize, usize) -> *const u8>,
+    ) {
+        debug_assert!(x.m <= LANE_ROWS_MAX);
+        for g in (0..rows).step_by(GROUP) {
+            // The next group's rows, a group's work ahead.
+            for r in (g + GROUP..rows).take(GROUP) {
+                stream.prefetch(r, 0, x.blocks);
+            }
+            let at = Rows {
+                g,
+                n: (rows - g).min(GROUP),
+            };
+            match x.m {
+                1 => lane_group::<1>(x, at, bias, out, &block),
+                2 => lane_group::<2>(x, at, bias, out, &block),
+                3 | 4 => lane_group::<4>(x, at, bias, out, &block),
+                _ => lane_group::<8>(x, at, bias, out, &block),
+            }
+        }
+    }
+
+    /// The weight rows [`lane_group`] computes: `g .. g + n`.
+    #[derive(Clone, Copy)]
+    struct Rows {
+        g: usize,
+        n: usize,
+    }
+
+    /// One group of [`product_lanes`]: `R >= x.m` accumulators (lane `l`: weight row
+    /// `at.g + l`), one per activation row, their chains interleaved (chains past the
+    /// last row repeat it and are not written); writes the group's outputs plus biases.
+    /// Each block is transposed just before its pairs are used, so the transposition of
+    /// the next block overlaps the chains of this one.
+    ///
+    /// # Safety
+    /// As [`product_lanes`]; `x.m <= R <= 8`.
+    #[target_feature(enable = "avx2,avx512f,avx512bw,avx512bf16")]
+    #[inline]
+    unsafe fn lane_group<const R: usize>(
+        x: &TileRows,
+        at: Rows,
+        bias: Option<&[f32]>,
+        out: &mut [f32],
+        block: &impl Fn(usize, usize) -> __m512i,
+    ) {
+        let (m, nb) = (x.m, x.blocks);
+        // SAFETY: both are 64 bytes of plain bits.
+        let bh = |v: __m512i| std::mem::transmute::<__m512i, __m512bh>(v);
+        let mut acc = [_mm512_setzero_ps(); R];
+        for b in 0..nb {
+            let mut v = [_mm512_setzero_si512(); GROUP];
+            for (r, v) in v.iter_mut().enumerate().take(at.n) {
+                *v = block(at.g + r, b);
+            }
+            let w = transpose(v);
+            // Pair row p of the block's activations: m words at 16 m b + p m (with at
+            // most 16 rows, one tile of width m).
+            let tile = x.words.as_ptr().add(b * GROUP * m);
+            for (p, w) in w.iter().enumerate() {
+                let w = bh(*w);
+                for (c, acc) in acc.iter_mut().enumerate() {
+                    let a = bh(_mm512_set1_epi32(*tile.add(p * m + c.min(m - 1)) as i32));
+                    *acc = _mm512_dpbf16_ps(*acc, a, w);
+                }
+            }
+        }
+        let mut sums = [0f32; GROUP];
+        for (c, acc) in acc.iter().enumerate().take(m) {
+            _mm512_storeu_ps(sums.as_mut_ptr(), *acc);
+            for (l, &v) in sums.iter().enumerate().take(at.n) {
+                let v = match bias {
+                    Some(bias) => v + bias[at.g + l],
+                    None => v,
+                };
+                out[(at.g + l) * m + c] = v;
+            }
+        }
+    }
+
+    /// The 16 x 16 words `v` (row `r`: `v[r]`) transposed: word `l` of the result's row
+    /// `p` is word `p` of `v[l]`. Four rounds of in-lane and cross-lane shuffles.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn transpose(v: [__m512i; GROUP]) -> [__m512i; GROUP] {
+        let mut t = [_mm512_setzero_si512(); GROUP];
+        let mut u = [_mm512_setzero_si512(); GROUP];
+        // Pairs of rows interleaved by words, then by double words: u[4q + j] holds, in
+        // each 128-bit lane k, word 4k + j of rows 4q .. 4q + 4.
+        for q in 0..8 {
+            t[2 * q] = _mm512_unpacklo_epi32(v[2 * q], v[2 * q + 1]);
+            t[2 * q + 1] = _mm512_unpackhi_epi32(v[2 * q], v[2 * q + 1]);
+        }
+        for q in 0..4 {
+            let (a, b, c, d) = (t[4 * q], t[4 * q + 1], t[4 * q + 2], t[4 * q + 3]);
+            u[4 * q] = _mm512_unpacklo_epi64(a, c);
+            u[4 * q + 1] = _mm512_unpackhi_epi64(a, c);
+            u[4 * q + 2] = _mm512_unpacklo_epi64(b, d);
+            u[4 * q + 3] = _mm512_unpackhi_epi64(b, d);
+        }
+        // 128-bit lanes: first the even and odd lanes of rows 0-7 and 8-15, then across.
+        for j in 0..4 {
+            t[j] = _mm512_shuffle_i32x4::<0x88>(u[j], u[4 + j]);
+            t[4 + j] = _mm512_shuffle_i32x4::<0xdd>(u[j], u[4 + j]);
+            t[8 + j] = _mm512_shuffle_i32x4::<0x88>(u[8 + j], u[12 + j]);
+            t[12 + j] = _mm512_shuffle_i32x4::<0xdd>(u[8 + j], u[12 + j]);
+        }
+        let mut out = [_mm512_setzero_si512(); GROUP];
+        for j in 0..4 {
+            out[j] = _mm512_shuffle_i32x4::<0x88>(t[j], t[8 + j]);
+            out[4 + j] = _mm512_shuffle_i32x4::<0x88>(t[4 + j], t[12 + j]);
+            out[8 + j] = _mm512_shuffle_i32x4::<0xdd>(t[j], t[8 + j]);
+            out[12 + j] = _mm512_shuffle_i32x4::<0xdd>(t[4 + j], t[12 + j]);
+        }
+        out
     }
 
     /// Weight rows [`product_pairs`] multiplies together: eight independent chains of
