@@ -13,6 +13,7 @@
 //! owns the run directory, the sessions (one per role, one per team, or one playing every
 //! role when no more can be created), the logs, the plots, the summary and resuming.
 
+mod begin;
 mod learner;
 mod run;
 mod sessions;
