@@ -89,13 +89,23 @@ pub struct CommonArgs {
     pub precision: PrecisionChoice,
 }
 
-/// Records the precision a run's embedded server computes in (`"f32"` or `"bf16"`), not
-/// the choice (`auto` means another precision on another CPU), so that a resume on
-/// another machine, or of a run saved before `auto` was the default, is compared with
-/// what actually ran.
+/// Records the precision a run's embedded server computes in (`"f32"` or `"bf16"`: bf16
+/// only where this CPU has a bf16 kernel, as the server falls back), not the choice
+/// (`auto` means another precision on another CPU), so that a resume on another
+/// machine, or of a run saved before `auto` was the default, is compared with what
+/// actually ran; `"remote"` when the run trains on a server named by
+/// `TINKER_BASE_URL` / `LATHE_BASE_URL`, whose precision is that server's flag.
 #[cfg(feature = "embedded")]
 fn precision_in_effect<S: serde::Serializer>(p: &PrecisionChoice, s: S) -> Result<S::Ok, S::Error> {
-    serde::Serialize::serialize(&p.resolve(lathe_server::model::Backend::Cpu), s)
+    use lathe_server::model::{cpu::bf16, Backend, Precision};
+    if remote_url().is_some() {
+        return s.serialize_str("remote");
+    }
+    let precision = match p.resolve(Backend::Cpu) {
+        Precision::Bf16 if bf16::kernel().is_none() => Precision::F32,
+        other => other,
+    };
+    serde::Serialize::serialize(&precision, s)
 }
 
 /// Parses the command line into `T` with the recipe's `defaults` (`(flag id, value)`,
@@ -374,10 +384,19 @@ mod tests {
             let cli = Cli::try_parse_from(args).unwrap();
             serde_json::to_value(&cli.common).unwrap()["precision"].clone()
         };
+        if remote_url().is_some() {
+            assert_eq!(in_effect(&[]), "remote");
+            return;
+        }
         let auto = PrecisionChoice::Auto.resolve(lathe_server::model::Backend::Cpu);
         assert_eq!(in_effect(&[]), serde_json::to_value(auto).unwrap());
         assert_eq!(in_effect(&["--precision", "f32"]), "f32");
-        assert_eq!(in_effect(&["--precision", "bf16"]), "bf16");
+        let bf16 = if lathe_server::model::cpu::bf16::kernel().is_some() {
+            "bf16"
+        } else {
+            "f32"
+        };
+        assert_eq!(in_effect(&["--precision", "bf16"]), bf16);
     }
 
     #[test]

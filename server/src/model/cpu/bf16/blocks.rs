@@ -19,8 +19,10 @@
 //!   - [`Kernel::Avx512Bf16`]: one `VDPBF16PS` per pair of the input, in order from
 //!     zero, the bias added after, as the trainer's micro-kernel does. The trainer's
 //!     lanes are output columns (one activation pair broadcast against a panel of
-//!     weights); here they are activation rows (one weight pair broadcast against a pair
-//!     row of activations), which needs no transposition of the blocks.
+//!     weights). For up to 8 activation rows so are these, each group of 16 weight
+//!     rows' blocks transposed into pair rows; for more, the lanes are activation rows
+//!     (one weight pair broadcast against a pair row of activations), which needs no
+//!     transposition and costs the same for up to 16 rows.
 //!
 //! An element of either instruction sums the same products of two bf16 values (exact in
 //! f32 unless they underflow, which both sides flush alike) in the same positions
@@ -433,7 +435,8 @@ mod simd {
                 1 => lane_group::<1>(x, at, bias, out, &block),
                 2 => lane_group::<2>(x, at, bias, out, &block),
                 3 | 4 => lane_group::<4>(x, at, bias, out, &block),
-                _ => lane_group::<8>(x, at, bias, out, &block),
+                5..=8 => lane_group::<8>(x, at, bias, out, &block),
+                m => unreachable!("{m} rows: the lanes take up to {LANE_ROWS_MAX}"),
             }
         }
     }
