@@ -69,10 +69,39 @@ pub fn kernel() -> Option<Kernel> {
     available().first().copied()
 }
 
-/// Every bf16 kernel this CPU supports, fastest first (detected once).
+/// Every bf16 kernel this CPU supports, fastest first (detected once). The environment
+/// variable `LATHE_BF16_KERNEL` changes what the process uses, for benchmarks and
+/// comparisons: `avx512_bf16` (or `amx`) puts that kernel first where the CPU has it,
+/// `none` leaves none (bf16 then stays f32, as on a CPU without a kernel).
 pub fn available() -> &'static [Kernel] {
     static KERNELS: OnceLock<Vec<Kernel>> = OnceLock::new();
-    KERNELS.get_or_init(detect)
+    KERNELS.get_or_init(|| {
+        let detected = detect();
+        match std::env::var("LATHE_BF16_KERNEL") {
+            Ok(choice) => chosen(detected, choice.trim()),
+            Err(_) => detected,
+        }
+    })
+}
+
+/// `detected` as `LATHE_BF16_KERNEL=choice` asks (see [`available`]); an unknown name or
+/// a kernel this CPU lacks leaves it as it is, with a warning.
+fn chosen(mut detected: Vec<Kernel>, choice: &str) -> Vec<Kernel> {
+    if choice == "none" {
+        return Vec::new();
+    }
+    match detected.iter().position(|k| k.name() == choice) {
+        Some(i) => {
+            let k = detected.remove(i);
+            detected.insert(0, k);
+        }
+        None => tracing::warn!(
+            choice,
+            available = ?detected.iter().map(|k| k.name()).collect::<Vec<_>>(),
+            "LATHE_BF16_KERNEL names no bf16 kernel this CPU has; ignored"
+        ),
+    }
+    detected
 }
 
 fn detect() -> Vec<Kernel> {

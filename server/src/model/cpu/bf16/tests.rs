@@ -298,3 +298,21 @@ fn decode_blocks_reproduce_the_trainers_products() {
         }
     }
 }
+
+/// `LATHE_BF16_KERNEL` reorders or empties the detected kernels, and leaves them as they
+/// are for a name this CPU lacks.
+#[test]
+fn the_kernel_choice_reorders_what_the_cpu_has() {
+    let both = vec![Kernel::Amx, Kernel::Avx512Bf16];
+    assert_eq!(
+        chosen(both.clone(), "avx512_bf16"),
+        vec![Kernel::Avx512Bf16, Kernel::Amx]
+    );
+    assert_eq!(chosen(both.clone(), "amx"), both);
+    assert_eq!(chosen(both.clone(), "none"), vec![]);
+    assert_eq!(
+        chosen(vec![Kernel::Avx512Bf16], "amx"),
+        vec![Kernel::Avx512Bf16]
+    );
+    assert_eq!(chosen(both.clone(), "tiles"), both);
+}
