@@ -97,15 +97,10 @@ pub struct CommonArgs {
 /// `TINKER_BASE_URL` / `LATHE_BASE_URL`, whose precision is that server's flag.
 #[cfg(feature = "embedded")]
 fn precision_in_effect<S: serde::Serializer>(p: &PrecisionChoice, s: S) -> Result<S::Ok, S::Error> {
-    use lathe_server::model::{cpu::bf16, Backend, Precision};
     if remote_url().is_some() {
         return s.serialize_str("remote");
     }
-    let precision = match p.resolve(Backend::Cpu) {
-        Precision::Bf16 if bf16::kernel().is_none() => Precision::F32,
-        other => other,
-    };
-    serde::Serialize::serialize(&precision, s)
+    serde::Serialize::serialize(&p.in_effect(lathe_server::model::Backend::Cpu), s)
 }
 
 /// Parses the command line into `T` with the recipe's `defaults` (`(flag id, value)`,

@@ -423,10 +423,7 @@ mod simd {
     ) {
         debug_assert!(x.m <= LANE_ROWS_MAX);
         for g in (0..rows).step_by(GROUP) {
-            // The next group's rows, a group's work ahead.
-            for r in (g + GROUP..rows).take(GROUP) {
-                stream.prefetch(r, 0, x.blocks);
-            }
+            stream.prefetch_group(g + GROUP, GROUP, rows, x.blocks);
             let at = Rows {
                 g,
                 n: (rows - g).min(GROUP),
@@ -567,10 +564,7 @@ mod simd {
         let mut sums = [0f32; 2 * TILE_COLS];
         for g in (0..rows).step_by(PAIR_ROWS) {
             let n = (rows - g).min(PAIR_ROWS);
-            // The next group's rows, a group's work ahead.
-            for r in (g + PAIR_ROWS..rows).take(PAIR_ROWS) {
-                stream.prefetch(r, 0, nb);
-            }
+            stream.prefetch_group(g + PAIR_ROWS, PAIR_ROWS, rows, nb);
             let mut acc = [[_mm512_setzero_ps(); 2]; PAIR_ROWS];
             for b in 0..nb {
                 for r in 0..PAIR_ROWS {
@@ -658,6 +652,15 @@ mod simd {
         #[inline]
         fn prefetch(&self, o: usize, first: usize, len: usize) {
             prefetch_lines((self.bytes)(o, first), len * self.block_bytes);
+        }
+
+        /// Asks for the whole rows (`nb` blocks each) of the next group, `count` rows
+        /// from `first` (those below `rows`): a group's work ahead of their use.
+        #[inline]
+        fn prefetch_group(&self, first: usize, count: usize, rows: usize, nb: usize) {
+            for o in (first..rows).take(count) {
+                self.prefetch(o, 0, nb);
+            }
         }
     }
 

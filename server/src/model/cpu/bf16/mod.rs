@@ -282,6 +282,22 @@ impl PrecisionChoice {
     }
 }
 
+impl PrecisionChoice {
+    /// The precision a model on `backend` computes in when `self` is asked for:
+    /// [`PrecisionChoice::resolve`], and on the CPU backend f32 for bf16 where this CPU
+    /// has no bf16 kernel, as [`crate::model::Transformer::set_precision`] falls back.
+    pub fn in_effect(self, backend: crate::model::backend::Backend) -> Precision {
+        match self.resolve(backend) {
+            Precision::Bf16
+                if backend == crate::model::backend::Backend::Cpu && kernel().is_none() =>
+            {
+                Precision::F32
+            }
+            p => p,
+        }
+    }
+}
+
 impl std::fmt::Display for PrecisionChoice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
