@@ -259,7 +259,8 @@ const DECODE_SHAPES: [(&str, usize, usize, GgmlDType); 4] = [
 ];
 
 /// Microseconds per decode product (`m` activation rows times exact block weights) in
-/// each arithmetic this CPU has, medians over `iters`.
+/// each arithmetic this CPU has, and the trainer's packed bf16 product of the same
+/// weights on each bf16 kernel, medians over `iters`.
 fn decode_products(iters: usize) -> anyhow::Result<Vec<serde_json::Value>> {
     let mut ariths = vec![(BlockArith::F32, "f32".to_string())];
     for &kernel in bf16::available() {
@@ -272,6 +273,10 @@ fn decode_products(iters: usize) -> anyhow::Result<Vec<serde_json::Value>> {
         let w = Tensor::randn(0f32, 0.05, (rows, cols), &Device::Cpu)?;
         let w = QTensor::quantize(&w, format)?.dequantize(&Device::Cpu)?;
         let q = QuantMatrix::new(&w)?;
+        let packed = bf16::available()
+            .iter()
+            .map(|&k| Ok((k, bf16::PackedWeight::from_tensor(&w)?)))
+            .collect::<candle_core::Result<Vec<_>>>()?;
         for m in [1, 8] {
             let x: Vec<f32> = Tensor::randn(0f32, 1.0, (m, cols), &Device::Cpu)?
                 .flatten_all()?
@@ -289,6 +294,25 @@ fn decode_products(iters: usize) -> anyhow::Result<Vec<serde_json::Value>> {
                     drop(y);
                 }
                 row[format!("{label}_us_median")] = json!(round(stats(times).median));
+            }
+            // The trainer's own bf16 product from its packed weights (what decoding
+            // uses where that is faster, see `DecodeMode::on`).
+            let xt = Tensor::from_slice(&x, (m, cols), &Device::Cpu)?;
+            for (kernel, weight) in &packed {
+                let w = bf16::Bf16Ref {
+                    kernel: *kernel,
+                    weight,
+                };
+                bf16::matmul_t(&xt, w)?;
+                let mut times = Vec::with_capacity(iters);
+                for _ in 0..iters {
+                    let t = Instant::now();
+                    let y = bf16::matmul_t(&xt, w)?;
+                    times.push(t.elapsed().as_secs_f64() * 1e6);
+                    drop(y);
+                }
+                row[format!("bf16_packed_{}_us_median", kernel.name())] =
+                    json!(round(stats(times).median));
             }
             out.push(row);
         }

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use super::logits::Picker;
 use super::running::{Admission, Finished, RunningDecode};
+use crate::model::cpu::bf16::Kernel;
 use crate::model::cpu::pool::on_pool;
 use crate::model::transformer::TopK;
 use crate::model::{Adapter, Backend, ModelError, TextTokenizer, Transformer};
@@ -36,9 +37,14 @@ pub enum DecodeMode {
 impl DecodeMode {
     /// The mode `model` decodes with when `self` is asked for: the block-quantized
     /// decode weights belong to the CPU backend, so the device backend always decodes
-    /// with the model's own weights (`Exact`).
+    /// with the model's own weights (`Exact`). So does bf16 on the `VDPBF16PS` kernel
+    /// (a CPU with AVX512-BF16 and no AMX): there the trainer's packed bf16 products
+    /// are faster than computing the same bits from the blocks, which takes a
+    /// dequantization, a rounding and a transposition per weight (`lathe bench gemm`
+    /// measures both); the sampled tokens and logprobs are the same.
     pub fn on(self, model: &Transformer) -> Self {
         match model.backend() {
+            Backend::Cpu if model.bf16_kernel() == Some(Kernel::Avx512Bf16) => DecodeMode::Exact,
             Backend::Cpu => self,
             Backend::Device => DecodeMode::Exact,
         }

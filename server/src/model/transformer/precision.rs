@@ -160,6 +160,11 @@ impl Transformer {
         }
     }
 
+    /// The kernel of the bf16 products, in bf16 precision on the CPU backend.
+    pub fn bf16_kernel(&self) -> Option<bf16::Kernel> {
+        self.bf16.as_ref().map(|b| b.kernel)
+    }
+
     /// The arithmetic of the decode weights' products: in bf16 precision the trainer's
     /// bf16 products with the trainer's kernel (AMX tiles or AVX512-BF16 pairs), so
     /// sampling computes what training computes; f32 otherwise.

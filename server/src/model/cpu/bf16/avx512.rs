@@ -55,22 +55,35 @@ pub(super) unsafe fn round_row(row: &[f32], out: &mut [u32]) {
     }
 }
 
-/// All of `lhs`'s rows times `b`, written to `out`.
+/// `lhs`'s rows times panels `panels` of `b` (an even start and end), written to `out`,
+/// whose column 0 is the first column of panel `panels.start`. Micro-blocks of padding
+/// rows only (past `out`'s rows) are skipped: a decode step's few rows cost one
+/// micro-block, not a whole [`M_BLOCK`]. Each output's sum is the same chain whichever
+/// rows and panels a call covers, so any split of a product computes the same bits.
 ///
 /// # Safety
 /// The CPU must support AVX512-F and AVX512-BF16 ([`usable`]).
-pub(super) unsafe fn product(out: &mut Output<'_>, lhs: &Lhs, b: &PackedB) {
+pub(super) unsafe fn product(
+    out: &mut Output<'_>,
+    lhs: &Lhs,
+    b: &PackedB,
+    panels: std::ops::Range<usize>,
+) {
     debug_assert_eq!(lhs.pairs * 2, b.k_padded());
     debug_assert_eq!(lhs.rows % M_BLOCK, 0);
+    debug_assert!(
+        panels.start.is_multiple_of(2) && panels.end.is_multiple_of(2) && panels.end <= b.panels()
+    );
     let add = out.accumulates();
+    let rows = out.rows().next_multiple_of(MR).min(lhs.rows);
     let mut acc = [0f32; MR * 2 * PANEL];
-    for jp in (0..b.panels()).step_by(2) {
+    for jp in panels.clone().step_by(2) {
         let (p0, p1) = (b.panel(jp), b.panel(jp + 1));
-        for ib in (0..lhs.rows).step_by(MR) {
+        for ib in (0..rows).step_by(MR) {
             let a = &lhs.data[ib * lhs.pairs..(ib + MR) * lhs.pairs];
             // SAFETY: the caller guarantees the CPU features.
             unsafe { block(a, lhs.pairs, p0, p1, &mut acc) };
-            out.put(ib, jp * PANEL, &acc, 2 * PANEL, MR, add);
+            out.put(ib, (jp - panels.start) * PANEL, &acc, 2 * PANEL, MR, add);
         }
     }
 }

@@ -180,19 +180,72 @@ pub fn gemm(kernel: Kernel, dst: &mut MatMut<'_>, a: Mat<'_>, b: &PackedB, accum
         return;
     }
     let threads = rayon::current_num_threads();
+    let all = 0..b.panels();
     if threads > 1 && m >= 2 * MIN_ROWS_PER_THREAD {
         // Row blocks (whole M_BLOCKs) on separate threads; each rounds its own rows and
         // reads all of `b`.
         let block = m.div_ceil(threads).div_ceil(M_BLOCK) * M_BLOCK;
         dst.row_blocks(block)
             .into_par_iter()
-            .for_each(|(start, mut d)| run(kernel, &mut d, a, start, b, accumulate));
+            .for_each(|(start, mut d)| run(kernel, &mut d, a, start, b, accumulate, all.clone()));
+    } else if threads > 1 && kernel == Kernel::Avx512Bf16 && b.panels() >= 4 * threads {
+        by_columns(kernel, dst, a, b, accumulate, threads);
     } else {
-        run(kernel, dst, a, 0, b, accumulate);
+        run(kernel, dst, a, 0, b, accumulate, all);
     }
 }
 
-/// One thread's share: `dst` holds rows `row0..row0 + dst.rows` of the product.
+/// A product of few rows (a decode step's) on several threads: the panels split into
+/// two parts per thread (so that a thread whose core is busy elsewhere can be helped),
+/// each part's columns computed into its own buffer, then written (or added) to `dst`.
+/// Every output is the same chain as in one call ([`avx512::product`]).
+fn by_columns(
+    kernel: Kernel,
+    dst: &mut MatMut<'_>,
+    a: Mat<'_>,
+    b: &PackedB,
+    accumulate: bool,
+    threads: usize,
+) {
+    let (m, n) = dst.shape();
+    let pairs = b.panels() / 2;
+    let per_part = pairs.div_ceil(2 * threads);
+    let parts: Vec<(usize, usize, Vec<f32>)> = (0..pairs)
+        .step_by(per_part)
+        .collect::<Vec<_>>()
+        .into_par_iter()
+        .map(|first| {
+            let panels = 2 * first..(2 * (first + per_part)).min(b.panels());
+            // Every panel pair starts inside the `n` columns (`n` pads to whole pairs).
+            let col0 = panels.start * PANEL;
+            let width = (panels.end * PANEL).min(n) - col0;
+            let mut part = vec![0f32; m * width];
+            run(
+                kernel,
+                &mut MatMut::new(&mut part, m, width, width),
+                a,
+                0,
+                b,
+                false,
+                panels,
+            );
+            (col0, width, part)
+        })
+        .collect();
+    for (col0, width, part) in parts {
+        for (r, src) in part.chunks_exact(width).enumerate() {
+            let out = &mut dst.row_mut(r)[col0..col0 + width];
+            if accumulate {
+                out.iter_mut().zip(src).for_each(|(o, s)| *o += s);
+            } else {
+                out.copy_from_slice(src);
+            }
+        }
+    }
+}
+
+/// One thread's share: `dst` holds rows `row0..row0 + dst.rows` of the product, and
+/// the columns of `panels` (all of them for [`Kernel::Amx`]).
 fn run(
     kernel: Kernel,
     dst: &mut MatMut<'_>,
@@ -200,6 +253,7 @@ fn run(
     row0: usize,
     b: &PackedB,
     accumulate: bool,
+    panels: std::ops::Range<usize>,
 ) {
     thread_local! {
         /// Each thread's rounded rows, kept between products.
@@ -210,11 +264,14 @@ fn run(
     let mut out = pack::Output::new(dst, accumulate);
     match kernel {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `gemm` checked that this CPU supports the kernel.
-        Kernel::Amx => unsafe { amx::product(&mut out, &lhs, b) },
+        Kernel::Amx => {
+            assert_eq!(panels, 0..b.panels(), "the AMX kernel takes every panel");
+            // SAFETY: `gemm` checked that this CPU supports the kernel.
+            unsafe { amx::product(&mut out, &lhs, b) }
+        }
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        Kernel::Avx512Bf16 => unsafe { avx512::product(&mut out, &lhs, b) },
+        Kernel::Avx512Bf16 => unsafe { avx512::product(&mut out, &lhs, b, panels) },
         #[cfg(not(target_arch = "x86_64"))]
         _ => unreachable!("no bf16 kernel exists off x86_64"),
     }

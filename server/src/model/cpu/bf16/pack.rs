@@ -216,6 +216,11 @@ impl<'d> Output<'d> {
         }
     }
 
+    /// Rows of the output.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
     /// Whether results are added to the output (rather than written over it).
     pub fn accumulates(&self) -> bool {
         self.accumulate

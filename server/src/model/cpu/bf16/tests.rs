@@ -99,8 +99,11 @@ fn assert_rounded_product(
     }
 }
 
-const SHAPES: [(usize, usize, usize); 7] = [
+const SHAPES: [(usize, usize, usize); 9] = [
     (1, 1, 1),
+    // Few rows and many columns: a decode step's product, split by columns.
+    (3, 64, 300),
+    (8, 96, 520),
     (5, 31, 17),
     (33, 33, 33),
     (40, 70, 100),
@@ -117,6 +120,51 @@ fn every_kernel_this_cpu_has_equals_the_rounded_product_up_to_f32_accumulation()
     for &kernel in available() {
         for (m, k, n) in SHAPES {
             check(kernel, m, k, n);
+        }
+    }
+}
+
+/// A product of few rows computes the same bits on one thread as split across threads
+/// by columns (a decode step's) or by rows, written or accumulated.
+#[test]
+fn a_product_computes_the_same_bits_however_the_threads_split_it() {
+    let pool = |threads| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap()
+    };
+    let (k, n) = (96, 700);
+    let w = data(n * k, 7);
+    let packed = PackedWeight::new(&w, n, k);
+    for &kernel in available() {
+        for m in [1, 2, 8, 9, 31, 200] {
+            let a = data(m * k, 8 + m as u64);
+            for accumulate in [false, true] {
+                let product = |threads| {
+                    let mut out = data(m * n, 9);
+                    pool(threads).install(|| {
+                        gemm(
+                            kernel,
+                            &mut MatMut::new(&mut out, m, n, n),
+                            Mat::new(&a, m, k),
+                            &packed.forward,
+                            accumulate,
+                        )
+                    });
+                    out
+                };
+                let one = product(1);
+                for threads in [2, 3] {
+                    let split = product(threads);
+                    assert!(
+                        one.iter()
+                            .zip(&split)
+                            .all(|(x, y)| x.to_bits() == y.to_bits()),
+                        "{kernel:?}: {m} rows on {threads} threads differ from one thread"
+                    );
+                }
+            }
         }
     }
 }
