@@ -8,8 +8,9 @@ use std::time::Duration;
 
 use super::logits::Picker;
 use super::running::{Admission, Finished, RunningDecode};
-use crate::model::cpu::bf16::Kernel;
+use crate::model::cpu::bf16::Precision;
 use crate::model::cpu::pool::on_pool;
+use crate::model::cpu::quant::BlockArith;
 use crate::model::transformer::TopK;
 use crate::model::{Adapter, Backend, ModelError, TextTokenizer, Transformer};
 
@@ -37,14 +38,15 @@ pub enum DecodeMode {
 impl DecodeMode {
     /// The mode `model` decodes with when `self` is asked for: the block-quantized
     /// decode weights belong to the CPU backend, so the device backend always decodes
-    /// with the model's own weights (`Exact`). So does bf16 on the `VDPBF16PS` kernel
-    /// (a CPU with AVX512-BF16 and no AMX): there the trainer's packed bf16 products
-    /// are faster than computing the same bits from the blocks, which takes a
-    /// dequantization, a rounding and a transposition per weight (`lathe bench gemm`
-    /// measures both); the sampled tokens and logprobs are the same.
+    /// with the model's own weights (`Exact`). So does bf16 wherever the block kernels
+    /// do not compute the trainer's bf16 products ([`Transformer::block_arith`] is f32):
+    /// with the `VDPBF16PS` kernel (a CPU with AVX512-BF16 and no AMX) the trainer's
+    /// packed products are the faster way to the same bits (`lathe bench gemm` measures
+    /// both), and anywhere else f32 block products would not be the trainer's.
     pub fn on(self, model: &Transformer) -> Self {
+        let bf16 = model.precision() == Precision::Bf16;
         match model.backend() {
-            Backend::Cpu if model.bf16_kernel() == Some(Kernel::Avx512Bf16) => DecodeMode::Exact,
+            Backend::Cpu if bf16 && model.block_arith() == BlockArith::F32 => DecodeMode::Exact,
             Backend::Cpu => self,
             Backend::Device => DecodeMode::Exact,
         }

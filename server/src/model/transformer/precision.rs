@@ -160,14 +160,10 @@ impl Transformer {
         }
     }
 
-    /// The kernel of the bf16 products, in bf16 precision on the CPU backend.
-    pub fn bf16_kernel(&self) -> Option<bf16::Kernel> {
-        self.bf16.as_ref().map(|b| b.kernel)
-    }
-
-    /// The arithmetic of the decode weights' products: in bf16 precision the trainer's
-    /// bf16 products with the trainer's kernel (AMX tiles or AVX512-BF16 pairs), so
-    /// sampling computes what training computes; f32 otherwise.
+    /// The arithmetic of the decode weights' products: in bf16 precision on AMX tiles the
+    /// trainer's bf16 products with the trainer's kernel, so sampling computes what
+    /// training computes; f32 otherwise (and in bf16 on another kernel decoding does not
+    /// use the decode weights, see `DecodeMode::on`).
     pub fn block_arith(&self) -> BlockArith {
         match &self.bf16 {
             Some(b) if bf16::blocks::usable(b.kernel) => BlockArith::Bf16(b.kernel),

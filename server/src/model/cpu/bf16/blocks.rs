@@ -1,6 +1,6 @@
-//! Block-quantized weights times a few activation rows in bf16: the decode step's frozen
-//! products under `--precision bf16`, computed as the trainer computes them, on AMX tiles
-//! or with AVX512-BF16 pair dot products, whichever kernel the trainer uses.
+//! Block-quantized weights times a few activation rows in bf16 on AMX tiles: the decode
+//! step's frozen products under `--precision bf16` where the trainer's kernel is
+//! [`Kernel::Amx`], computed as the trainer computes them.
 //!
 //! A decode step multiplies a few rows (one per live sequence) by every frozen weight,
 //! which the decode weights hold in blocks of 32 along the input (Q4_1 or Q8, see
@@ -11,28 +11,23 @@
 //!   and add), so its rounding to bf16 is the packed weight's;
 //! - the activation rows are rounded as the trainer rounds its left-hand side and laid
 //!   out as pair rows ([`TileRows`]);
-//! - the sums take the trainer's steps in the trainer's order:
-//!   - [`Kernel::Amx`]: `TDPBF16PS` over the same 32-deep blocks, starting from zero or,
-//!     for a projection with a bias (Qwen2's q/k/v), from the bias, as the trainer's
-//!     tiles do. The trainer's tiles hold activations on the left and weights on the
-//!     right, these the other way round;
-//!   - [`Kernel::Avx512Bf16`]: one `VDPBF16PS` per pair of the input, in order from
-//!     zero, the bias added after, as the trainer's micro-kernel does. The trainer's
-//!     lanes are output columns (one activation pair broadcast against a panel of
-//!     weights). For up to 8 activation rows so are these, each group of 16 weight
-//!     rows' blocks transposed into pair rows; for more, the lanes are activation rows
-//!     (one weight pair broadcast against a pair row of activations), which needs no
-//!     transposition and costs the same for up to 16 rows.
+//! - the sums take the trainer's steps in the trainer's order: `TDPBF16PS` over the same
+//!   32-deep blocks, starting from zero or, for a projection with a bias (Qwen2's
+//!   q/k/v), from the bias, as the trainer's tiles do. The trainer's tiles hold
+//!   activations on the left and weights on the right, these the other way round.
 //!
-//! An element of either instruction sums the same products of two bf16 values (exact in
-//! f32 unless they underflow, which both sides flush alike) in the same positions
-//! whichever operand is which, so with exact blocks decoding reproduces the trainer's
-//! products bit for bit (`tests::decode_blocks_reproduce_the_trainers_products`).
+//! A tile product's element sums the same products of two bf16 values (exact in f32
+//! unless they underflow, which both sides flush alike) in the same positions whichever
+//! operand is which, so with exact blocks decoding reproduces the trainer's products bit
+//! for bit (`tests::decode_blocks_reproduce_the_trainers_products`).
 //!
 //! The f32 decode kernels do one multiply-add per weight per row; here one instruction
-//! multiplies a block of weights into up to 16 rows (32 with a second tile or
-//! accumulator), and the vector work is the dequantization, once per weight whatever the
-//! number of rows. Hand-written for the reason the rest of this module is.
+//! multiplies a block of weights into up to 16 rows (32 with a second tile), and the
+//! vector work is the dequantization, once per weight whatever the number of rows.
+//! With the trainer's `VDPBF16PS` kernel (AVX512-BF16 without AMX) decoding uses the
+//! trainer's packed products instead (`DecodeMode::on`): computing them from the
+//! blocks, whose lanes had to be transposed to the trainer's, was slower.
+//! Hand-written for the reason the rest of this module is.
 
 use super::pack::round_row;
 use super::Kernel;
@@ -46,13 +41,14 @@ const TILE_COLS: usize = 16;
 /// Most activation rows one product takes (two right-hand tiles).
 pub const MAX_ROWS: usize = 2 * TILE_COLS;
 
-/// Whether this CPU runs these kernels with `kernel` (the trainer's, with the permission
-/// to use AMX tiles for [`Kernel::Amx`]): AVX2, AVX-512 F and BW, and AVX512-BF16 for
-/// the dequantization as well.
+/// Whether this CPU runs these kernels with `kernel` (the trainer's): AMX tiles with
+/// the permission to use them, and AVX2, AVX-512 F and BW and AVX512-BF16 for the
+/// dequantization. Never for [`Kernel::Avx512Bf16`] (see the module's doc).
 pub fn usable(kernel: Kernel) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        super::available().contains(&kernel)
+        kernel == Kernel::Amx
+            && super::available().contains(&kernel)
             && is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("avx512f")
             && is_x86_feature_detected!("avx512bw")
@@ -248,10 +244,7 @@ mod simd {
         };
         match kernel {
             Kernel::Amx => product_t(x, d.len() / nb, bias, out, block, stream),
-            Kernel::Avx512Bf16 if x.m <= LANE_ROWS_MAX => {
-                product_lanes(x, d.len() / nb, bias, out, block, stream)
-            }
-            Kernel::Avx512Bf16 => product_pairs(x, d.len() / nb, bias, out, block, stream),
+            Kernel::Avx512Bf16 => unreachable!("`usable` holds for AMX alone"),
         }
     }
 
@@ -288,10 +281,7 @@ mod simd {
         };
         match kernel {
             Kernel::Amx => product_t(x, s.len() / nb, bias, out, block, stream),
-            Kernel::Avx512Bf16 if x.m <= LANE_ROWS_MAX => {
-                product_lanes(x, s.len() / nb, bias, out, block, stream)
-            }
-            Kernel::Avx512Bf16 => product_pairs(x, s.len() / nb, bias, out, block, stream),
+            Kernel::Avx512Bf16 => unreachable!("`usable` holds for AMX alone"),
         }
     }
 
@@ -395,251 +385,6 @@ mod simd {
         }
     }
 
-    /// Most activation rows [`product_lanes`] takes; more go to [`product_pairs`], whose
-    /// cost does not grow with the rows up to 16.
-    const LANE_ROWS_MAX: usize = 8;
-
-    /// `out` `(rows, m)` = weight rows times `x` with `VDPBF16PS`, for few activation
-    /// rows: the trainer's own orientation, each lane a weight row. For each group of 16
-    /// weight rows and each block, the rows' blocks are dequantized ([`block`]) and
-    /// transposed (for each pair of the input, the 16 rows' pair words), and each
-    /// activation row's pairs, broadcast, are multiplied into them in order. Every
-    /// output's sum starts from zero and takes the input's pairs in order, and the bias
-    /// is added after: the trainer's micro-kernel's steps. One instruction per pair per
-    /// 16 weight rows and activation row, against [`product_pairs`]' one per pair per
-    /// weight row, at the price of the transposition.
-    ///
-    /// # Safety
-    /// As [`product_pairs`], and `x.m <= LANE_ROWS_MAX`.
-    #[target_feature(enable = "avx2,avx512f,avx512bw,avx512bf16")]
-    #[inline]
-    unsafe fn product_lanes(
-        x: &TileRows,
-        rows: usize,
-        bias: Option<&[f32]>,
-        out: &mut [f32],
-        block: impl Fn(usize, usize) -> __m512i,
-        stream: Stream<impl Fn(usize, usize) -> *const u8>,
-    ) {
-        debug_assert!(x.m <= LANE_ROWS_MAX);
-        for g in (0..rows).step_by(GROUP) {
-            stream.prefetch_group(g + GROUP, GROUP, rows, x.blocks);
-            let at = Rows {
-                g,
-                n: (rows - g).min(GROUP),
-            };
-            match x.m {
-                1 => lane_group::<1>(x, at, bias, out, &block),
-                2 => lane_group::<2>(x, at, bias, out, &block),
-                3 | 4 => lane_group::<4>(x, at, bias, out, &block),
-                5..=8 => lane_group::<8>(x, at, bias, out, &block),
-                m => unreachable!("{m} rows: the lanes take up to {LANE_ROWS_MAX}"),
-            }
-        }
-    }
-
-    /// The weight rows [`lane_group`] computes: `g .. g + n`.
-    #[derive(Clone, Copy)]
-    struct Rows {
-        g: usize,
-        n: usize,
-    }
-
-    /// One group of [`product_lanes`]: `R >= x.m` accumulators (lane `l`: weight row
-    /// `at.g + l`), one per activation row, their chains interleaved (chains past the
-    /// last row repeat it and are not written); writes the group's outputs plus biases.
-    /// Each block is transposed just before its pairs are used, so the transposition of
-    /// the next block overlaps the chains of this one.
-    ///
-    /// # Safety
-    /// As [`product_lanes`]; `x.m <= R <= 8`.
-    #[target_feature(enable = "avx2,avx512f,avx512bw,avx512bf16")]
-    #[inline]
-    unsafe fn lane_group<const R: usize>(
-        x: &TileRows,
-        at: Rows,
-        bias: Option<&[f32]>,
-        out: &mut [f32],
-        block: &impl Fn(usize, usize) -> __m512i,
-    ) {
-        let (m, nb) = (x.m, x.blocks);
-        // SAFETY: both are 64 bytes of plain bits.
-        let bh = |v: __m512i| std::mem::transmute::<__m512i, __m512bh>(v);
-        let mut acc = [_mm512_setzero_ps(); R];
-        for b in 0..nb {
-            let mut v = [_mm512_setzero_si512(); GROUP];
-            for (r, v) in v.iter_mut().enumerate().take(at.n) {
-                *v = block(at.g + r, b);
-            }
-            let w = transpose(v);
-            // Pair row p of the block's activations: m words at 16 m b + p m (with at
-            // most 16 rows, one tile of width m).
-            let tile = x.words.as_ptr().add(b * GROUP * m);
-            for (p, w) in w.iter().enumerate() {
-                let w = bh(*w);
-                for (c, acc) in acc.iter_mut().enumerate() {
-                    let a = bh(_mm512_set1_epi32(*tile.add(p * m + c.min(m - 1)) as i32));
-                    *acc = _mm512_dpbf16_ps(*acc, a, w);
-                }
-            }
-        }
-        let mut sums = [0f32; GROUP];
-        for (c, acc) in acc.iter().enumerate().take(m) {
-            _mm512_storeu_ps(sums.as_mut_ptr(), *acc);
-            for (l, &v) in sums.iter().enumerate().take(at.n) {
-                let v = match bias {
-                    Some(bias) => v + bias[at.g + l],
-                    None => v,
-                };
-                out[(at.g + l) * m + c] = v;
-            }
-        }
-    }
-
-    /// The 16 x 16 words `v` (row `r`: `v[r]`) transposed: word `l` of the result's row
-    /// `p` is word `p` of `v[l]`. Four rounds of in-lane and cross-lane shuffles.
-    #[target_feature(enable = "avx512f")]
-    #[inline]
-    fn transpose(v: [__m512i; GROUP]) -> [__m512i; GROUP] {
-        let mut t = [_mm512_setzero_si512(); GROUP];
-        let mut u = [_mm512_setzero_si512(); GROUP];
-        // Pairs of rows interleaved by words, then by double words: u[4q + j] holds, in
-        // each 128-bit lane k, word 4k + j of rows 4q .. 4q + 4.
-        for q in 0..8 {
-            t[2 * q] = _mm512_unpacklo_epi32(v[2 * q], v[2 * q + 1]);
-            t[2 * q + 1] = _mm512_unpackhi_epi32(v[2 * q], v[2 * q + 1]);
-        }
-        for q in 0..4 {
-            let (a, b, c, d) = (t[4 * q], t[4 * q + 1], t[4 * q + 2], t[4 * q + 3]);
-            u[4 * q] = _mm512_unpacklo_epi64(a, c);
-            u[4 * q + 1] = _mm512_unpackhi_epi64(a, c);
-            u[4 * q + 2] = _mm512_unpacklo_epi64(b, d);
-            u[4 * q + 3] = _mm512_unpackhi_epi64(b, d);
-        }
-        // 128-bit lanes: first the even and odd lanes of rows 0-7 and 8-15, then across.
-        for j in 0..4 {
-            t[j] = _mm512_shuffle_i32x4::<0x88>(u[j], u[4 + j]);
-            t[4 + j] = _mm512_shuffle_i32x4::<0xdd>(u[j], u[4 + j]);
-            t[8 + j] = _mm512_shuffle_i32x4::<0x88>(u[8 + j], u[12 + j]);
-            t[12 + j] = _mm512_shuffle_i32x4::<0xdd>(u[8 + j], u[12 + j]);
-        }
-        let mut out = [_mm512_setzero_si512(); GROUP];
-        for j in 0..4 {
-            out[j] = _mm512_shuffle_i32x4::<0x88>(t[j], t[8 + j]);
-            out[4 + j] = _mm512_shuffle_i32x4::<0x88>(t[4 + j], t[12 + j]);
-            out[8 + j] = _mm512_shuffle_i32x4::<0xdd>(t[j], t[8 + j]);
-            out[12 + j] = _mm512_shuffle_i32x4::<0xdd>(t[4 + j], t[12 + j]);
-        }
-        out
-    }
-
-    /// Weight rows [`product_pairs`] multiplies together: eight independent chains of
-    /// `VDPBF16PS` (one or two accumulators each) cover the instruction's latency.
-    const PAIR_ROWS: usize = 8;
-
-    /// `out` `(rows, m)` = weight rows times `x` with `VDPBF16PS`, `block(o, b)` giving
-    /// block `b` of weight row `o` in bf16 (16 pair words). For each group of eight
-    /// weight rows and each block, the rows' blocks are staged, and each of their pair
-    /// words, broadcast, is multiplied into the block's pair row of the activations
-    /// (lane `i`: activation row `i`; a second accumulator takes rows 16 to 31). Every
-    /// output's sum starts from zero and takes the input's pairs in order, and the bias
-    /// is added after: the trainer's micro-kernel's steps.
-    ///
-    /// # Safety
-    /// AVX2, AVX-512 F and BW and AVX512-BF16; `block(o, b)` valid for `o < rows`,
-    /// `b < x.blocks`; `out.len() == rows * x.m`.
-    #[target_feature(enable = "avx2,avx512f,avx512bw,avx512bf16")]
-    #[inline]
-    unsafe fn product_pairs(
-        x: &TileRows,
-        rows: usize,
-        bias: Option<&[f32]>,
-        out: &mut [f32],
-        block: impl Fn(usize, usize) -> __m512i,
-        stream: Stream<impl Fn(usize, usize) -> *const u8>,
-    ) {
-        let (m, nb) = (x.m, x.blocks);
-        let (w0, w1) = tile_widths(m);
-        let mut staged = [0u32; PAIR_ROWS * GROUP];
-        let mut sums = [0f32; 2 * TILE_COLS];
-        for g in (0..rows).step_by(PAIR_ROWS) {
-            let n = (rows - g).min(PAIR_ROWS);
-            stream.prefetch_group(g + PAIR_ROWS, PAIR_ROWS, rows, nb);
-            let mut acc = [[_mm512_setzero_ps(); 2]; PAIR_ROWS];
-            for b in 0..nb {
-                for r in 0..PAIR_ROWS {
-                    let v = if r < n {
-                        block(g + r, b)
-                    } else {
-                        _mm512_setzero_si512()
-                    };
-                    // SAFETY: row r's staged block is words 16 r .. 16 r + 16.
-                    _mm512_storeu_si512(staged.as_mut_ptr().add(r * GROUP).cast(), v);
-                }
-                // SAFETY: block b's pair rows are the 16 m words from 16 m b, as
-                // `TileRows` lays them out.
-                let tile = x.words.as_ptr().add(b * GROUP * m);
-                if w1 == 0 {
-                    pairs_step::<false>(&mut acc, &staged, tile, w0, 0);
-                } else {
-                    pairs_step::<true>(&mut acc, &staged, tile, w0, w1);
-                }
-            }
-            for (r, [a0, a1]) in acc.iter().enumerate().take(n) {
-                _mm512_storeu_ps(sums.as_mut_ptr(), *a0);
-                _mm512_storeu_ps(sums.as_mut_ptr().add(TILE_COLS), *a1);
-                let o = &mut out[(g + r) * m..(g + r + 1) * m];
-                o.copy_from_slice(&sums[..m]);
-                if let Some(bias) = bias {
-                    o.iter_mut().for_each(|v| *v += bias[g + r]);
-                }
-            }
-        }
-    }
-
-    /// One block's 16 pairs into [`product_pairs`]'s accumulators: `tile` holds the
-    /// block's pair rows of the first `w0` activation rows (16 rows of `w0` words), then,
-    /// with `TWO`, those of the next `w1`.
-    ///
-    /// # Safety
-    /// As [`product_pairs`]; `tile` holds `16 (w0 + w1)` words, `1 <= w0 <= 16`,
-    /// `w1 <= 16`.
-    #[target_feature(enable = "avx2,avx512f,avx512bw,avx512bf16")]
-    #[inline]
-    unsafe fn pairs_step<const TWO: bool>(
-        acc: &mut [[__m512; 2]; PAIR_ROWS],
-        staged: &[u32; PAIR_ROWS * GROUP],
-        tile: *const u32,
-        w0: usize,
-        w1: usize,
-    ) {
-        let mask = |w: usize| ((1u32 << w) - 1) as __mmask16;
-        let (k0, k1) = (mask(w0), mask(w1));
-        // SAFETY: both are 64 bytes of plain bits.
-        let bh = |v: __m512i| std::mem::transmute::<__m512i, __m512bh>(v);
-        for p in 0..GROUP {
-            // SAFETY: pair row p of each tile is in bounds; masked lanes are not read.
-            let a0 = bh(_mm512_maskz_loadu_epi32(k0, tile.add(p * w0).cast()));
-            let a1 = if TWO {
-                bh(_mm512_maskz_loadu_epi32(
-                    k1,
-                    tile.add(GROUP * w0 + p * w1).cast(),
-                ))
-            } else {
-                bh(_mm512_setzero_si512())
-            };
-            for (r, [c0, c1]) in acc.iter_mut().enumerate() {
-                let w = bh(_mm512_set1_epi32(
-                    *staged.get_unchecked(r * GROUP + p) as i32
-                ));
-                *c0 = _mm512_dpbf16_ps(*c0, a0, w);
-                if TWO {
-                    *c1 = _mm512_dpbf16_ps(*c1, a1, w);
-                }
-            }
-        }
-    }
-
     /// Where a weight row's blocks are in memory: `bytes(o, b)` is block `b` of row `o`
     /// (blocks of a row are contiguous), `block_bytes` long.
     pub(super) struct Stream<F> {
@@ -652,15 +397,6 @@ mod simd {
         #[inline]
         fn prefetch(&self, o: usize, first: usize, len: usize) {
             prefetch_lines((self.bytes)(o, first), len * self.block_bytes);
-        }
-
-        /// Asks for the whole rows (`nb` blocks each) of the next group, `count` rows
-        /// from `first` (those below `rows`): a group's work ahead of their use.
-        #[inline]
-        fn prefetch_group(&self, first: usize, count: usize, rows: usize, nb: usize) {
-            for o in (first..rows).take(count) {
-                self.prefetch(o, 0, nb);
-            }
         }
     }
 
