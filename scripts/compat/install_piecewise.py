@@ -73,9 +73,30 @@ def install(requirements, skip):
             print(f"  {spec}", file=sys.stderr, flush=True)
             pip_install(spec)
         queue.extend(requirements_of(name, req.extras))
-    conflicts = [str(req) for req in seen.values() if not satisfied(req)]
+    conflicts = unsatisfied(requirements, skip)
     if conflicts:
         sys.exit("error: installed versions do not satisfy " + ", ".join(conflicts))
+
+
+def unsatisfied(requirements, skip):
+    """The requirements reachable from `requirements` through what is installed now
+    (not through versions a later install replaced) that the installed versions do not
+    satisfy."""
+    queue = deque(requirements)
+    seen = set()
+    out = []
+    while queue:
+        req = queue.popleft()
+        name = canonicalize_name(req.name)
+        key = (name, frozenset(req.extras), str(req.specifier))
+        if name in skip or key in seen:
+            continue
+        seen.add(key)
+        if not satisfied(req):
+            out.append(str(req))
+            continue
+        queue.extend(requirements_of(name, req.extras))
+    return out
 
 
 def main():

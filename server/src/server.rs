@@ -180,6 +180,13 @@ pub async fn start(
     let catalog = store.all_checkpoints()?;
     let (handle, rx) = engine::channel(store.clone());
     let wanted = config.decode_mode.on(&model.transformer);
+    if wanted != config.decode_mode {
+        tracing::info!(
+            "decoding with the trainer's own products (--decode-mode exact): on this \
+             device or in this precision the block-quantized decode weights would not \
+             compute them"
+        );
+    }
     let decode_mode = wanted.on_this_cpu();
     if decode_mode != wanted {
         tracing::warn!(

@@ -543,7 +543,11 @@ fn bench_sample(a: SampleArgs) -> anyhow::Result<serde_json::Value> {
         "bench": "sample",
         "device": a.device.device.to_string(),
         "precision": t.precision(),
-        "mode": match a.mode { Mode::Fast => "fast", Mode::Exact => "exact" },
+        // The mode decoding ran in, which the model may have changed (`DecodeMode::on`).
+        "mode": match DecodeMode::from(a.mode).on(t) {
+            DecodeMode::Fast => "fast",
+            DecodeMode::Exact => "exact",
+        },
         "top_p": a.top_p,
         "top_k": a.top_k,
         "model": model.name,

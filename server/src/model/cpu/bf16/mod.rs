@@ -320,8 +320,8 @@ impl PrecisionChoice {
     /// backend where the CPU has AMX tiles and the decode kernels that reproduce the
     /// tiles' products (there bf16 trains fastest and decodes fastest with several
     /// streams, and the sampler's logprobs are the trainer's bit for bit); f32 on a CPU
-    /// with AVX512-BF16 alone (its exact bf16 decode products are slower than f32's) or
-    /// with neither, and on a device backend (bf16 there narrows the stored weights for
+    /// with AVX512-BF16 alone (one stream decodes slower in bf16 there, and a recipe
+    /// missed its criterion) or with neither, and on a device backend (bf16 there narrows the stored weights for
     /// good and has not been measured against f32).
     pub fn resolve(self, backend: crate::model::backend::Backend) -> Precision {
         match self {
