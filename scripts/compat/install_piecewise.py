@@ -55,24 +55,36 @@ def satisfied(req):
     return version is not None and req.specifier.contains(version, prereleases=True)
 
 
-def install(requirements, skip):
-    """Breadth-first, so that a distribution's pins are installed before what its
-    dependencies ask for more loosely (cuda-toolkit pins nvidia-cuda-nvrtc; cuBLAS,
-    one level further down, asks for any version)."""
+def walk(requirements, skip, visit):
+    """Visits every requirement reachable from `requirements`, breadth-first, once per
+    (name, extras, specifier), leaving out the names in `skip`; `visit(name, req)`
+    returns whether to go on to what the installed distribution requires."""
     queue = deque(requirements)
-    seen = {}
+    seen = set()
     while queue:
         req = queue.popleft()
         name = canonicalize_name(req.name)
         key = (name, frozenset(req.extras), str(req.specifier))
         if name in skip or key in seen:
             continue
-        seen[key] = req
+        seen.add(key)
+        if visit(name, req):
+            queue.extend(requirements_of(name, req.extras))
+
+
+def install(requirements, skip):
+    """Breadth-first, so that a distribution's pins are installed before what its
+    dependencies ask for more loosely (cuda-toolkit pins nvidia-cuda-nvrtc; cuBLAS,
+    one level further down, asks for any version)."""
+
+    def install_one(name, req):
         if not satisfied(req):
             spec = name + str(req.specifier)
             print(f"  {spec}", file=sys.stderr, flush=True)
             pip_install(spec)
-        queue.extend(requirements_of(name, req.extras))
+        return True
+
+    walk(requirements, skip, install_one)
     conflicts = unsatisfied(requirements, skip)
     if conflicts:
         sys.exit("error: installed versions do not satisfy " + ", ".join(conflicts))
@@ -82,20 +94,15 @@ def unsatisfied(requirements, skip):
     """The requirements reachable from `requirements` through what is installed now
     (not through versions a later install replaced) that the installed versions do not
     satisfy."""
-    queue = deque(requirements)
-    seen = set()
     out = []
-    while queue:
-        req = queue.popleft()
-        name = canonicalize_name(req.name)
-        key = (name, frozenset(req.extras), str(req.specifier))
-        if name in skip or key in seen:
-            continue
-        seen.add(key)
-        if not satisfied(req):
-            out.append(str(req))
-            continue
-        queue.extend(requirements_of(name, req.extras))
+
+    def check(_name, req):
+        if satisfied(req):
+            return True
+        out.append(str(req))
+        return False
+
+    walk(requirements, skip, check)
     return out
 
 

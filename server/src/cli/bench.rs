@@ -283,17 +283,9 @@ fn decode_products(iters: usize) -> anyhow::Result<Vec<serde_json::Value>> {
                 .to_vec1()?;
             let mut row =
                 json!({"product": name, "rows": rows, "cols": cols, "m": m, "format": q.format()});
-            for (arith, label) in &ariths {
-                let arith = *arith;
-                q.matmul_t_host(&x, m, arith, None)?;
-                let mut times = Vec::with_capacity(iters);
-                for _ in 0..iters {
-                    let t = Instant::now();
-                    let y = q.matmul_t_host(&x, m, arith, None)?;
-                    times.push(t.elapsed().as_secs_f64() * 1e6);
-                    drop(y);
-                }
-                row[format!("{label}_us_median")] = json!(round(stats(times).median));
+            for &(arith, ref label) in &ariths {
+                let us = median_micros(iters, || q.matmul_t_host(&x, m, arith, None))?;
+                row[format!("{label}_us_median")] = json!(us);
             }
             // The trainer's own bf16 product from its packed weights (what decoding
             // uses where that is faster, see `DecodeMode::on`).
@@ -303,21 +295,29 @@ fn decode_products(iters: usize) -> anyhow::Result<Vec<serde_json::Value>> {
                     kernel: *kernel,
                     weight,
                 };
-                bf16::matmul_t(&xt, w)?;
-                let mut times = Vec::with_capacity(iters);
-                for _ in 0..iters {
-                    let t = Instant::now();
-                    let y = bf16::matmul_t(&xt, w)?;
-                    times.push(t.elapsed().as_secs_f64() * 1e6);
-                    drop(y);
-                }
-                row[format!("bf16_packed_{}_us_median", kernel.name())] =
-                    json!(round(stats(times).median));
+                let us = median_micros(iters, || bf16::matmul_t(&xt, w))?;
+                row[format!("bf16_packed_{}_us_median", kernel.name())] = json!(us);
             }
             out.push(row);
         }
     }
     Ok(out)
+}
+
+/// Median microseconds of `iters` calls of `product` after one warm-up call.
+fn median_micros<T>(
+    iters: usize,
+    product: impl Fn() -> candle_core::Result<T>,
+) -> anyhow::Result<f64> {
+    product()?;
+    let mut times = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let t = Instant::now();
+        let y = product()?;
+        times.push(t.elapsed().as_secs_f64() * 1e6);
+        drop(y);
+    }
+    Ok(round(stats(times).median))
 }
 
 fn bench_gemm(a: &GemmArgs) -> anyhow::Result<serde_json::Value> {
