@@ -8,7 +8,7 @@ use common::*;
 use lathe_server::model::cpu::bf16::Kernel;
 use lathe_server::model::cpu::quant::BlockArith;
 use lathe_server::model::tiny::{tiny_model, tiny_model_q4_1};
-use lathe_server::model::{Arch, Backend, LoadedModel, PackedBatch, Precision};
+use lathe_server::model::{Adapter, Arch, Backend, LoadedModel, PackedBatch, Precision};
 use lathe_server::sample::{
     sample, sample_timed, DecodeMode, Picker, SampleJob, SampleTimings, Stop, TokenProgress,
 };
@@ -180,6 +180,80 @@ fn sampled_vs_trained(
         );
     }
     (diffs, timings)
+}
+
+/// Prompts prefilled together go through the exact block weights in f32 up to
+/// `EXACT_F32_ROWS` rows, past the bf16 tiles' 32, and through the trainer's product
+/// beyond: on either side, each segment with its own adapter (Qwen2: with the q/k/v
+/// bias), every sampled token's logprob is the trainer's, and each request samples what
+/// it samples alone.
+#[test]
+fn prompts_prefilled_together_through_the_block_weights_are_the_trainers() {
+    use lathe_server::model::cpu::decode_weights::{EXACT_F32_ROWS, EXACT_ROWS};
+    let model = tiny_model_q4_1(Arch::Qwen2, 77).unwrap();
+    assert!(model.transformer.decode_weights().unwrap().exact());
+    let adapters = [
+        random_adapter(&model, full_spec(4), 20),
+        random_adapter(&model, full_spec(2), 21),
+    ];
+    let refs: Vec<&Adapter> = adapters.iter().collect();
+    for prompt_len in [40, 70] {
+        let jobs: Vec<SampleJob> = (0..4u64)
+            .map(|i| {
+                job(
+                    tokens(30 + i, prompt_len + i as usize, 256),
+                    Some(i as usize % 2),
+                    1,
+                    500 + i,
+                )
+            })
+            .collect();
+        let rows: usize = jobs.iter().map(|j| j.prompt.len()).sum();
+        assert!(rows > EXACT_ROWS);
+        assert_eq!(rows <= EXACT_F32_ROWS, prompt_len == 40, "{rows} rows");
+        let together = sample(
+            &model.transformer,
+            &model.tokenizer,
+            &refs,
+            &jobs,
+            DecodeMode::Fast,
+        )
+        .unwrap();
+        for (j, got) in jobs.iter().zip(&together) {
+            let seq = &got.sequences[0];
+            let alone = sample(
+                &model.transformer,
+                &model.tokenizer,
+                &refs,
+                std::slice::from_ref(j),
+                DecodeMode::Fast,
+            )
+            .unwrap();
+            assert_eq!(seq.tokens, alone[0].sequences[0].tokens, "{rows} rows");
+            let full: Vec<u32> = j.prompt.iter().chain(&seq.tokens).copied().collect();
+            let inputs = &full[..full.len() - 1];
+            let batch = PackedBatch::new(&[(inputs, j.adapter, 0)], &Device::Cpu).unwrap();
+            let targets =
+                Tensor::from_vec(full[1..].to_vec(), (inputs.len(), 1), &Device::Cpu).unwrap();
+            let (lp, _) = model
+                .transformer
+                .forward_logprobs(&batch, &refs, &targets, false)
+                .unwrap();
+            let lp: Vec<f32> = lp.flatten_all().unwrap().to_vec1().unwrap();
+            let trained = &lp[j.prompt.len() - 1..];
+            for ((x, y), z) in trained
+                .iter()
+                .zip(&seq.logprobs)
+                .zip(&alone[0].sequences[0].logprobs)
+            {
+                assert!(
+                    (x - y).abs() < 1e-4,
+                    "{rows} rows: trainer {x}, sampler {y}"
+                );
+                assert!((y - z).abs() < 1e-4, "{rows} rows: together {y}, alone {z}");
+            }
+        }
+    }
 }
 
 #[test]

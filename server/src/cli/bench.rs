@@ -10,7 +10,9 @@ use candle_core::{DType, Device, Tensor};
 use clap::{Args, Subcommand};
 use lathe_sdk::types::AdamParams;
 use lathe_server::model::cpu::bf16::{self, blocks};
+use lathe_server::model::cpu::pool::on_pool;
 use lathe_server::model::cpu::quant::{BlockArith, QuantMatrix};
+use lathe_server::model::weights::matmul_t;
 use lathe_server::model::{Adapter, Backend, LoadedModel, LoraSpec, Precision, PrecisionChoice};
 use lathe_server::sample::{sample_timed, DecodeMode, Picker, SampleJob, SampleTimings};
 use lathe_server::train::adamw::{self, AdamState};
@@ -259,8 +261,9 @@ const DECODE_SHAPES: [(&str, usize, usize, GgmlDType); 4] = [
 ];
 
 /// Microseconds per decode product (`m` activation rows times exact block weights) in
-/// each arithmetic this CPU has, and the trainer's packed bf16 product of the same
-/// weights on each bf16 kernel, medians over `iters`.
+/// each arithmetic this CPU has, beside the trainer's f32 product and its packed bf16
+/// product of the same weights on each bf16 kernel, medians over `iters`. The row counts
+/// are one and eight streams' decode steps and short and batched prompts' prefill.
 fn decode_products(iters: usize) -> anyhow::Result<Vec<serde_json::Value>> {
     let mut ariths = vec![(BlockArith::F32, "f32".to_string())];
     for &kernel in bf16::available() {
@@ -277,19 +280,26 @@ fn decode_products(iters: usize) -> anyhow::Result<Vec<serde_json::Value>> {
             .iter()
             .map(|&k| Ok((k, bf16::PackedWeight::from_tensor(&w)?)))
             .collect::<candle_core::Result<Vec<_>>>()?;
-        for m in [1, 8] {
+        for m in [1, 8, 32, 128, 512] {
             let x: Vec<f32> = Tensor::randn(0f32, 1.0, (m, cols), &Device::Cpu)?
                 .flatten_all()?
                 .to_vec1()?;
             let mut row =
                 json!({"product": name, "rows": rows, "cols": cols, "m": m, "format": q.format()});
             for &(arith, ref label) in &ariths {
+                if matches!(arith, BlockArith::Bf16(_)) && m > blocks::MAX_ROWS {
+                    continue;
+                }
                 let us = median_micros(iters, || q.matmul_t_host(&x, m, arith, None))?;
                 row[format!("{label}_us_median")] = json!(us);
             }
+            let xt = Tensor::from_slice(&x, (m, cols), &Device::Cpu)?;
+            // The trainer's f32 product (what prefill takes beyond the block weights'
+            // rows, `DecodeLinear::quantizes`).
+            let us = median_micros(iters, || matmul_t(Backend::Cpu, &xt, &w))?;
+            row["f32_trainer_us_median"] = json!(us);
             // The trainer's own bf16 product from its packed weights (what decoding
             // uses where that is faster, see `DecodeMode::on`).
-            let xt = Tensor::from_slice(&x, (m, cols), &Device::Cpu)?;
             for (kernel, weight) in &packed {
                 let w = bf16::Bf16Ref {
                     kernel: *kernel,
@@ -344,7 +354,8 @@ fn bench_gemm(a: &GemmArgs) -> anyhow::Result<serde_json::Value> {
         "gflops": round(best),
         "bf16_gflops": best_bf16,
         "shapes": per_shape,
-        "decode_products": decode_products(a.iters)?,
+        // On the pool with its threads kept awake, as decoding and prefill run.
+        "decode_products": on_pool(|| decode_products(a.iters))?,
     }))
 }
 

@@ -109,7 +109,6 @@ pub fn forward(
     } else {
         vec![0f32; n * d_out]
     };
-    let mut caches = vec![vec![None; segs.len()]; proj.parts.len()];
     let mut us = Vec::new();
     if let Some(b) = proj.bias {
         let b: Vec<f32> = b.to_vec1()?;
@@ -136,35 +135,83 @@ pub fn forward(
                 None => gemm(&mut out, xs, ws.t(), 1.0, proj.bias.is_some()),
             }
         }
-        let mut col = 0;
-        for (pi, &(target, width)) in proj.parts.iter().enumerate() {
-            for (si, seg) in segs.iter().enumerate() {
-                let Some((pair, scale)) = pair_of(seg, target, adapters) else {
-                    continue;
-                };
-                let r = pair.a.dim(0)?;
-                let mut u = vec![0f32; seg.len * r];
-                with_slices(&[&pair.a, &pair.b], |ab| {
-                    lora_rows::add_deltas(
-                        ab[0],
-                        &lora_rows::transposed(ab[1], width, r),
-                        scale as f32,
-                        xs.rows(seg.start, seg.len),
-                        &mut out.block(seg.start, seg.len, col, width),
-                        &mut u,
-                    );
-                    Ok(())
-                })?;
-                us.push((pi, si, u, r));
-            }
-            col += width;
-        }
+        us = add_host_deltas(xs, &mut out, proj.parts, segs, adapters)?;
         Ok(())
     })?;
+    Ok((
+        host_tensor(y, n, d_out)?,
+        caches_of(us, proj.parts.len(), segs)?,
+    ))
+}
+
+/// `u = x Aᵀ` of one segment's pair for one part: `(part, segment, u, rank)`.
+type HostU = (usize, usize, Vec<f32>, usize);
+
+/// Adds each part's LoRA deltas to `out` (`(n, out)`, the frozen product of `xs`) in
+/// place, row by row ([`lora_rows`]); returns each segment's `u` for the caches.
+fn add_host_deltas(
+    xs: Mat<'_>,
+    out: &mut MatMut<'_>,
+    parts: &[(Target, usize)],
+    segs: &[Segment],
+    adapters: &[&Adapter],
+) -> Result<Vec<HostU>> {
+    let mut us = Vec::new();
+    let mut col = 0;
+    for (pi, &(target, width)) in parts.iter().enumerate() {
+        for (si, seg) in segs.iter().enumerate() {
+            let Some((pair, scale)) = pair_of(seg, target, adapters) else {
+                continue;
+            };
+            let r = pair.a.dim(0)?;
+            let mut u = vec![0f32; seg.len * r];
+            with_slices(&[&pair.a, &pair.b], |ab| {
+                lora_rows::add_deltas(
+                    ab[0],
+                    &lora_rows::transposed(ab[1], width, r),
+                    scale as f32,
+                    xs.rows(seg.start, seg.len),
+                    &mut out.block(seg.start, seg.len, col, width),
+                    &mut u,
+                );
+                Ok(())
+            })?;
+            us.push((pi, si, u, r));
+        }
+        col += width;
+    }
+    Ok(us)
+}
+
+/// Each part's cache from [`add_host_deltas`]'s `u`s.
+fn caches_of(us: Vec<HostU>, parts: usize, segs: &[Segment]) -> Result<Vec<LoraCache>> {
+    let mut caches = vec![vec![None; segs.len()]; parts];
     for (pi, si, u, r) in us {
         caches[pi][si] = Some(host_tensor(u, segs[si].len, r)?);
     }
-    Ok((host_tensor(y, n, d_out)?, caches))
+    Ok(caches)
+}
+
+/// The decode weights' product `y` (`(n, out)` on the host, from
+/// `DecodeLinear::forward_host`) plus each part's LoRA deltas, added in place as
+/// [`forward`] adds them. `x` and every pair the segments use must be f32 on the CPU.
+pub fn add_deltas_host(
+    x: &Tensor,
+    mut y: Vec<f32>,
+    parts: &[(Target, usize)],
+    segs: &[Segment],
+    adapters: &[&Adapter],
+) -> Result<(Tensor, Vec<LoraCache>)> {
+    let (n, d_in) = x.dims2()?;
+    let d_out: usize = parts.iter().map(|&(_, w)| w).sum();
+    if y.len() != n * d_out {
+        candle_core::bail!("{} outputs for {n} rows of {d_out}", y.len());
+    }
+    let us = with_slices(&[x], |s| {
+        let mut out = MatMut::new(&mut y, n, d_out, d_out);
+        add_host_deltas(Mat::new(s[0], n, d_in), &mut out, parts, segs, adapters)
+    })?;
+    Ok((host_tensor(y, n, d_out)?, caches_of(us, parts.len(), segs)?))
 }
 
 /// Adds each part's LoRA deltas to the frozen output `y` through [`lora_forward`] (for

@@ -298,7 +298,7 @@ impl<'m> HostDecoder<'m> {
         }
         let xf = kernels::rms_rows(&h, &self.final_norm, eps);
         let head = self.dec.map(|dec| &dec.lm_head);
-        let mut logits = match head.filter(|l| l.quantizes(m)) {
+        let mut logits = match head.filter(|l| l.quantizes(m, self.model.block_arith())) {
             Some(l) => l.forward_host(&xf, m, self.model.block_arith())?,
             None => self.model.frozen_product_host(Frozen::Head, &xf, m, None)?,
         };
@@ -327,7 +327,7 @@ impl<'m> HostDecoder<'m> {
                 &l.qkv
             }
         });
-        let y = match linear.filter(|l| l.quantizes(m)) {
+        let y = match linear.filter(|l| l.quantizes(m, arith)) {
             Some(l) => l.forward_host(x, m, arith)?,
             None => {
                 let w = if gate_up {
@@ -375,7 +375,7 @@ impl<'m> HostDecoder<'m> {
                 &l.down
             }
         });
-        let mut y = match linear.filter(|l| l.quantizes(m)) {
+        let mut y = match linear.filter(|l| l.quantizes(m, self.model.block_arith())) {
             Some(l) => l.forward_host(x, m, self.model.block_arith())?,
             None => {
                 let w = if p == Proj::O {

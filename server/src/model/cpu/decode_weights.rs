@@ -18,12 +18,18 @@ use crate::model::transformer::StackedWeights;
 use crate::model::weights::{matmul_t, matmul_t_host, BaseWeights, FrozenLinear};
 use crate::model::ModelError;
 
-/// Most rows multiplied by exact block weights rather than the trainer's product: up to
-/// this many (a short prompt) their kernels beat it, beyond it the compute-bound
-/// trainer's product is faster (ARCHITECTURE.md has the measurements).
+/// Most rows multiplied by exact block weights in bf16 (the tile kernels' limit): up to
+/// this many (a short prompt) their kernels beat the trainer's product, beyond it the
+/// compute-bound trainer's product is faster (ARCHITECTURE.md has the measurements).
 pub const EXACT_ROWS: usize = 32;
 
-// Every product the block weights take fits the bf16 tile kernels.
+/// Most rows multiplied by exact block weights in f32: up to about this many, their
+/// kernels take at most the time of the trainer's f32 product (which repacks the weights
+/// on every call, and is slow on some shapes), and often half (`lathe bench gemm`'s
+/// `decode_products`); past it the trainer's product is faster.
+pub const EXACT_F32_ROWS: usize = 256;
+
+// Every bf16 product the block weights take fits the bf16 tile kernels.
 const _: () = assert!(
     EXACT_ROWS <= super::bf16::blocks::MAX_ROWS
         && kernels::FEW_ROWS <= super::bf16::blocks::MAX_ROWS
@@ -31,7 +37,7 @@ const _: () = assert!(
 
 /// A projection for decoding: block-quantized when its shape allows, beside the f32
 /// weight it was made from, which takes the products the block weights do not (more
-/// rows than [`EXACT_ROWS`], a width that is not whole blocks).
+/// rows than [`DecodeLinear::quantizes`] allows, a width that is not whole blocks).
 #[derive(Debug, Clone)]
 pub struct DecodeLinear {
     quant: Option<QuantMatrix>,
@@ -70,27 +76,26 @@ impl DecodeLinear {
         self.quant.as_ref().map_or("f32", QuantMatrix::format)
     }
 
-    /// Whether a product of `m` rows goes through the block weights (otherwise it is
-    /// the f32 product, and callers may as well take their own f32 path).
-    pub fn quantizes(&self, m: usize) -> bool {
-        self.quant_for(m).is_some()
+    /// Whether a product of `m` rows in `arith` goes through the block weights
+    /// (otherwise it is the f32 product, and callers may as well take their own f32
+    /// path).
+    pub fn quantizes(&self, m: usize, arith: BlockArith) -> bool {
+        self.quant_for(m, arith).is_some()
     }
 
-    /// The block weights, if they take a product of `m` rows.
-    fn quant_for(&self, m: usize) -> Option<&QuantMatrix> {
-        let limit = |q: &QuantMatrix| {
-            if q.exact() {
-                EXACT_ROWS
-            } else {
-                kernels::FEW_ROWS
-            }
+    /// The block weights, if they take a product of `m` rows in `arith`.
+    fn quant_for(&self, m: usize, arith: BlockArith) -> Option<&QuantMatrix> {
+        let limit = |q: &QuantMatrix| match (q.exact(), arith) {
+            (true, BlockArith::F32) => EXACT_F32_ROWS,
+            (true, BlockArith::Bf16(_)) => EXACT_ROWS,
+            (false, _) => kernels::FEW_ROWS,
         };
         self.quant.as_ref().filter(|q| m <= limit(q))
     }
 
     /// `x W^T + b` with the decode weights, the block weights' products in `arith`.
     pub fn forward(&self, x: &Tensor, arith: BlockArith) -> candle_core::Result<Tensor> {
-        match self.quant_for(x.dims()[0]) {
+        match self.quant_for(x.dims()[0], arith) {
             Some(q) => q.matmul_t(x, arith, self.bias_host.as_deref()),
             None => {
                 let y = matmul_t(Backend::Cpu, x, &self.f32.weight)?;
@@ -109,7 +114,7 @@ impl DecodeLinear {
         m: usize,
         arith: BlockArith,
     ) -> candle_core::Result<Vec<f32>> {
-        match self.quant_for(m) {
+        match self.quant_for(m, arith) {
             Some(q) => q.matmul_t_host(x, m, arith, self.bias_host.as_deref()),
             None => {
                 let mut y = matmul_t_host(x, m, &self.f32.weight)?;

@@ -88,7 +88,10 @@ impl Transformer {
             self.config.rms_norm_eps,
         )?;
         // The block weights where they take these rows, else the trainer's own product.
-        let base = match dec.map(|d| &d.lm_head).filter(|l| l.quantizes(last.len())) {
+        let base = match dec
+            .map(|d| &d.lm_head)
+            .filter(|l| l.quantizes(last.len(), self.block_arith()))
+        {
             Some(l) => l.forward(&xf, self.block_arith())?,
             None => self.head_product(&xf)?,
         };
