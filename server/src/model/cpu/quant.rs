@@ -65,6 +65,20 @@ pub enum BlockArith {
     Bf16(Kernel),
 }
 
+/// One block of 32 weights of a [`QuantMatrix`] row.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum QuantBlock {
+    /// Weight `j` is `codes[j] as f32 * scale + min` (a multiply, then an add); `scale`
+    /// and `min` are f16 values.
+    Q41 {
+        codes: [u8; BLOCK],
+        scale: f32,
+        min: f32,
+    },
+    /// Weight `j` is `codes[j] as f32 * scale`.
+    Q8 { codes: [i8; BLOCK], scale: f32 },
+}
+
 /// A frozen `(rows, cols)` weight matrix in a block-quantized format, multiplied with few
 /// f32 activation rows at a time.
 #[derive(Debug, Clone)]
@@ -138,6 +152,44 @@ impl QuantMatrix {
     /// bit (products then differ from f32 ones only in summation order).
     pub fn exact(&self) -> bool {
         self.exact
+    }
+
+    /// Weight rows and columns.
+    pub fn shape(&self) -> (usize, usize) {
+        (self.rows, self.cols)
+    }
+
+    /// Block `b` (columns `32 b ..`) of weight row `row`: its 32 codes in column order and
+    /// how they dequantize.
+    pub fn block(&self, row: usize, b: usize) -> QuantBlock {
+        let nb = self.cols / BLOCK;
+        let i = row * nb + b;
+        match &self.blocks {
+            Blocks::Q41 {
+                nibbles,
+                scales,
+                mins,
+            } => {
+                let packed = &nibbles[i * HALF..(i + 1) * HALF];
+                QuantBlock::Q41 {
+                    codes: std::array::from_fn(|j| {
+                        if j < HALF {
+                            packed[j] & 0xf
+                        } else {
+                            packed[j - HALF] >> 4
+                        }
+                    }),
+                    scale: scales[i],
+                    min: mins[i],
+                }
+            }
+            Blocks::Q8 { quants, scales } => QuantBlock::Q8 {
+                codes: quants[i * BLOCK..(i + 1) * BLOCK]
+                    .try_into()
+                    .expect("a block"),
+                scale: scales[i],
+            },
+        }
     }
 
     /// `"q4_1"` or `"q8"`.

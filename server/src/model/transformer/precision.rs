@@ -2,13 +2,16 @@
 //! CPU backend the base weights packed for bf16 tiles (see [`crate::model::cpu::bf16`]),
 //! on the device backend the matrices themselves stored in bf16.
 
+use std::sync::OnceLock;
+
 use candle_core::DType;
 
 use super::Transformer;
 use crate::model::backend::Backend;
+use crate::model::cpu::bf16::panels::{self, QuantPanels};
 use crate::model::cpu::bf16::{self, Bf16Ref, Precision};
 use crate::model::cpu::gemm::{Mat, MatMut};
-use crate::model::cpu::quant::BlockArith;
+use crate::model::cpu::quant::{BlockArith, QuantMatrix};
 use crate::model::weights::matmul_t_host;
 use crate::model::ModelError;
 
@@ -20,6 +23,30 @@ pub(super) struct Bf16Weights {
     pub(super) layers: Vec<[bf16::PackedWeight; 4]>,
     /// The output head.
     pub(super) head: bf16::PackedWeight,
+    /// The same weights as 4- or 8-bit blocks in the `VDPBF16PS` kernel's panel order,
+    /// for one-row products with that kernel; built on the first such product.
+    pub(super) panels: OnceLock<PanelWeights>,
+}
+
+/// The frozen matrices as [`QuantPanels`] where their blocks are exact (`None` where not:
+/// those take the packed weights).
+#[derive(Debug)]
+pub(super) struct PanelWeights {
+    /// Per block: q/k/v, o, gate/up, down.
+    layers: Vec<[Option<QuantPanels>; 4]>,
+    head: Option<QuantPanels>,
+}
+
+impl PanelWeights {
+    fn get(&self, w: Frozen) -> Option<&QuantPanels> {
+        match w {
+            Frozen::Qkv(l) => self.layers[l][0].as_ref(),
+            Frozen::O(l) => self.layers[l][1].as_ref(),
+            Frozen::GateUp(l) => self.layers[l][2].as_ref(),
+            Frozen::Down(l) => self.layers[l][3].as_ref(),
+            Frozen::Head => self.head.as_ref(),
+        }
+    }
 }
 
 /// A frozen matrix of the model, for [`Transformer::frozen_product_host`].
@@ -111,6 +138,7 @@ impl Transformer {
             kernel,
             layers,
             head: pack(self.weights.lm_head())?,
+            panels: OnceLock::new(),
         };
         let bytes: usize = packed.head.bytes()
             + packed
@@ -185,6 +213,20 @@ impl Transformer {
         bias: Option<&[f32]>,
     ) -> Result<Vec<f32>, ModelError> {
         if let Some(b) = &self.bf16 {
+            // A decode step's few rows read every weight once: with the `VDPBF16PS`
+            // kernel, the same products from a third of the bytes.
+            if m <= panels::MAX_ROWS && b.kernel == bf16::Kernel::Avx512Bf16 && panels::usable() {
+                let built = b.panels.get_or_init(|| self.build_panels());
+                if let Some(p) = built.get(w).filter(|p| x.len() == m * p.cols()) {
+                    if bias.is_some_and(|b| b.len() != p.rows()) {
+                        return Err(ModelError::Input(format!(
+                            "biases for a product into {} columns",
+                            p.rows()
+                        )));
+                    }
+                    return Ok(p.product(x, m, bias));
+                }
+            }
             let packed = match w {
                 Frozen::Qkv(l) => &b.layers[l][0],
                 Frozen::O(l) => &b.layers[l][1],
@@ -237,6 +279,43 @@ impl Transformer {
             crate::model::cpu::decode_step::add_bias(&mut y, b);
         }
         Ok(y)
+    }
+
+    /// Every frozen matrix as [`QuantPanels`] where its weights are exact Q4_1 or Q8
+    /// blocks (the default model's are).
+    fn build_panels(&self) -> PanelWeights {
+        let start = std::time::Instant::now();
+        let panels =
+            |w: &candle_core::Tensor| QuantMatrix::new(w).ok().and_then(|q| QuantPanels::new(&q));
+        let built = PanelWeights {
+            layers: self
+                .fused
+                .iter()
+                .zip(&self.weights.layers)
+                .map(|(f, l)| {
+                    [
+                        panels(&f.qkv),
+                        panels(&l.o_proj.weight),
+                        panels(&f.gate_up),
+                        panels(&l.down_proj.weight),
+                    ]
+                })
+                .collect(),
+            head: panels(self.weights.lm_head()),
+        };
+        let all = built.layers.iter().flatten().chain([&built.head]);
+        let (kept, bytes) = all.fold((0, 0), |(n, b), p| match p {
+            Some(p) => (n + 1, b + p.bytes()),
+            None => (n, b),
+        });
+        tracing::info!(
+            matrices = kept,
+            of = built.layers.len() * 4 + 1,
+            mib = bytes >> 20,
+            seconds = format!("{:.2}", start.elapsed().as_secs_f64()),
+            "bf16 panel weights built for one-row decoding"
+        );
+        built
     }
 
     /// The packed output head, in bf16 precision.

@@ -29,6 +29,7 @@ mod amx;
 mod avx512;
 pub mod blocks;
 mod pack;
+pub mod panels;
 #[cfg(test)]
 mod tests;
 

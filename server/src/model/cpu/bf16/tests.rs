@@ -347,6 +347,75 @@ fn decode_blocks_reproduce_the_trainers_products() {
     }
 }
 
+/// The panel copies of Q4_1 and Q8 blocks (`panels::QuantPanels`) give the trainer's
+/// `VDPBF16PS` product of the same f32 weights bit for bit: 1 to 8 rows, an odd number
+/// of panels and a partial one (padded), several threads' parts, with and without a
+/// bias, weights whose blocks are constant (scale 0), and inexact blocks are refused.
+#[test]
+fn panel_copies_reproduce_the_trainers_avx512_bf16_products() {
+    use crate::model::cpu::quant::QuantMatrix;
+    use candle_core::quantized::{GgmlDType, QTensor};
+    if !panels::usable() || !available().contains(&Kernel::Avx512Bf16) {
+        eprintln!("this CPU lacks AVX512-BF16 or AVX-512 BW: the panel kernels are not run");
+        return;
+    }
+    let device = candle_core::Device::Cpu;
+    for (dtype, format) in [(GgmlDType::Q4_1, "q4_1"), (GgmlDType::Q8_0, "q8")] {
+        for (rows, k) in [
+            (40, 64),
+            (200, 160),
+            (16, 32),
+            (24, 576),
+            (13, 96),
+            (96, 1536),
+        ] {
+            let mut values = data(rows * k, 7 + rows as u64);
+            // A constant block (Q4_1 scale 0) in the first row.
+            values[..32].fill(0.125);
+            let w = candle_core::Tensor::from_vec(values, (rows, k), &device).unwrap();
+            let w = QTensor::quantize(&w, dtype)
+                .unwrap()
+                .dequantize(&device)
+                .unwrap();
+            let q = QuantMatrix::new(&w).unwrap();
+            assert_eq!((q.format(), q.exact()), (format, true));
+            let p = panels::QuantPanels::new(&q).expect("exact blocks");
+            let wf: Vec<f32> = w.flatten_all().unwrap().to_vec1().unwrap();
+            let packed = PackedWeight::new(&wf, rows, k);
+            let bias = data(rows, 17);
+            for m in 1..=panels::MAX_ROWS {
+                let x = data(m * k, 3 + m as u64);
+                for bias in [None, Some(bias.as_slice())] {
+                    let got = p.product(&x, m, bias);
+                    let mut want: Vec<f32> = match bias {
+                        Some(b) => (0..m).flat_map(|_| b.iter().copied()).collect(),
+                        None => vec![0f32; m * rows],
+                    };
+                    gemm(
+                        Kernel::Avx512Bf16,
+                        &mut MatMut::new(&mut want, m, rows, rows),
+                        Mat::new(&x, m, k),
+                        &packed.forward,
+                        bias.is_some(),
+                    );
+                    assert_eq!(got.len(), want.len());
+                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                        assert_eq!(
+                            g.to_bits(),
+                            w.to_bits(),
+                            "{format} {rows}x{k}, {m} rows, bias {}: element {i}: {g} vs {w}",
+                            bias.is_some()
+                        );
+                    }
+                }
+            }
+        }
+    }
+    // Blocks that only approximate their f32 weights have no panel copy.
+    let w = candle_core::Tensor::from_vec(data(16 * 64, 9), (16, 64), &device).unwrap();
+    assert!(panels::QuantPanels::new(&QuantMatrix::new(&w).unwrap()).is_none());
+}
+
 /// `LATHE_BF16_KERNEL` reorders or empties the detected kernels, and leaves them as they
 /// are for a name this CPU lacks.
 #[test]

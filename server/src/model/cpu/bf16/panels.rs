@@ -1,0 +1,423 @@
+//! Block-quantized frozen weights in the `VDPBF16PS` kernel's panel order, for the
+//! few-row products of decoding under `--precision bf16` on a CPU with AVX512-BF16 and
+//! no AMX.
+//!
+//! One decoded token multiplies one activation row by every weight once, so a single
+//! stream's speed is set by the bytes the weights take: 2 per weight in the trainer's packed bf16 panels
+//! ([`super::PackedB`]). The default model's weights are Q4_1 blocks exactly (and its
+//! head Q8 blocks, see [`QuantMatrix`]), so the same weights fit in 0.625 bytes (4-bit
+//! codes, f16 scale and minimum per block) or 1.125 (8-bit codes, f32 scale).
+//!
+//! The trainer's kernel sums each output in one `VDPBF16PS` lane: from zero, over the
+//! pairs `(2p, 2p + 1)` of the reduction in order, each step adding the bf16 products of
+//! the pair's activation and weights. Here the codes are laid out so that one load gives,
+//! for 16 output columns (a panel, the lanes), the codes of one pair; the kernel forms
+//! those weights exactly as the f32 weights were dequantized (`q * d + m`), rounds them
+//! to bf16 as the packing does, and runs the same instruction on the same lanes in the
+//! same order. The outputs are the trainer's bit for bit, which a test checks against
+//! [`super::gemm`]. A decode step of several streams forms each weight once for all its
+//! rows.
+
+use half::f16;
+use rayon::prelude::*;
+
+use super::super::quant::{QuantBlock, QuantMatrix, BLOCK};
+use super::PANEL;
+
+/// Most activation rows of one [`QuantPanels::product`].
+pub const MAX_ROWS: usize = 8;
+
+/// Pairs of the reduction per block.
+const PAIRS: usize = BLOCK / 2;
+/// Bytes of one (panel, block) record of 4-bit codes: 16 bytes for each pair, then the
+/// rows' f16 scales and f16 minimums. Byte `t` of a pair holds in its low nibble the
+/// code of row `t / 2` and in its high nibble that of row `8 + t / 2`, each at column
+/// `2p + t % 2`: widened to 16 lanes and split into nibbles, the codes are then in the
+/// order of the pair words of rows 0-7 and of rows 8-15, which one rounding instruction
+/// packs into the 16 lanes' pairs.
+const Q41_RECORD: usize = PAIRS * PANEL + 2 * PANEL * 2;
+/// Bytes of one (panel, block) record of 8-bit codes: 32 bytes for each pair, byte `t`
+/// the code of row `t / 2` at column `2p + t % 2` (rows 0-7, then 8-15 from byte 16),
+/// then the rows' f32 scales.
+const Q8_RECORD: usize = PAIRS * 2 * PANEL + PANEL * 4;
+
+/// The codes' format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Format {
+    Q41,
+    Q8,
+}
+
+/// A `(rows, cols)` weight matrix of exact Q4_1 or Q8 blocks in panel order.
+#[derive(Debug, Clone)]
+pub struct QuantPanels {
+    rows: usize,
+    cols: usize,
+    format: Format,
+    /// Records by panel, then by block.
+    data: Vec<u8>,
+}
+
+impl QuantPanels {
+    /// `q`'s weights in panel order, when its blocks reproduce the f32 weights exactly
+    /// (otherwise its products would not be the trainer's).
+    pub fn new(q: &QuantMatrix) -> Option<Self> {
+        let (rows, cols) = q.shape();
+        if !q.exact() || rows == 0 || cols == 0 {
+            return None;
+        }
+        let nb = cols / BLOCK;
+        // An even number: the kernel takes panels in pairs.
+        let panels = rows.div_ceil(PANEL).next_multiple_of(2);
+        let format = match q.block(0, 0) {
+            QuantBlock::Q41 { .. } => Format::Q41,
+            QuantBlock::Q8 { .. } => Format::Q8,
+        };
+        let record = match format {
+            Format::Q41 => Q41_RECORD,
+            Format::Q8 => Q8_RECORD,
+        };
+        let mut data = vec![0u8; panels * nb * record];
+        data.par_chunks_mut(nb * record)
+            .enumerate()
+            .for_each(|(panel, records)| {
+                for (b, rec) in records.chunks_exact_mut(record).enumerate() {
+                    // Rows past the matrix stay zero: zero weights, outputs dropped.
+                    for j in 0..PANEL.min(rows.saturating_sub(panel * PANEL)) {
+                        write_row(rec, j, q.block(panel * PANEL + j, b));
+                    }
+                }
+            });
+        Some(Self {
+            rows,
+            cols,
+            format,
+            data,
+        })
+    }
+
+    /// Output columns (the weight's rows).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Input columns (the reduction).
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.data.len()
+    }
+
+    /// `x Wᵀ (+ bias)` for `m` rows `x` (`(m, cols)`, row-major; at most [`MAX_ROWS`]),
+    /// `(m, rows)`, as the trainer's bf16 product computes it: `x` rounded to bf16, each
+    /// output's sum started from zero and the bias added after.
+    ///
+    /// Panics unless the CPU has AVX-512 F and BW and AVX512-BF16 ([`usable`]) and the
+    /// sizes agree.
+    pub fn product(&self, x: &[f32], m: usize, bias: Option<&[f32]>) -> Vec<f32> {
+        assert!(
+            usable(),
+            "bf16 panel products need AVX-512 BW and AVX512-BF16"
+        );
+        assert!((1..=MAX_ROWS).contains(&m), "1 to {MAX_ROWS} rows, not {m}");
+        assert_eq!(x.len(), m * self.cols, "{m} rows of {} columns", self.cols);
+        assert!(
+            bias.is_none_or(|b| b.len() == self.rows),
+            "one bias per row"
+        );
+        let pairs = self.cols / 2;
+        let mut words = vec![0u32; m * pairs];
+        for (row, out) in x.chunks_exact(self.cols).zip(words.chunks_exact_mut(pairs)) {
+            super::pack::round_row(row, out);
+        }
+        let nb = self.cols / BLOCK;
+        let record = match self.format {
+            Format::Q41 => Q41_RECORD,
+            Format::Q8 => Q8_RECORD,
+        };
+        let panels = self.rows.div_ceil(PANEL).next_multiple_of(2);
+        // Two tasks per thread, whole panel pairs each (the kernel's unit); each task
+        // writes its columns of every row into its own buffer.
+        let per_task = panels
+            .div_ceil(2 * rayon::current_num_threads())
+            .next_multiple_of(2);
+        let parts: Vec<Vec<f32>> = self
+            .data
+            .par_chunks(per_task * nb * record)
+            .map(|records| {
+                let width = records.len() / (nb * record) * PANEL;
+                let mut part = vec![0f32; m * width];
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `usable()` was asserted above; `records` holds whole panel
+                // pairs of `nb` records, `words` `m` rows of `pairs = nb * 16` words and
+                // `part` `m` rows of `width` values.
+                unsafe {
+                    kernel::product(self.format, m, records, nb, &words, pairs, &mut part, width)
+                };
+                part
+            })
+            .collect();
+        let mut y = Vec::with_capacity(m * self.rows);
+        for r in 0..m {
+            let mut col = 0;
+            for part in &parts {
+                let width = part.len() / m;
+                let take = width.min(self.rows - col.min(self.rows));
+                let row = &part[r * width..r * width + take];
+                match bias {
+                    Some(b) => y.extend(row.iter().zip(&b[col..col + take]).map(|(v, b)| b + v)),
+                    None => y.extend_from_slice(row),
+                }
+                col += take;
+            }
+        }
+        y
+    }
+}
+
+/// Writes row `j` of a panel's record for one block.
+fn write_row(rec: &mut [u8], j: usize, block: QuantBlock) {
+    match block {
+        QuantBlock::Q41 { codes, scale, min } => {
+            // Rows 0-7 in the low nibbles, 8-15 in the high ones.
+            let (t, shift) = (2 * (j % 8), if j < 8 { 0 } else { 4 });
+            for p in 0..PAIRS {
+                rec[p * PANEL + t] |= codes[2 * p] << shift;
+                rec[p * PANEL + t + 1] |= codes[2 * p + 1] << shift;
+            }
+            let at = PAIRS * PANEL;
+            let put = |rec: &mut [u8], i: usize, v: f32| {
+                rec[i..i + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());
+            };
+            put(rec, at + 2 * j, scale);
+            put(rec, at + 2 * PANEL + 2 * j, min);
+        }
+        QuantBlock::Q8 { codes, scale } => {
+            for p in 0..PAIRS {
+                rec[p * 2 * PANEL + 2 * j] = codes[2 * p] as u8;
+                rec[p * 2 * PANEL + 2 * j + 1] = codes[2 * p + 1] as u8;
+            }
+            let at = PAIRS * 2 * PANEL + 4 * j;
+            rec[at..at + 4].copy_from_slice(&scale.to_le_bytes());
+        }
+    }
+}
+
+/// Whether this CPU runs [`QuantPanels::product_row`].
+pub fn usable() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512bf16")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod kernel {
+    use std::arch::x86_64::*;
+
+    use super::{Format, PAIRS, PANEL, Q41_RECORD, Q8_RECORD};
+
+    /// [`q41`] or [`q8`] for `m` (1 to 8) rows.
+    ///
+    /// # Safety
+    /// As for [`q41`].
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn product(
+        format: Format,
+        m: usize,
+        records: &[u8],
+        nb: usize,
+        x: &[u32],
+        pairs: usize,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        macro_rules! rows {
+            ($($r:literal)*) => {
+                match (format, m) {
+                    $((Format::Q41, $r) => q41::<$r>(records, nb, x, pairs, out, stride),
+                      (Format::Q8, $r) => q8::<$r>(records, nb, x, pairs, out, stride),)*
+                    _ => unreachable!("1 to 8 rows"),
+                }
+            };
+        }
+        rows!(1 2 3 4 5 6 7 8)
+    }
+
+    /// A panel's 16 per-row values spread over the lanes of its pair words: each of rows
+    /// 0-7 (`upper`: 8-15) twice, once per column of the pair.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn per_word(rows: __m512, upper: bool) -> __m512 {
+        let first = if upper { 8 } else { 0 };
+        let idx: [i32; 16] = std::array::from_fn(|t| first + t as i32 / 2);
+        _mm512_permutexvar_ps(_mm512_loadu_si512(idx.as_ptr().cast()), rows)
+    }
+
+    /// The 16 lanes' pair words from the weights of rows 0-7 (`a`) and 8-15 (`b`), each
+    /// in pair-word order, rounded as the packing rounds.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    #[inline]
+    unsafe fn pair_words(a: __m512, b: __m512) -> __m512bh {
+        // The second operand fills the low half: rows 0-7's words.
+        _mm512_cvtne2ps_pbh(b, a)
+    }
+
+    /// Panels of 4-bit records (`nb` blocks each) times `R` rows of pair words `x`
+    /// (`pairs` words each) into `out` (`(R, n)`, row stride `stride`; the panels' 16
+    /// outputs each), two panels at a time so that at least two chains of `VDPBF16PS`
+    /// overlap; each weight is formed once for all `R` rows.
+    ///
+    /// A weight is `q * d + m` with `q` at most 15 and `d` an f16 value, so `q * d` has
+    /// at most 15 significant bits and is exact in f32: a fused multiply-add rounds once,
+    /// as the multiply and the add of the dequantizer round once between them.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F and BW and AVX512-BF16; `records` holds `panels` (even)
+    /// panels of `nb` records; `x` holds `R` rows of `pairs >= nb * 16` words; `out`
+    /// holds `R` rows of `stride >= panels * 16` values.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(super) unsafe fn q41<const R: usize>(
+        records: &[u8],
+        nb: usize,
+        x: &[u32],
+        pairs: usize,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let panels = records.len() / (nb * Q41_RECORD);
+        assert!(
+            panels.is_multiple_of(2)
+                && pairs >= nb * PAIRS
+                && x.len() >= R * pairs
+                && stride >= panels * PANEL
+                && out.len() >= (R - 1) * stride + panels * PANEL
+        );
+        let low = _mm512_set1_epi32(0xf);
+        for pp in (0..panels).step_by(2) {
+            let mut acc = [[_mm512_setzero_ps(); R]; 2];
+            for b in 0..nb {
+                let recs = [
+                    records.as_ptr().add((pp * nb + b) * Q41_RECORD),
+                    records.as_ptr().add(((pp + 1) * nb + b) * Q41_RECORD),
+                ];
+                let row_values =
+                    |r: *const u8, at: usize| _mm512_cvtph_ps(_mm256_loadu_si256(r.add(at).cast()));
+                let (scale, min) = (
+                    recs.map(|r| row_values(r, PAIRS * PANEL)),
+                    recs.map(|r| row_values(r, PAIRS * PANEL + 2 * PANEL)),
+                );
+                let spread = |v: [__m512; 2], upper| v.map(|v| per_word(v, upper));
+                let (scale_a, scale_b) = (spread(scale, false), spread(scale, true));
+                let (min_a, min_b) = (spread(min, false), spread(min, true));
+                for p in 0..PAIRS {
+                    let w = [0, 1].map(|g| {
+                        let codes =
+                            _mm512_cvtepu8_epi32(_mm_loadu_si128(recs[g].add(p * PANEL).cast()));
+                        let qa = _mm512_cvtepi32_ps(_mm512_and_si512(codes, low));
+                        let qb = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(codes));
+                        let wa = _mm512_fmadd_ps(qa, scale_a[g], min_a[g]);
+                        let wb = _mm512_fmadd_ps(qb, scale_b[g], min_b[g]);
+                        pair_words(wa, wb)
+                    });
+                    add_products(&mut acc, &w, x, pairs, b * PAIRS + p);
+                }
+            }
+            store(&acc, out, stride, pp);
+        }
+    }
+
+    /// `acc[g][r] += x[r]'s pair word `p` times panel `g`'s weights `w[g]`.
+    // Indices keep the register tile `acc[g][r]` readable.
+    #[allow(clippy::needless_range_loop)]
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    #[inline]
+    unsafe fn add_products<const R: usize>(
+        acc: &mut [[__m512; R]; 2],
+        w: &[__m512bh; 2],
+        x: &[u32],
+        pairs: usize,
+        p: usize,
+    ) {
+        for r in 0..R {
+            let xp: __m512bh =
+                std::mem::transmute(_mm512_set1_epi32(*x.get_unchecked(r * pairs + p) as i32));
+            for g in 0..2 {
+                acc[g][r] = _mm512_dpbf16_ps(acc[g][r], xp, w[g]);
+            }
+        }
+    }
+
+    /// Writes two panels' sums (`acc[g][r]`, panels `pp` and `pp + 1`) into `out`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn store<const R: usize>(
+        acc: &[[__m512; R]; 2],
+        out: &mut [f32],
+        stride: usize,
+        pp: usize,
+    ) {
+        for (g, panel) in acc.iter().enumerate() {
+            for (r, &v) in panel.iter().enumerate() {
+                _mm512_storeu_ps(out.as_mut_ptr().add(r * stride + (pp + g) * PANEL), v);
+            }
+        }
+    }
+
+    /// [`q41`] for 8-bit records (weights `q * scale`, one rounding).
+    ///
+    /// # Safety
+    /// As for [`q41`], with records of 8-bit codes.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(super) unsafe fn q8<const R: usize>(
+        records: &[u8],
+        nb: usize,
+        x: &[u32],
+        pairs: usize,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let panels = records.len() / (nb * Q8_RECORD);
+        assert!(
+            panels.is_multiple_of(2)
+                && pairs >= nb * PAIRS
+                && x.len() >= R * pairs
+                && stride >= panels * PANEL
+                && out.len() >= (R - 1) * stride + panels * PANEL
+        );
+        for pp in (0..panels).step_by(2) {
+            let mut acc = [[_mm512_setzero_ps(); R]; 2];
+            for b in 0..nb {
+                let recs = [
+                    records.as_ptr().add((pp * nb + b) * Q8_RECORD),
+                    records.as_ptr().add(((pp + 1) * nb + b) * Q8_RECORD),
+                ];
+                let scale = recs.map(|r| _mm512_loadu_ps(r.add(PAIRS * 2 * PANEL).cast()));
+                let scale_a = scale.map(|v| per_word(v, false));
+                let scale_b = scale.map(|v| per_word(v, true));
+                for p in 0..PAIRS {
+                    let w = [0, 1].map(|g| {
+                        let at = recs[g].add(p * 2 * PANEL);
+                        let widen = |r: *const u8| {
+                            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(r.cast())))
+                        };
+                        let wa = _mm512_mul_ps(widen(at), scale_a[g]);
+                        let wb = _mm512_mul_ps(widen(at.add(PANEL)), scale_b[g]);
+                        pair_words(wa, wb)
+                    });
+                    add_products(&mut acc, &w, x, pairs, b * PAIRS + p);
+                }
+            }
+            store(&acc, out, stride, pp);
+        }
+    }
+}
