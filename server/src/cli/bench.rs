@@ -9,7 +9,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use clap::{Args, Subcommand};
 use lathe_sdk::types::AdamParams;
-use lathe_server::model::cpu::bf16::{self, blocks};
+use lathe_server::model::cpu::bf16::{self, blocks, panels};
 use lathe_server::model::cpu::pool::on_pool;
 use lathe_server::model::cpu::quant::{BlockArith, QuantMatrix};
 use lathe_server::model::weights::matmul_t;
@@ -261,8 +261,9 @@ const DECODE_SHAPES: [(&str, usize, usize, GgmlDType); 4] = [
 ];
 
 /// Microseconds per decode product (`m` activation rows times exact block weights) in
-/// each arithmetic this CPU has, beside the trainer's f32 product and its packed bf16
-/// product of the same weights on each bf16 kernel, medians over `iters`. The row counts
+/// each arithmetic this CPU has, beside the trainer's f32 product, its packed bf16
+/// product of the same weights on each bf16 kernel and the bf16 panel copy's product
+/// (AVX512-BF16), medians over `iters`. The row counts
 /// are one and eight streams' decode steps and short and batched prompts' prefill.
 fn decode_products(iters: usize) -> anyhow::Result<Vec<serde_json::Value>> {
     let mut ariths = vec![(BlockArith::F32, "f32".to_string())];
@@ -276,6 +277,9 @@ fn decode_products(iters: usize) -> anyhow::Result<Vec<serde_json::Value>> {
         let w = Tensor::randn(0f32, 0.05, (rows, cols), &Device::Cpu)?;
         let w = QTensor::quantize(&w, format)?.dequantize(&Device::Cpu)?;
         let q = QuantMatrix::new(&w)?;
+        let panel = panels::usable()
+            .then(|| panels::QuantPanels::new(&q))
+            .flatten();
         let packed = bf16::available()
             .iter()
             .map(|&k| Ok((k, bf16::PackedWeight::from_tensor(&w)?)))
@@ -298,6 +302,12 @@ fn decode_products(iters: usize) -> anyhow::Result<Vec<serde_json::Value>> {
             // rows, `DecodeLinear::quantizes`).
             let us = median_micros(iters, || matmul_t(Backend::Cpu, &xt, &w))?;
             row["f32_trainer_us_median"] = json!(us);
+            // The same products from the panel copy of the blocks (what decoding uses
+            // for up to 8 rows with the `VDPBF16PS` kernel).
+            if let Some(p) = panel.as_ref().filter(|_| m <= panels::MAX_ROWS) {
+                let us = median_micros(iters, || Ok(p.product(&x, m, None)))?;
+                row["bf16_panels_us_median"] = json!(us);
+            }
             // The trainer's own bf16 product from its packed weights (what decoding
             // uses where that is faster, see `DecodeMode::on`).
             for (kernel, weight) in &packed {
