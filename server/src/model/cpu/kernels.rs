@@ -542,7 +542,7 @@ pub(super) fn from_transposed(yt: Vec<f32>, n: usize, m: usize) -> Result<Tensor
 /// write) or one output row at a time (the whole input read per row) spent longer
 /// reordering than the product took to compute.
 pub(super) fn transpose(yt: Vec<f32>, n: usize, m: usize) -> Vec<f32> {
-    if m == 1 || n == 0 {
+    if m <= 1 || n == 0 {
         return yt;
     }
     let tile = (4096 / m).max(8);

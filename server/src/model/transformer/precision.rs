@@ -2,8 +2,6 @@
 //! CPU backend the base weights packed for bf16 tiles (see [`crate::model::cpu::bf16`]),
 //! on the device backend the matrices themselves stored in bf16.
 
-use std::sync::OnceLock;
-
 use candle_core::DType;
 
 use super::Transformer;
@@ -24,8 +22,9 @@ pub(super) struct Bf16Weights {
     /// The output head.
     pub(super) head: bf16::PackedWeight,
     /// The same weights as 4- or 8-bit blocks in the `VDPBF16PS` kernel's panel order,
-    /// for one-row products with that kernel; built on the first such product.
-    pub(super) panels: OnceLock<PanelWeights>,
+    /// for the few-row products of decoding with that kernel (built with the packing:
+    /// built on first use, inside a parallel region, a re-entrant call could block).
+    pub(super) panels: Option<PanelWeights>,
 }
 
 /// The frozen matrices as [`QuantPanels`] where their blocks are exact (`None` where not:
@@ -138,7 +137,8 @@ impl Transformer {
             kernel,
             layers,
             head: pack(self.weights.lm_head())?,
-            panels: OnceLock::new(),
+            panels: (kernel == bf16::Kernel::Avx512Bf16 && panels::usable())
+                .then(|| self.build_panels()),
         };
         let bytes: usize = packed.head.bytes()
             + packed
@@ -201,8 +201,8 @@ impl Transformer {
 
     /// `x Wᵀ + bias` for `m` rows `x` (`(m, in)`, row-major) and the frozen matrix `w`,
     /// computed as the trainer computes it: in bf16 precision the bf16 product from the
-    /// packed weights, its sums starting from the bias; otherwise f32, the bias added
-    /// after. For decoding where the block weights do not take a product (a width that
+    /// packed weights (or their panel copy), the bias taken as the trainer's kernel
+    /// takes it; otherwise f32, the bias added after. For decoding where the block weights do not take a product (a width that
     /// is not whole blocks, more rows than their kernels take, exact mode). CPU backend
     /// only.
     pub fn frozen_product_host(
@@ -215,8 +215,8 @@ impl Transformer {
         if let Some(b) = &self.bf16 {
             // A decode step's few rows read every weight once: with the `VDPBF16PS`
             // kernel, the same products from a third of the bytes.
-            if m <= panels::MAX_ROWS && b.kernel == bf16::Kernel::Avx512Bf16 && panels::usable() {
-                let built = b.panels.get_or_init(|| self.build_panels());
+            let few = (1..=panels::MAX_ROWS).contains(&m);
+            if let Some(built) = b.panels.as_ref().filter(|_| few) {
                 if let Some(p) = built.get(w).filter(|p| x.len() == m * p.cols()) {
                     if bias.is_some_and(|b| b.len() != p.rows()) {
                         return Err(ModelError::Input(format!(
@@ -313,7 +313,7 @@ impl Transformer {
             of = built.layers.len() * 4 + 1,
             mib = bytes >> 20,
             seconds = format!("{:.2}", start.elapsed().as_secs_f64()),
-            "bf16 panel weights built for one-row decoding"
+            "bf16 panel weights built for decoding"
         );
         built
     }

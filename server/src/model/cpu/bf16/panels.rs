@@ -206,7 +206,7 @@ fn write_row(rec: &mut [u8], j: usize, block: QuantBlock) {
     }
 }
 
-/// Whether this CPU runs [`QuantPanels::product_row`].
+/// Whether this CPU runs [`QuantPanels::product`].
 pub fn usable() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
