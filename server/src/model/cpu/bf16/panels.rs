@@ -272,29 +272,33 @@ mod kernel {
         _mm512_cvtne2ps_pbh(b, a)
     }
 
-    /// Panels of 4-bit records (`nb` blocks each) times `R` rows of pair words `x`
-    /// (`pairs` words each) into `out` (`(R, n)`, row stride `stride`; the panels' 16
-    /// outputs each), two panels at a time so that at least two chains of `VDPBF16PS`
-    /// overlap; each weight is formed once for all `R` rows.
-    ///
-    /// A weight is `q * d + m` with `q` at most 15 and `d` an f16 value, so `q * d` has
-    /// at most 15 significant bits and is exact in f32: a fused multiply-add rounds once,
-    /// as the multiply and the add of the dequantizer round once between them.
+    /// Panels of records (`record` bytes, `nb` blocks each) times `R` rows of pair words
+    /// `x` (`pairs` words each) into `out` (`(R, n)`, row stride `stride`; the panels'
+    /// 16 outputs each), two panels at a time so that at least two chains of
+    /// `VDPBF16PS` overlap; each weight is formed once for all `R` rows. For each
+    /// block's record `scales(rec)` reads what its pairs share, and `weights(&scales,
+    /// rec, p)` forms pair `p`'s 16 lanes' pair words.
     ///
     /// # Safety
     /// The CPU has AVX-512 F and BW and AVX512-BF16; `records` holds `panels` (even)
     /// panels of `nb` records; `x` holds `R` rows of `pairs >= nb * 16` words; `out`
-    /// holds `R` rows of `stride >= panels * 16` values.
+    /// holds `R` rows of `stride >= panels * 16` values; `scales` and `weights` read
+    /// only within the record they are given.
+    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    pub(super) unsafe fn q41<const R: usize>(
+    #[inline]
+    unsafe fn run<const R: usize, S>(
         records: &[u8],
+        record: usize,
         nb: usize,
         x: &[u32],
         pairs: usize,
         out: &mut [f32],
         stride: usize,
+        scales: impl Fn(*const u8) -> S,
+        weights: impl Fn(&S, *const u8, usize) -> __m512bh,
     ) {
-        let panels = records.len() / (nb * Q41_RECORD);
+        let panels = records.len() / (nb * record);
         assert!(
             panels.is_multiple_of(2)
                 && pairs >= nb * PAIRS
@@ -302,37 +306,24 @@ mod kernel {
                 && stride >= panels * PANEL
                 && out.len() >= (R - 1) * stride + panels * PANEL
         );
-        let low = _mm512_set1_epi32(0xf);
         for pp in (0..panels).step_by(2) {
             let mut acc = [[_mm512_setzero_ps(); R]; 2];
             for b in 0..nb {
                 let recs = [
-                    records.as_ptr().add((pp * nb + b) * Q41_RECORD),
-                    records.as_ptr().add(((pp + 1) * nb + b) * Q41_RECORD),
+                    records.as_ptr().add((pp * nb + b) * record),
+                    records.as_ptr().add(((pp + 1) * nb + b) * record),
                 ];
-                let row_values =
-                    |r: *const u8, at: usize| _mm512_cvtph_ps(_mm256_loadu_si256(r.add(at).cast()));
-                let (scale, min) = (
-                    recs.map(|r| row_values(r, PAIRS * PANEL)),
-                    recs.map(|r| row_values(r, PAIRS * PANEL + 2 * PANEL)),
-                );
-                let spread = |v: [__m512; 2], upper| v.map(|v| per_word(v, upper));
-                let (scale_a, scale_b) = (spread(scale, false), spread(scale, true));
-                let (min_a, min_b) = (spread(min, false), spread(min, true));
+                let shared = recs.map(&scales);
                 for p in 0..PAIRS {
-                    let w = [0, 1].map(|g| {
-                        let codes =
-                            _mm512_cvtepu8_epi32(_mm_loadu_si128(recs[g].add(p * PANEL).cast()));
-                        let qa = _mm512_cvtepi32_ps(_mm512_and_si512(codes, low));
-                        let qb = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(codes));
-                        let wa = _mm512_fmadd_ps(qa, scale_a[g], min_a[g]);
-                        let wb = _mm512_fmadd_ps(qb, scale_b[g], min_b[g]);
-                        pair_words(wa, wb)
-                    });
+                    let w = [0, 1].map(|g| weights(&shared[g], recs[g], p));
                     add_products(&mut acc, &w, x, pairs, b * PAIRS + p);
                 }
             }
-            store(&acc, out, stride, pp);
+            for (g, panel) in acc.iter().enumerate() {
+                for (r, &v) in panel.iter().enumerate() {
+                    _mm512_storeu_ps(out.as_mut_ptr().add(r * stride + (pp + g) * PANEL), v);
+                }
+            }
         }
     }
 
@@ -357,26 +348,52 @@ mod kernel {
         }
     }
 
-    /// Writes two panels' sums (`acc[g][r]`, panels `pp` and `pp + 1`) into `out`.
-    #[target_feature(enable = "avx512f")]
-    #[inline]
-    unsafe fn store<const R: usize>(
-        acc: &[[__m512; R]; 2],
-        out: &mut [f32],
-        stride: usize,
-        pp: usize,
-    ) {
-        for (g, panel) in acc.iter().enumerate() {
-            for (r, &v) in panel.iter().enumerate() {
-                _mm512_storeu_ps(out.as_mut_ptr().add(r * stride + (pp + g) * PANEL), v);
-            }
-        }
-    }
-
-    /// [`q41`] for 8-bit records (weights `q * scale`, one rounding).
+    /// [`run`] over 4-bit records. A weight is `q * d + m` with `q` at most 15 and `d`
+    /// an f16 value, so `q * d` has at most 15 significant bits and is exact in f32: a
+    /// fused multiply-add rounds once, as the multiply and the add of the dequantizer
+    /// round once between them.
     ///
     /// # Safety
-    /// As for [`q41`], with records of 8-bit codes.
+    /// As for [`run`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(super) unsafe fn q41<const R: usize>(
+        records: &[u8],
+        nb: usize,
+        x: &[u32],
+        pairs: usize,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let low = _mm512_set1_epi32(0xf);
+        // Each row's scale and minimum, spread over rows 0-7's and 8-15's pair words.
+        let scales = |r: *const u8| {
+            let rows = |at: usize| _mm512_cvtph_ps(_mm256_loadu_si256(r.add(at).cast()));
+            let (d, m) = (rows(PAIRS * PANEL), rows(PAIRS * PANEL + 2 * PANEL));
+            [
+                per_word(d, false),
+                per_word(d, true),
+                per_word(m, false),
+                per_word(m, true),
+            ]
+        };
+        let weights = |s: &[__m512; 4], r: *const u8, p: usize| {
+            let codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(r.add(p * PANEL).cast()));
+            let qa = _mm512_cvtepi32_ps(_mm512_and_si512(codes, low));
+            let qb = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(codes));
+            pair_words(
+                _mm512_fmadd_ps(qa, s[0], s[2]),
+                _mm512_fmadd_ps(qb, s[1], s[3]),
+            )
+        };
+        run::<R, _>(
+            records, Q41_RECORD, nb, x, pairs, out, stride, scales, weights,
+        )
+    }
+
+    /// [`run`] over 8-bit records (weights `q * scale`, one rounding).
+    ///
+    /// # Safety
+    /// As for [`run`].
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     pub(super) unsafe fn q8<const R: usize>(
         records: &[u8],
@@ -386,38 +403,22 @@ mod kernel {
         out: &mut [f32],
         stride: usize,
     ) {
-        let panels = records.len() / (nb * Q8_RECORD);
-        assert!(
-            panels.is_multiple_of(2)
-                && pairs >= nb * PAIRS
-                && x.len() >= R * pairs
-                && stride >= panels * PANEL
-                && out.len() >= (R - 1) * stride + panels * PANEL
-        );
-        for pp in (0..panels).step_by(2) {
-            let mut acc = [[_mm512_setzero_ps(); R]; 2];
-            for b in 0..nb {
-                let recs = [
-                    records.as_ptr().add((pp * nb + b) * Q8_RECORD),
-                    records.as_ptr().add(((pp + 1) * nb + b) * Q8_RECORD),
-                ];
-                let scale = recs.map(|r| _mm512_loadu_ps(r.add(PAIRS * 2 * PANEL).cast()));
-                let scale_a = scale.map(|v| per_word(v, false));
-                let scale_b = scale.map(|v| per_word(v, true));
-                for p in 0..PAIRS {
-                    let w = [0, 1].map(|g| {
-                        let at = recs[g].add(p * 2 * PANEL);
-                        let widen = |r: *const u8| {
-                            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(r.cast())))
-                        };
-                        let wa = _mm512_mul_ps(widen(at), scale_a[g]);
-                        let wb = _mm512_mul_ps(widen(at.add(PANEL)), scale_b[g]);
-                        pair_words(wa, wb)
-                    });
-                    add_products(&mut acc, &w, x, pairs, b * PAIRS + p);
-                }
-            }
-            store(&acc, out, stride, pp);
-        }
+        let scales = |r: *const u8| {
+            let s = _mm512_loadu_ps(r.add(PAIRS * 2 * PANEL).cast());
+            [per_word(s, false), per_word(s, true)]
+        };
+        let weights = |s: &[__m512; 2], r: *const u8, p: usize| {
+            let widen = |at: usize| {
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(r.add(at).cast())))
+            };
+            let at = p * 2 * PANEL;
+            pair_words(
+                _mm512_mul_ps(widen(at), s[0]),
+                _mm512_mul_ps(widen(at + PANEL), s[1]),
+            )
+        };
+        run::<R, _>(
+            records, Q8_RECORD, nb, x, pairs, out, stride, scales, weights,
+        )
     }
 }
