@@ -14,10 +14,12 @@ use candle_core::{Device, Result, Tensor};
 
 use super::backend::Backend;
 use super::cpu::bf16::{self, Bf16Ref};
+use super::cpu::decode_weights::DecodeLinear;
 use super::cpu::gemm::{gemm, with_slices, Mat, MatMut};
 use super::cpu::input_grad;
 use super::cpu::kernels;
 use super::cpu::lora_rows;
+use super::cpu::quant::BlockArith;
 use super::lora::{
     lora_backward, lora_forward, Adapter, AdapterGrads, LoraCache, LoraPair, Segment, Target,
 };
@@ -192,24 +194,27 @@ fn caches_of(us: Vec<HostU>, parts: usize, segs: &[Segment]) -> Result<Vec<LoraC
     Ok(caches)
 }
 
-/// The decode weights' product `y` (`(n, out)` on the host, from
-/// `DecodeLinear::forward_host`) plus each part's LoRA deltas, added in place as
-/// [`forward`] adds them. `x` and every pair the segments use must be f32 on the CPU.
-pub fn add_deltas_host(
+/// `x` through the decode weights `d` (their products in `arith`) plus each part's LoRA
+/// deltas, added in place in the product's own buffer as [`forward`] adds them. `x` and
+/// every pair the segments use must be f32 on the CPU, as the decode weights are.
+pub fn forward_decoded(
     x: &Tensor,
-    mut y: Vec<f32>,
+    d: &DecodeLinear,
+    arith: BlockArith,
     parts: &[(Target, usize)],
     segs: &[Segment],
     adapters: &[&Adapter],
 ) -> Result<(Tensor, Vec<LoraCache>)> {
     let (n, d_in) = x.dims2()?;
     let d_out: usize = parts.iter().map(|&(_, w)| w).sum();
-    if y.len() != n * d_out {
-        candle_core::bail!("{} outputs for {n} rows of {d_out}", y.len());
-    }
-    let us = with_slices(&[x], |s| {
+    let (y, us) = with_slices(&[x], |s| {
+        let mut y = d.forward_host(s[0], n, arith)?;
+        if y.len() != n * d_out {
+            candle_core::bail!("{} outputs for {n} rows of {d_out}", y.len());
+        }
         let mut out = MatMut::new(&mut y, n, d_out, d_out);
-        add_host_deltas(Mat::new(s[0], n, d_in), &mut out, parts, segs, adapters)
+        let us = add_host_deltas(Mat::new(s[0], n, d_in), &mut out, parts, segs, adapters)?;
+        Ok((y, us))
     })?;
     Ok((host_tensor(y, n, d_out)?, caches_of(us, parts.len(), segs)?))
 }

@@ -29,4 +29,5 @@ pub mod lora_rows;
 pub mod pool;
 pub mod quant;
 pub mod row_loops;
+mod transpose;
 pub mod vector_math;

@@ -4,7 +4,6 @@
 //! norm; the output head is in [`super::head`].
 
 use super::*;
-use crate::model::cpu::gemm::with_slices;
 
 impl Transformer {
     /// Log-probabilities of `targets` (`(rows, k)` u32) at every row of `batch`, and the
@@ -104,13 +103,7 @@ impl Transformer {
          -> candle_core::Result<(Tensor, PartCaches)> {
             let arith = self.block_arith();
             match quantized.filter(|d| d.quantizes(x.dims()[0], arith)) {
-                // Decode weights live on the host, in f32 like the LoRA factors: the
-                // product and every delta in one buffer.
-                Some(d) => {
-                    let m = x.dims()[0];
-                    let y = with_slices(&[x], |s| d.forward_host(s[0], m, arith))?;
-                    adapted::add_deltas_host(x, y, p.parts, segs, adapters)
-                }
+                Some(d) => adapted::forward_decoded(x, d, arith, p.parts, segs, adapters),
                 None => adapted::forward(x, p, segs, adapters),
             }
         };

@@ -202,9 +202,9 @@ impl Transformer {
     /// `x Wᵀ + bias` for `m` rows `x` (`(m, in)`, row-major) and the frozen matrix `w`,
     /// computed as the trainer computes it: in bf16 precision the bf16 product from the
     /// packed weights (or their panel copy), the bias taken as the trainer's kernel
-    /// takes it; otherwise f32, the bias added after. For decoding where the block weights do not take a product (a width that
-    /// is not whole blocks, more rows than their kernels take, exact mode). CPU backend
-    /// only.
+    /// takes it; otherwise f32, the bias added after. For decoding where the block
+    /// weights do not take a product (a width that is not whole blocks, more rows than
+    /// their kernels take, exact mode). CPU backend only.
     pub fn frozen_product_host(
         &self,
         w: Frozen,
@@ -213,20 +213,6 @@ impl Transformer {
         bias: Option<&[f32]>,
     ) -> Result<Vec<f32>, ModelError> {
         if let Some(b) = &self.bf16 {
-            // A decode step's few rows read every weight once: with the `VDPBF16PS`
-            // kernel, the same products from a third of the bytes.
-            let few = (1..=panels::MAX_ROWS).contains(&m);
-            if let Some(built) = b.panels.as_ref().filter(|_| few) {
-                if let Some(p) = built.get(w).filter(|p| x.len() == m * p.cols()) {
-                    if bias.is_some_and(|b| b.len() != p.rows()) {
-                        return Err(ModelError::Input(format!(
-                            "biases for a product into {} columns",
-                            p.rows()
-                        )));
-                    }
-                    return Ok(p.product(x, m, bias));
-                }
-            }
             let packed = match w {
                 Frozen::Qkv(l) => &b.layers[l][0],
                 Frozen::O(l) => &b.layers[l][1],
@@ -246,6 +232,12 @@ impl Transformer {
                     "{} biases for a product into {n} columns",
                     b.len()
                 )));
+            }
+            // A decode step's few rows read every weight once: with the `VDPBF16PS`
+            // kernel, the same products from a third of the bytes.
+            let copy = b.panels.as_ref().and_then(|p| p.get(w));
+            if let Some(p) = copy.filter(|_| (1..=panels::MAX_ROWS).contains(&m)) {
+                return Ok(p.product(x, m, bias));
             }
             let mut out = match bias {
                 Some(b) => (0..m).flat_map(|_| b.iter().copied()).collect(),

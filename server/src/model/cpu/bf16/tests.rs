@@ -273,6 +273,38 @@ fn a_strided_left_hand_side_is_read_through_its_strides() {
     }
 }
 
+/// The trainer's bf16 product of `m` rows `x` with `packed` on `kernel`, its sums
+/// taking `bias` as the trainer's projections do.
+fn trainers_product(
+    kernel: Kernel,
+    packed: &PackedWeight,
+    x: &[f32],
+    m: usize,
+    bias: Option<&[f32]>,
+) -> Vec<f32> {
+    let (k, n) = (packed.forward.k(), packed.forward.n());
+    let mut out: Vec<f32> = match bias {
+        Some(b) => (0..m).flat_map(|_| b.iter().copied()).collect(),
+        None => vec![0f32; m * n],
+    };
+    gemm(
+        kernel,
+        &mut MatMut::new(&mut out, m, n, n),
+        Mat::new(x, m, k),
+        &packed.forward,
+        bias.is_some(),
+    );
+    out
+}
+
+/// `got` and `want` hold the same f32 values bit for bit.
+fn assert_same_bits(got: &[f32], want: &[f32], label: &str) {
+    assert_eq!(got.len(), want.len(), "{label}: lengths");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert_eq!(g.to_bits(), w.to_bits(), "{label}: element {i}: {g} vs {w}");
+    }
+}
+
 /// The decode weights' bf16 block products (Q4_1 and Q8 blocks, `BlockArith::Bf16`)
 /// equal the trainer's bf16 product of the same f32 weights with the same kernel, bit
 /// for bit, for every kernel this CPU has: for one row (a stream), a decode step's few
@@ -316,27 +348,16 @@ fn decode_blocks_reproduce_the_trainers_products() {
                     // With a bias (Qwen2's q/k/v), as the trainer's product takes it.
                     for bias in [None, Some(bias.as_slice())] {
                         let got = q.matmul_t_host(&x, m, arith, bias).unwrap();
-                        let mut want: Vec<f32> = match bias {
-                            Some(b) => (0..m).flat_map(|_| b.iter().copied()).collect(),
-                            None => vec![0f32; m * rows],
-                        };
-                        gemm(
-                            kernel,
-                            &mut MatMut::new(&mut want, m, rows, rows),
-                            Mat::new(&x, m, k),
-                            &packed.forward,
-                            bias.is_some(),
-                        );
-                        assert_eq!(got.len(), want.len());
-                        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                            assert_eq!(
-                                g.to_bits(),
-                                w.to_bits(),
-                                "{} {format} {rows}x{k}, {m} rows, bias {}: element {i}: {g} vs {w}",
+                        let want = trainers_product(kernel, &packed, &x, m, bias);
+                        assert_same_bits(
+                            &got,
+                            &want,
+                            &format!(
+                                "{} {format} {rows}x{k}, {m} rows, bias {}",
                                 kernel.name(),
                                 bias.is_some()
-                            );
-                        }
+                            ),
+                        );
                     }
                 }
                 let x = data(33 * k, 5);
@@ -387,26 +408,9 @@ fn panel_copies_reproduce_the_trainers_avx512_bf16_products() {
                 let x = data(m * k, 3 + m as u64);
                 for bias in [None, Some(bias.as_slice())] {
                     let got = p.product(&x, m, bias);
-                    let mut want: Vec<f32> = match bias {
-                        Some(b) => (0..m).flat_map(|_| b.iter().copied()).collect(),
-                        None => vec![0f32; m * rows],
-                    };
-                    gemm(
-                        Kernel::Avx512Bf16,
-                        &mut MatMut::new(&mut want, m, rows, rows),
-                        Mat::new(&x, m, k),
-                        &packed.forward,
-                        bias.is_some(),
-                    );
-                    assert_eq!(got.len(), want.len());
-                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                        assert_eq!(
-                            g.to_bits(),
-                            w.to_bits(),
-                            "{format} {rows}x{k}, {m} rows, bias {}: element {i}: {g} vs {w}",
-                            bias.is_some()
-                        );
-                    }
+                    let want = trainers_product(Kernel::Avx512Bf16, &packed, &x, m, bias);
+                    let label = format!("{format} {rows}x{k}, {m} rows, bias {}", bias.is_some());
+                    assert_same_bits(&got, &want, &label);
                 }
             }
         }
