@@ -25,6 +25,7 @@ use rayon::prelude::*;
 use super::decode_weights::DecodeWeights;
 use super::kernels;
 use super::lora_rows;
+use super::warm::Warm;
 use crate::model::backend::Backend;
 use crate::model::kv::{self, HostQkv, KvCache};
 use crate::model::lora::{Adapter, Proj, Target};
@@ -327,8 +328,10 @@ impl<'m> HostDecoder<'m> {
                 &l.qkv
             }
         });
+        let sites: Vec<Site> = parts.iter().map(|(p, _)| Site::Layer(layer, *p)).collect();
+        let regions = self.factors(rows, &sites);
         let y = match linear.filter(|l| l.quantizes(m, arith)) {
-            Some(l) => l.forward_host(x, m, arith)?,
+            Some(l) => l.forward_host_warming(x, m, arith, Warm::new(&regions))?,
             None => {
                 let w = if gate_up {
                     Frozen::GateUp(layer)
@@ -375,8 +378,11 @@ impl<'m> HostDecoder<'m> {
                 &l.down
             }
         });
+        let regions = self.factors(rows, &[Site::Layer(layer, p)]);
         let mut y = match linear.filter(|l| l.quantizes(m, self.model.block_arith())) {
-            Some(l) => l.forward_host(x, m, self.model.block_arith())?,
+            Some(l) => {
+                l.forward_host_warming(x, m, self.model.block_arith(), Warm::new(&regions))?
+            }
             None => {
                 let w = if p == Proj::O {
                     Frozen::O(layer)
@@ -388,6 +394,29 @@ impl<'m> HostDecoder<'m> {
         };
         self.add_deltas(x, rows, vec![(Site::Layer(layer, p), &mut y)]);
         Ok(y)
+    }
+
+    /// The adapter factors that the rows' deltas at `sites` read, each adapter once: what
+    /// a product warms for the deltas that follow it ([`super::warm`]).
+    fn factors(&self, rows: &[StepRow], sites: &[Site]) -> Vec<&[f32]> {
+        if rows.len() < 2 {
+            // One row's product is bound by its weight reads: it warms nothing.
+            return Vec::new();
+        }
+        let mut seen: Vec<usize> = Vec::with_capacity(rows.len());
+        let mut out = Vec::new();
+        for a in rows.iter().filter_map(|r| r.adapter) {
+            if seen.contains(&a) {
+                continue;
+            }
+            seen.push(a);
+            for &site in sites {
+                if let Some(l) = self.adapters[a].lora(site) {
+                    out.extend([l.a.as_slice(), l.bt.as_slice()]);
+                }
+            }
+        }
+        out
     }
 
     /// Adds every row's own adapter delta to the outputs of `sites`, each `(site, y)`

@@ -13,6 +13,7 @@ use candle_core::{DType, Tensor};
 
 use super::kernels;
 use super::quant::{BlockArith, QuantMatrix, BLOCK};
+use super::warm::Warm;
 use crate::model::backend::Backend;
 use crate::model::transformer::StackedWeights;
 use crate::model::weights::{matmul_t, matmul_t_host, BaseWeights, FrozenLinear};
@@ -114,8 +115,20 @@ impl DecodeLinear {
         m: usize,
         arith: BlockArith,
     ) -> candle_core::Result<Vec<f32>> {
+        self.forward_host_warming(x, m, arith, Warm::NONE)
+    }
+
+    /// [`DecodeLinear::forward_host`], pulling `warm` toward the caches while the block
+    /// weights' product runs ([`QuantMatrix::matmul_t_host_warming`]).
+    pub fn forward_host_warming(
+        &self,
+        x: &[f32],
+        m: usize,
+        arith: BlockArith,
+        warm: Warm<'_>,
+    ) -> candle_core::Result<Vec<f32>> {
         match self.quant_for(m, arith) {
-            Some(q) => q.matmul_t_host(x, m, arith, self.bias_host.as_deref()),
+            Some(q) => q.matmul_t_host_warming(x, m, arith, self.bias_host.as_deref(), warm),
             None => {
                 let mut y = matmul_t_host(x, m, &self.f32.weight)?;
                 if let Some(b) = &self.bias_host {

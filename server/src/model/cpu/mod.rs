@@ -16,7 +16,8 @@
 //! - [`quant`]: block-quantized matrices and their kernels; [`decode_weights`] the
 //!   decode copies of the model built from them; [`decode_step`] a decode step over
 //!   plain buffers.
-//! - [`pool`]: keeping rayon's threads awake across a pass's short regions.
+//! - [`pool`]: keeping rayon's threads awake across a pass's short regions; [`warm`]
+//!   prefetching what a decode step reads next while its products compute.
 
 pub mod attention;
 pub mod bf16;
@@ -31,3 +32,4 @@ pub mod quant;
 pub mod row_loops;
 mod transpose;
 pub mod vector_math;
+pub mod warm;

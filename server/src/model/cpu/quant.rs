@@ -30,6 +30,7 @@ use super::bf16::Kernel;
 use super::kernels::prefetch_lines;
 use super::kernels::{from_transposed, grain, with};
 use super::transpose::transpose;
+use super::warm::{Trickle, Warm};
 
 /// Block length of both formats, along the input dimension.
 pub const BLOCK: usize = 32;
@@ -210,7 +211,7 @@ impl QuantMatrix {
                 self.cols
             );
         }
-        let yt = with::<f32, _>(x, |xs| self.product_t(xs, m, arith, bias))?;
+        let yt = with::<f32, _>(x, |xs| self.product_t(xs, m, arith, bias, Warm::NONE))?;
         from_transposed(yt, self.rows, m)
     }
 
@@ -222,6 +223,20 @@ impl QuantMatrix {
         arith: BlockArith,
         bias: Option<&[f32]>,
     ) -> Result<Vec<f32>> {
+        self.matmul_t_host_warming(xs, m, arith, bias, Warm::NONE)
+    }
+
+    /// [`QuantMatrix::matmul_t_host`], pulling `warm` toward the caches while the f32
+    /// kernels compute several rows (where they are compute-bound; one row's product is
+    /// bound by the weight reads, and a prefetch would only compete with them).
+    pub fn matmul_t_host_warming(
+        &self,
+        xs: &[f32],
+        m: usize,
+        arith: BlockArith,
+        bias: Option<&[f32]>,
+        warm: Warm<'_>,
+    ) -> Result<Vec<f32>> {
         if xs.len() != m * self.cols {
             candle_core::bail!(
                 "quantized matmul: {} inputs for {m} rows of {}",
@@ -229,7 +244,11 @@ impl QuantMatrix {
                 self.cols
             );
         }
-        Ok(transpose(self.product_t(xs, m, arith, bias)?, self.rows, m))
+        Ok(transpose(
+            self.product_t(xs, m, arith, bias, warm)?,
+            self.rows,
+            m,
+        ))
     }
 
     /// `(rows, m)`: the products plus `bias` (one per weight row), one weight row's
@@ -242,6 +261,7 @@ impl QuantMatrix {
         m: usize,
         arith: BlockArith,
         bias: Option<&[f32]>,
+        warm: Warm<'_>,
     ) -> Result<Vec<f32>> {
         let k = self.cols;
         if let Some(b) = bias.filter(|b| b.len() != self.rows) {
@@ -272,6 +292,15 @@ impl QuantMatrix {
         // Task `i`'s output chunk and the biases of its rows.
         let rows_of =
             |i: usize, out: &[f32]| bias.map(|b| &b[i * chunk..i * chunk + out.len() / m]);
+        // Task `i`'s share of `warm`, one step per weight row it computes.
+        let tasks = self.rows.div_ceil(chunk);
+        let share = |i: usize, out: &[f32]| {
+            if m > 1 {
+                warm.share(i, tasks, out.len() / m)
+            } else {
+                Trickle::none()
+            }
+        };
         match &self.blocks {
             Blocks::Q8 { quants, scales } => out
                 .zip(
@@ -285,7 +314,7 @@ impl QuantMatrix {
                     match &tiles {
                         Some((kernel, x)) => blocks::q8(*kernel, x, q, s, bias, out),
                         None => {
-                            q8_rows(xs, m, k, q, s, out);
+                            q8_rows(xs, m, k, q, s, out, &share(i, out));
                             add_row_bias(out, m, bias);
                         }
                     }
@@ -309,7 +338,7 @@ impl QuantMatrix {
                     match &tiles {
                         Some((kernel, x)) => blocks::q41(*kernel, x, q, d, mn, bias, out),
                         None => {
-                            q41_rows(xs, m, k, q, d, mn, out);
+                            q41_rows(xs, m, k, q, d, mn, out, &share(i, out));
                             add_row_bias(out, m, bias);
                         }
                     }
@@ -416,14 +445,16 @@ pub fn has_fast_kernels() -> bool {
     }
 }
 
-fn q8_rows(xs: &[f32], m: usize, k: usize, q: &[i8], s: &[f32], out: &mut [f32]) {
+/// `(rows, m)` products of `xs` with Q8 weight rows, stepping `warm` once per weight row.
+fn q8_rows(xs: &[f32], m: usize, k: usize, q: &[i8], s: &[f32], out: &mut [f32], warm: &Trickle) {
     #[cfg(target_arch = "x86_64")]
     {
         if is_x86_feature_detected!("avx512f") {
             // SAFETY: the CPU supports AVX-512F, checked just above.
-            return unsafe { q8_rows_avx512(xs, m, k, q, s, out) };
+            return unsafe { q8_rows_avx512(xs, m, k, q, s, out, warm) };
         }
     }
+    let _ = warm;
     q8_rows_generic(xs, m, k, q, s, out)
 }
 
@@ -431,7 +462,15 @@ fn q8_rows(xs: &[f32], m: usize, k: usize, q: &[i8], s: &[f32], out: &mut [f32])
 /// multiplied into the activation rows ([`products_avx512`]).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn q8_rows_avx512(xs: &[f32], m: usize, k: usize, q: &[i8], s: &[f32], out: &mut [f32]) {
+unsafe fn q8_rows_avx512(
+    xs: &[f32],
+    m: usize,
+    k: usize,
+    q: &[i8],
+    s: &[f32],
+    out: &mut [f32],
+    warm: &Trickle,
+) {
     use std::arch::x86_64::*;
     let nb = k / BLOCK;
     let rows = s.len() / nb;
@@ -455,6 +494,7 @@ unsafe fn q8_rows_avx512(xs: &[f32], m: usize, k: usize, q: &[i8], s: &[f32], ou
         if o < rows {
             prefetch_lines(q.as_ptr().wrapping_add(o * k).cast(), k);
         }
+        warm.step();
     };
     products_avx512(xs, m, k, rows, out, weights, ahead)
 }
@@ -627,14 +667,27 @@ unsafe fn one_row_avx512(
     }
 }
 
-fn q41_rows(xs: &[f32], m: usize, k: usize, q: &[u8], d: &[f32], mn: &[f32], out: &mut [f32]) {
+/// `(rows, m)` products of `xs` with Q4_1 weight rows, stepping `warm` once per weight
+/// row.
+#[allow(clippy::too_many_arguments)]
+fn q41_rows(
+    xs: &[f32],
+    m: usize,
+    k: usize,
+    q: &[u8],
+    d: &[f32],
+    mn: &[f32],
+    out: &mut [f32],
+    warm: &Trickle,
+) {
     #[cfg(target_arch = "x86_64")]
     {
         if is_x86_feature_detected!("avx512f") {
             // SAFETY: the CPU supports AVX-512F, checked just above.
-            return unsafe { q41_rows_avx512(xs, m, k, q, d, mn, out) };
+            return unsafe { q41_rows_avx512(xs, m, k, q, d, mn, out, warm) };
         }
     }
+    let _ = warm;
     q41_rows_generic(xs, m, k, q, d, mn, out)
 }
 
@@ -645,6 +698,7 @@ fn q41_rows(xs: &[f32], m: usize, k: usize, q: &[u8], d: &[f32], mn: &[f32], out
 /// masking. That takes the work off the port the int-to-float conversions queued on.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
 unsafe fn q41_rows_avx512(
     xs: &[f32],
     m: usize,
@@ -653,6 +707,7 @@ unsafe fn q41_rows_avx512(
     d: &[f32],
     mn: &[f32],
     out: &mut [f32],
+    warm: &Trickle,
 ) {
     use std::arch::x86_64::*;
     let nb = k / BLOCK;
@@ -681,6 +736,7 @@ unsafe fn q41_rows_avx512(
         if o < rows {
             prefetch_lines(q.as_ptr().wrapping_add(o * nb * HALF), nb * HALF);
         }
+        warm.step();
     };
     products_avx512(xs, m, k, rows, out, weights, ahead)
 }
