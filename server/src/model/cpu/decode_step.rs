@@ -339,7 +339,9 @@ impl<'m> HostDecoder<'m> {
                     Frozen::Qkv(layer)
                 };
                 let bias = self.blocks[layer].qkv_bias.as_deref().filter(|_| !gate_up);
-                self.model.frozen_product_host(w, x, m, bias)?
+                let warm = Warm::new(&regions);
+                self.model
+                    .frozen_product_host_warming(w, x, m, bias, warm)?
             }
         };
         let width: usize = parts.iter().map(|(_, w)| w).sum();
@@ -389,7 +391,9 @@ impl<'m> HostDecoder<'m> {
                 } else {
                     Frozen::Down(layer)
                 };
-                self.model.frozen_product_host(w, x, m, None)?
+                let warm = Warm::new(&regions);
+                self.model
+                    .frozen_product_host_warming(w, x, m, None, warm)?
             }
         };
         self.add_deltas(x, rows, vec![(Site::Layer(layer, p), &mut y)]);
@@ -397,12 +401,9 @@ impl<'m> HostDecoder<'m> {
     }
 
     /// The adapter factors that the rows' deltas at `sites` read, each adapter once: what
-    /// a product warms for the deltas that follow it ([`super::warm`]).
+    /// a product warms for the deltas that follow it ([`super::warm`]; each product
+    /// decides whether it can, by how it is bound).
     fn factors(&self, rows: &[StepRow], sites: &[Site]) -> Vec<&[f32]> {
-        if rows.len() < 2 {
-            // One row's product is bound by its weight reads: it warms nothing.
-            return Vec::new();
-        }
         let mut seen: Vec<usize> = Vec::with_capacity(rows.len());
         let mut out = Vec::new();
         for a in rows.iter().filter_map(|r| r.adapter) {

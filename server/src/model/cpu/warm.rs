@@ -1,8 +1,9 @@
 //! Pulling memory that is read next toward the caches while a compute-bound product runs.
 //!
 //! A decode step of several rows multiplies them by the block weights, which keeps the
-//! FMA units busy and leaves memory bandwidth spare, and then adds each row's LoRA delta,
-//! which reads that row's adapter factors and does almost no arithmetic. With a distinct
+//! FMA units busy and leaves memory bandwidth spare (so does one row through the bf16
+//! panel copy, whose weights take more arithmetic to form), and then adds each row's
+//! LoRA delta, which reads that row's adapter factors and does almost no arithmetic. With a distinct
 //! adapter per row the factors do not stay in cache from one step to the next, so the
 //! deltas wait on memory with nothing to overlap. [`Warm`] names the factors the deltas
 //! will read; the product's parallel tasks each take a share ([`Warm::share`]) and

@@ -10,6 +10,7 @@ use crate::model::cpu::bf16::panels::{self, QuantPanels};
 use crate::model::cpu::bf16::{self, Bf16Ref, Precision};
 use crate::model::cpu::gemm::{Mat, MatMut};
 use crate::model::cpu::quant::{BlockArith, QuantMatrix};
+use crate::model::cpu::warm::Warm;
 use crate::model::weights::matmul_t_host;
 use crate::model::ModelError;
 
@@ -212,6 +213,20 @@ impl Transformer {
         m: usize,
         bias: Option<&[f32]>,
     ) -> Result<Vec<f32>, ModelError> {
+        self.frozen_product_host_warming(w, x, m, bias, Warm::NONE)
+    }
+
+    /// [`Transformer::frozen_product_host`], pulling `warm` toward the caches where the
+    /// product is bound by its arithmetic (the bf16 panel copy's products), for what the
+    /// caller reads right after it.
+    pub fn frozen_product_host_warming(
+        &self,
+        w: Frozen,
+        x: &[f32],
+        m: usize,
+        bias: Option<&[f32]>,
+        warm: Warm<'_>,
+    ) -> Result<Vec<f32>, ModelError> {
         if let Some(b) = &self.bf16 {
             let packed = match w {
                 Frozen::Qkv(l) => &b.layers[l][0],
@@ -237,7 +252,7 @@ impl Transformer {
             // kernel, the same products from a third of the bytes.
             let copy = b.panels.as_ref().and_then(|p| p.get(w));
             if let Some(p) = copy.filter(|_| (1..=panels::MAX_ROWS).contains(&m)) {
-                return Ok(p.product(x, m, bias));
+                return Ok(p.product_warming(x, m, bias, warm));
             }
             let mut out = match bias {
                 Some(b) => (0..m).flat_map(|_| b.iter().copied()).collect(),

@@ -22,6 +22,7 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::super::quant::{QuantBlock, QuantMatrix, BLOCK};
+use super::super::warm::{Trickle, Warm};
 use super::PANEL;
 
 /// Most activation rows of one [`QuantPanels::product`].
@@ -118,6 +119,18 @@ impl QuantPanels {
     /// Panics unless the CPU has AVX-512 F and BW and AVX512-BF16 ([`usable`]) and the
     /// sizes agree.
     pub fn product(&self, x: &[f32], m: usize, bias: Option<&[f32]>) -> Vec<f32> {
+        self.product_warming(x, m, bias, Warm::NONE)
+    }
+
+    /// [`QuantPanels::product`], pulling `warm` toward the caches while it computes (the
+    /// kernel is bound by its arithmetic, even for one row).
+    pub fn product_warming(
+        &self,
+        x: &[f32],
+        m: usize,
+        bias: Option<&[f32]>,
+        warm: Warm<'_>,
+    ) -> Vec<f32> {
         assert!(
             usable(),
             "bf16 panel products need AVX-512 BW and AVX512-BF16"
@@ -144,19 +157,36 @@ impl QuantPanels {
         let per_task = panels
             .div_ceil(2 * rayon::current_num_threads())
             .next_multiple_of(2);
+        let chunk = per_task * nb * record;
+        let tasks = self.data.len().div_ceil(chunk);
         let parts: Vec<Vec<f32>> = self
             .data
-            .par_chunks(per_task * nb * record)
-            .map(|records| {
+            .par_chunks(chunk)
+            .enumerate()
+            .map(|(task, records)| {
                 let width = records.len() / (nb * record) * PANEL;
                 let mut part = vec![0f32; m * width];
+                // One step per record pair the kernel reads.
+                let warm = warm.share(task, tasks, records.len() / record / 2);
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `usable()` was asserted above; `records` holds whole panel
                 // pairs of `nb` records, `words` `m` rows of `pairs = nb * 16` words and
                 // `part` `m` rows of `width` values.
                 unsafe {
-                    kernel::product(self.format, m, records, nb, &words, pairs, &mut part, width)
+                    kernel::product(
+                        self.format,
+                        m,
+                        records,
+                        nb,
+                        &words,
+                        pairs,
+                        &mut part,
+                        width,
+                        &warm,
+                    )
                 };
+                #[cfg(not(target_arch = "x86_64"))]
+                let _ = warm;
                 part
             })
             .collect();
@@ -224,7 +254,7 @@ pub fn usable() -> bool {
 mod kernel {
     use std::arch::x86_64::*;
 
-    use super::{Format, PAIRS, PANEL, Q41_RECORD, Q8_RECORD};
+    use super::{Format, Trickle, PAIRS, PANEL, Q41_RECORD, Q8_RECORD};
     use crate::model::cpu::kernels::prefetch_lines;
 
     /// Records prefetched ahead of the one being read, in each panel's stream.
@@ -244,12 +274,13 @@ mod kernel {
         pairs: usize,
         out: &mut [f32],
         stride: usize,
+        warm: &Trickle,
     ) {
         macro_rules! rows {
             ($($r:literal)*) => {
                 match (format, m) {
-                    $((Format::Q41, $r) => q41::<$r>(records, nb, x, pairs, out, stride),
-                      (Format::Q8, $r) => q8::<$r>(records, nb, x, pairs, out, stride),)*
+                    $((Format::Q41, $r) => q41::<$r>(records, nb, x, pairs, out, stride, warm),
+                      (Format::Q8, $r) => q8::<$r>(records, nb, x, pairs, out, stride, warm),)*
                     _ => unreachable!("1 to 8 rows"),
                 }
             };
@@ -299,6 +330,7 @@ mod kernel {
         pairs: usize,
         out: &mut [f32],
         stride: usize,
+        warm: &Trickle,
         scales: impl Fn(*const u8) -> S,
         weights: impl Fn(&S, *const u8, usize) -> __m512bh,
     ) {
@@ -324,6 +356,7 @@ mod kernel {
                 for r in recs {
                     prefetch_lines(r.wrapping_add(AHEAD * record), record);
                 }
+                warm.step();
                 // Called directly, not through `array::map`: a closure called from a
                 // function without these target features is not inlined, and each
                 // call then passes its vectors through memory (measured at half the
@@ -381,6 +414,7 @@ mod kernel {
         pairs: usize,
         out: &mut [f32],
         stride: usize,
+        warm: &Trickle,
     ) {
         let low = _mm512_set1_epi32(0xf);
         // Each row's scale and minimum, spread over rows 0-7's and 8-15's pair words.
@@ -404,7 +438,7 @@ mod kernel {
             )
         };
         run::<R, _>(
-            records, Q41_RECORD, nb, x, pairs, out, stride, scales, weights,
+            records, Q41_RECORD, nb, x, pairs, out, stride, warm, scales, weights,
         )
     }
 
@@ -420,6 +454,7 @@ mod kernel {
         pairs: usize,
         out: &mut [f32],
         stride: usize,
+        warm: &Trickle,
     ) {
         let scales = |r: *const u8| {
             let s = _mm512_loadu_ps(r.add(PAIRS * 2 * PANEL).cast());
@@ -436,7 +471,7 @@ mod kernel {
             )
         };
         run::<R, _>(
-            records, Q8_RECORD, nb, x, pairs, out, stride, scales, weights,
+            records, Q8_RECORD, nb, x, pairs, out, stride, warm, scales, weights,
         )
     }
 }
