@@ -328,8 +328,7 @@ impl<'m> HostDecoder<'m> {
                 &l.qkv
             }
         });
-        let sites: Vec<Site> = parts.iter().map(|(p, _)| Site::Layer(layer, *p)).collect();
-        let regions = self.factors(rows, &sites);
+        let regions = self.factors(rows, &parts.map(|(p, _)| Site::Layer(layer, p)));
         let y = match linear.filter(|l| l.quantizes(m, arith)) {
             Some(l) => l.forward_host_warming(x, m, arith, Warm::new(&regions))?,
             None => {

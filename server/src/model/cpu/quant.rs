@@ -445,7 +445,8 @@ pub fn has_fast_kernels() -> bool {
     }
 }
 
-/// `(rows, m)` products of `xs` with Q8 weight rows, stepping `warm` once per weight row.
+/// `(rows, m)` products of `xs` with Q8 weight rows, stepping `warm` once per weight row
+/// (the AVX-512 kernels; the portable ones do not warm).
 fn q8_rows(xs: &[f32], m: usize, k: usize, q: &[i8], s: &[f32], out: &mut [f32], warm: &Trickle) {
     #[cfg(target_arch = "x86_64")]
     {
@@ -572,6 +573,7 @@ impl Tile<'_> {
             o += 2;
         }
         if o < self.rows {
+            ahead(o + 4);
             self.group::<R, 1>(first, o, out, weights);
         }
     }
@@ -668,7 +670,7 @@ unsafe fn one_row_avx512(
 }
 
 /// `(rows, m)` products of `xs` with Q4_1 weight rows, stepping `warm` once per weight
-/// row.
+/// row (the AVX-512 kernels; the portable ones do not warm).
 #[allow(clippy::too_many_arguments)]
 fn q41_rows(
     xs: &[f32],

@@ -39,10 +39,13 @@ impl<'a> Warm<'a> {
         Self { regions, lines }
     }
 
-    /// Task `task` of `tasks`' share of the lines, spread over `steps` calls of
-    /// [`Trickle::step`] (one per weight row the task computes).
+    /// Task `task` (below `tasks`) of `tasks`' share of the lines, spread over `steps`
+    /// calls of [`Trickle::step`] (as many as the task's kernel makes: one per weight
+    /// row, or per block of a panel pair).
     pub fn share(&self, task: usize, tasks: usize, steps: usize) -> Trickle<'a> {
         let tasks = tasks.max(1);
+        debug_assert!(task < tasks, "task {task} of {tasks}");
+        let task = task.min(tasks);
         let (start, end) = (
             self.lines * task / tasks,
             self.lines * (task + 1).min(tasks) / tasks,
@@ -53,6 +56,9 @@ impl<'a> Warm<'a> {
             end,
             per_step: (end - start).div_ceil(steps.max(1)),
             region: Cell::new((0, 0)),
+            at: Cell::new(std::ptr::null()),
+            // Nothing entered yet: the first step finds its region.
+            limit: Cell::new(0),
         }
     }
 }
@@ -69,8 +75,11 @@ pub struct Trickle<'a> {
     next: Cell<usize>,
     end: usize,
     per_step: usize,
-    /// The region that holds line `next` or an earlier one, and its first line's number.
+    /// The region being read: its index and the number of its first line.
     region: Cell<(usize, usize)>,
+    /// Where line `next` is, while it is before `limit`, the current region's end.
+    at: Cell<*const f32>,
+    limit: Cell<usize>,
 }
 
 impl Trickle<'_> {
@@ -79,36 +88,50 @@ impl Trickle<'_> {
         Warm::NONE.share(0, 1, 1)
     }
 
-    /// Prefetches the next few lines of the share, if any are left.
+    /// Prefetches the next few lines of the share, if any are left. Inlined into the
+    /// kernels' loops without a call (a call would make every vector register live
+    /// across it go through memory); only moving on to the next region calls out.
     #[inline(always)]
     pub fn step(&self) {
-        // Small enough to inline into a kernel's loop without making it too large to
-        // inline in turn.
-        if self.next.get() < self.end {
-            self.advance();
-        }
+        self.step_with(prefetch)
     }
 
-    #[inline(never)]
-    fn advance(&self) {
-        let (mut next, end) = (self.next.get(), self.end);
-        let stop = (next + self.per_step).min(end);
-        let (mut r, mut first) = self.region.get();
+    /// [`Trickle::step`] with `fetch` in place of the prefetch (tests observe it).
+    #[inline(always)]
+    fn step_with(&self, mut fetch: impl FnMut(*const f32)) {
+        let mut next = self.next.get();
+        let stop = (next + self.per_step).min(self.end);
         while next < stop {
-            let Some(region) = self.regions.get(r) else {
+            if next >= self.limit.get() && !self.enter(next) {
+                next = self.end;
                 break;
-            };
-            let lines = lines_of(region);
-            if next >= first + lines {
-                r += 1;
-                first += lines;
-                continue;
             }
-            prefetch(region[(next - first) * LINE_FLOATS..].as_ptr());
+            let at = self.at.get();
+            fetch(at);
+            self.at.set(at.wrapping_add(LINE_FLOATS));
             next += 1;
         }
         self.next.set(next);
+    }
+
+    /// Moves to the region holding line `next` (past `limit`); false when there is none.
+    #[cold]
+    #[inline(never)]
+    fn enter(&self, next: usize) -> bool {
+        let (mut r, mut first) = self.region.get();
+        while let Some(region) = self.regions.get(r) {
+            let lines = lines_of(region);
+            if next < first + lines {
+                self.region.set((r, first));
+                self.at.set(region[(next - first) * LINE_FLOATS..].as_ptr());
+                self.limit.set(first + lines);
+                return true;
+            }
+            r += 1;
+            first += lines;
+        }
         self.region.set((r, first));
+        false
     }
 }
 
@@ -128,37 +151,33 @@ fn prefetch(p: *const f32) {
 mod tests {
     use super::*;
 
-    /// The shares of all tasks cover every line of every region once, whatever the
-    /// number of tasks and steps (the trickle's bookkeeping, checked through its cursor).
+    /// The shares of all tasks, stepped as often as they were made for, fetch the
+    /// start of every line of every region exactly once, in order, whatever the number
+    /// of tasks and steps; more steps fetch nothing more.
     #[test]
-    fn shares_cover_every_line_once() {
+    fn shares_fetch_every_line_once() {
         let (a, b, c) = (vec![0f32; 100], vec![0f32; 16], vec![0f32; 1]);
-        let regions: [&[f32]; 4] = [&a, &[], &b, &c];
+        let regions: [&[f32]; 5] = [&a, &[], &b, &[], &c];
         let warm = Warm::new(&regions);
         assert_eq!(warm.lines, 7 + 1 + 1);
+        let want: Vec<*const f32> = regions
+            .iter()
+            .flat_map(|r| r.chunks(LINE_FLOATS).map(|line| line.as_ptr()))
+            .collect();
         for tasks in 1..5 {
-            let mut covered = 0;
-            for t in 0..tasks {
-                let tr = warm.share(t, tasks, 3);
-                let start = tr.next.get();
-                assert_eq!(
-                    start, covered,
-                    "task {t} of {tasks} starts where the last ended"
-                );
-                for _ in 0..3 {
-                    tr.step();
+            for steps in 1..4 {
+                let mut got = Vec::new();
+                for t in 0..tasks {
+                    let share = warm.share(t, tasks, steps);
+                    for _ in 0..steps + 2 {
+                        share.step_with(|p| got.push(p));
+                    }
                 }
-                assert_eq!(
-                    tr.next.get(),
-                    tr.end,
-                    "task {t} of {tasks} finished its share"
-                );
-                covered = tr.end;
+                assert_eq!(got, want, "{tasks} tasks of {steps} steps");
             }
-            assert_eq!(covered, warm.lines);
         }
-        let idle = Trickle::none();
-        idle.step();
-        assert_eq!(idle.next.get(), 0);
+        let mut idle = Vec::new();
+        Trickle::none().step_with(|p| idle.push(p));
+        assert!(idle.is_empty());
     }
 }

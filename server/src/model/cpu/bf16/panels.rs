@@ -351,8 +351,9 @@ mod kernel {
                 ];
                 // Each panel's records are one stream, two of them interleaved; the
                 // hardware's prefetchers alone left one row's products waiting on them.
-                // Past a panel's last record the addresses run into the next panel's,
-                // which is read soon too.
+                // Past a panel's last record the addresses run into the next panel's
+                // first ones: the second panel's into the next pair's, read next; the
+                // first panel's into the second's, already read (a wasted hint).
                 for r in recs {
                     prefetch_lines(r.wrapping_add(AHEAD * record), record);
                 }

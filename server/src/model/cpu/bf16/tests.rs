@@ -12,6 +12,7 @@
 
 use super::*;
 use crate::model::cpu::gemm::{Mat, MatMut};
+use crate::model::cpu::warm::Warm;
 
 const U: f64 = 1.0 / 256.0;
 const EPS: f64 = 1.0 / 16_777_216.0;
@@ -411,6 +412,10 @@ fn panel_copies_reproduce_the_trainers_avx512_bf16_products() {
                     let want = trainers_product(Kernel::Avx512Bf16, &packed, &x, m, bias);
                     let label = format!("{format} {rows}x{k}, {m} rows, bias {}", bias.is_some());
                     assert_same_bits(&got, &want, &label);
+                    // Warming other memory during the product changes no bit.
+                    let regions: [&[f32]; 2] = [&wf, &x];
+                    let warmed = p.product_warming(&x, m, bias, Warm::new(&regions));
+                    assert_same_bits(&warmed, &want, &format!("{label}, warming"));
                 }
             }
         }

@@ -5,6 +5,7 @@ use super::*;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::Device;
 
+use crate::model::cpu::warm::Warm;
 use crate::model::test_util::{max_abs_diff, uniform_matrix as randn};
 
 /// `w` through GGML's quantizer and back: what a GGUF file of that type holds.
@@ -32,6 +33,12 @@ fn products_match(q: &QuantMatrix, w: &Tensor, tol: f64) {
         let host = q.matmul_t_host(&xs, m, arith, None).unwrap();
         let via_tensor: Vec<f32> = got.flatten_all().unwrap().to_vec1().unwrap();
         assert_eq!(host, via_tensor);
+        // Warming other memory during the product changes no bit.
+        let regions: [&[f32]; 2] = [&xs, &host];
+        let warmed = q
+            .matmul_t_host_warming(&xs, m, arith, None, Warm::new(&regions))
+            .unwrap();
+        assert_eq!(warmed, host, "{} m={m}, warming", q.format());
     }
 }
 
