@@ -173,17 +173,16 @@ impl QuantPanels {
                 // pairs of `nb` records, `words` `m` rows of `pairs = nb * 16` words and
                 // `part` `m` rows of `width` values.
                 unsafe {
-                    kernel::product(
-                        self.format,
-                        m,
+                    let task = kernel::Task {
                         records,
                         nb,
-                        &words,
+                        x: &words,
                         pairs,
-                        &mut part,
-                        width,
-                        &warm,
-                    )
+                        out: &mut part,
+                        stride: width,
+                        warm: &warm,
+                    };
+                    kernel::product(self.format, m, task)
                 };
                 #[cfg(not(target_arch = "x86_64"))]
                 let _ = warm;
@@ -260,27 +259,30 @@ mod kernel {
     /// Records prefetched ahead of the one being read, in each panel's stream.
     const AHEAD: usize = 2;
 
+    /// One task's operands: `records`, panels of `nb` records each (a (panel, block)
+    /// record per block), times rows of pair words `x` (`pairs` words each) into `out`
+    /// (rows of `stride` values; the panels' 16 outputs each), stepping `warm` once per
+    /// block of a panel pair.
+    pub(super) struct Task<'a> {
+        pub records: &'a [u8],
+        pub nb: usize,
+        pub x: &'a [u32],
+        pub pairs: usize,
+        pub out: &'a mut [f32],
+        pub stride: usize,
+        pub warm: &'a Trickle<'a>,
+    }
+
     /// [`q41`] or [`q8`] for `m` (1 to 8) rows.
     ///
     /// # Safety
     /// As for [`q41`].
-    #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn product(
-        format: Format,
-        m: usize,
-        records: &[u8],
-        nb: usize,
-        x: &[u32],
-        pairs: usize,
-        out: &mut [f32],
-        stride: usize,
-        warm: &Trickle,
-    ) {
+    pub(super) unsafe fn product(format: Format, m: usize, task: Task) {
         macro_rules! rows {
             ($($r:literal)*) => {
                 match (format, m) {
-                    $((Format::Q41, $r) => q41::<$r>(records, nb, x, pairs, out, stride, warm),
-                      (Format::Q8, $r) => q8::<$r>(records, nb, x, pairs, out, stride, warm),)*
+                    $((Format::Q41, $r) => q41::<$r>(task),
+                      (Format::Q8, $r) => q8::<$r>(task),)*
                     _ => unreachable!("1 to 8 rows"),
                 }
             };
@@ -307,33 +309,34 @@ mod kernel {
         _mm512_cvtne2ps_pbh(b, a)
     }
 
-    /// Panels of records (`record` bytes, `nb` blocks each) times `R` rows of pair words
-    /// `x` (`pairs` words each) into `out` (`(R, n)`, row stride `stride`; the panels'
-    /// 16 outputs each), two panels at a time so that at least two chains of
-    /// `VDPBF16PS` overlap; each weight is formed once for all `R` rows. For each
-    /// block's record `scales(rec)` reads what its pairs share, and `weights(&scales,
-    /// rec, p)` forms pair `p`'s 16 lanes' pair words.
+    /// A task's panels of records (`record` bytes each) times its `R` rows of pair
+    /// words, two panels at a time so that at least two chains of `VDPBF16PS` overlap;
+    /// each weight is formed once for all `R` rows. For each block's record
+    /// `scales(rec)` reads what its pairs share, and `weights(&scales, rec, p)` forms
+    /// pair `p`'s 16 lanes' pair words.
     ///
     /// # Safety
     /// The CPU has AVX-512 F and BW and AVX512-BF16; `records` holds `panels` (even)
     /// panels of `nb` records; `x` holds `R` rows of `pairs >= nb * 16` words; `out`
     /// holds `R` rows of `stride >= panels * 16` values; `scales` and `weights` read
     /// only within the record they are given.
-    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     #[inline]
     unsafe fn run<const R: usize, S>(
-        records: &[u8],
+        task: Task,
         record: usize,
-        nb: usize,
-        x: &[u32],
-        pairs: usize,
-        out: &mut [f32],
-        stride: usize,
-        warm: &Trickle,
         scales: impl Fn(*const u8) -> S,
         weights: impl Fn(&S, *const u8, usize) -> __m512bh,
     ) {
+        let Task {
+            records,
+            nb,
+            x,
+            pairs,
+            out,
+            stride,
+            warm,
+        } = task;
         let panels = records.len() / (nb * record);
         assert!(
             panels.is_multiple_of(2)
@@ -408,15 +411,7 @@ mod kernel {
     /// # Safety
     /// As for [`run`].
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    pub(super) unsafe fn q41<const R: usize>(
-        records: &[u8],
-        nb: usize,
-        x: &[u32],
-        pairs: usize,
-        out: &mut [f32],
-        stride: usize,
-        warm: &Trickle,
-    ) {
+    pub(super) unsafe fn q41<const R: usize>(task: Task) {
         let low = _mm512_set1_epi32(0xf);
         // Each row's scale and minimum, spread over rows 0-7's and 8-15's pair words.
         let scales = |r: *const u8| {
@@ -438,9 +433,7 @@ mod kernel {
                 _mm512_fmadd_ps(qb, s[1], s[3]),
             )
         };
-        run::<R, _>(
-            records, Q41_RECORD, nb, x, pairs, out, stride, warm, scales, weights,
-        )
+        run::<R, _>(task, Q41_RECORD, scales, weights)
     }
 
     /// [`run`] over 8-bit records (weights `q * scale`, one rounding).
@@ -448,15 +441,7 @@ mod kernel {
     /// # Safety
     /// As for [`run`].
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    pub(super) unsafe fn q8<const R: usize>(
-        records: &[u8],
-        nb: usize,
-        x: &[u32],
-        pairs: usize,
-        out: &mut [f32],
-        stride: usize,
-        warm: &Trickle,
-    ) {
+    pub(super) unsafe fn q8<const R: usize>(task: Task) {
         let scales = |r: *const u8| {
             let s = _mm512_loadu_ps(r.add(PAIRS * 2 * PANEL).cast());
             [per_word(s, false), per_word(s, true)]
@@ -471,8 +456,6 @@ mod kernel {
                 _mm512_mul_ps(widen(at + PANEL), s[1]),
             )
         };
-        run::<R, _>(
-            records, Q8_RECORD, nb, x, pairs, out, stride, warm, scales, weights,
-        )
+        run::<R, _>(task, Q8_RECORD, scales, weights)
     }
 }
