@@ -10,23 +10,8 @@ use lathe_server::model::cpu::quant::BlockArith;
 use lathe_server::model::tiny::{tiny_model, tiny_model_q4_1};
 use lathe_server::model::{Adapter, Arch, Backend, LoadedModel, PackedBatch, Precision};
 use lathe_server::sample::{
-    sample, sample_timed, DecodeMode, Picker, SampleJob, SampleTimings, Stop, TokenProgress,
+    sample, sample_timed, DecodeMode, Picker, SampleJob, SampleTimings, Stop,
 };
-
-fn job(prompt: Vec<u32>, adapter: Option<usize>, n: usize, seed: u64) -> SampleJob {
-    SampleJob {
-        prompt,
-        adapter,
-        num_samples: n,
-        picker: Picker::default(),
-        max_tokens: 12,
-        stop_strings: vec![],
-        stop_tokens: vec![],
-        seed: Some(seed),
-        prompt_logprobs: false,
-        topk_prompt_logprobs: 0,
-    }
-}
 
 #[test]
 fn sampled_logprobs_equal_the_training_forward() {
@@ -149,7 +134,7 @@ fn sampled_vs_trained(
 ) -> (Vec<f32>, SampleTimings) {
     let a = random_adapter(trainer, full_spec(4), 3 + seed);
     let prompt = tokens(5 + seed, 9, 256);
-    let job = job(prompt.clone(), Some(0), 3, 42 + seed);
+    let job = sample_job(prompt.clone(), Some(0), 3, 42 + seed);
     let (out, timings) = sample_timed(
         &sampler.transformer,
         &sampler.tokenizer,
@@ -200,7 +185,7 @@ fn prompts_prefilled_together_through_the_block_weights_are_the_trainers() {
     for prompt_len in [40, 70] {
         let jobs: Vec<SampleJob> = (0..4u64)
             .map(|i| {
-                job(
+                sample_job(
                     tokens(30 + i, prompt_len + i as usize, 256),
                     Some(i as usize % 2),
                     1,
@@ -266,7 +251,7 @@ fn same_seed_same_output_and_different_seeds_differ() {
             temperature: 4.0,
             ..Default::default()
         },
-        ..job(prompt.clone(), None, 2, seed)
+        ..sample_job(prompt.clone(), None, 2, seed)
     };
     let run = |seed| {
         sample(
@@ -305,7 +290,7 @@ fn assert_batched_equals_alone(model: &LoadedModel, mode: DecodeMode) {
             temperature: 0.0,
             ..Default::default()
         },
-        ..job(p, ad, 1, 0)
+        ..sample_job(p, ad, 1, 0)
     };
     let jobs = vec![
         greedy(tokens(1, 7, 256), Some(0)),
@@ -342,7 +327,7 @@ fn stop_tokens_strings_and_length_end_sequences() {
         &model.transformer,
         &model.tokenizer,
         &[],
-        &[job(prompt.clone(), None, 1, 3)],
+        &[sample_job(prompt.clone(), None, 1, 3)],
         DecodeMode::Fast,
     )
     .unwrap();
@@ -354,7 +339,7 @@ fn stop_tokens_strings_and_length_end_sequences() {
     let first = seq.tokens.iter().position(|&t| t == stop_tok).unwrap();
     let by_token = SampleJob {
         stop_tokens: vec![stop_tok],
-        ..job(prompt.clone(), None, 1, 3)
+        ..sample_job(prompt.clone(), None, 1, 3)
     };
     let out = sample(
         &model.transformer,
@@ -370,7 +355,7 @@ fn stop_tokens_strings_and_length_end_sequences() {
     let text = model.tokenizer.decode(&seq.tokens[..4]).unwrap();
     let by_string = SampleJob {
         stop_strings: vec![text.clone()],
-        ..job(prompt.clone(), None, 1, 3)
+        ..sample_job(prompt.clone(), None, 1, 3)
     };
     let out = sample(
         &model.transformer,
@@ -397,7 +382,7 @@ fn prompt_logprobs_start_with_none_and_match_the_trainer() {
         prompt_logprobs: true,
         topk_prompt_logprobs: 0,
         max_tokens: 1,
-        ..job(prompt.clone(), None, 1, 0)
+        ..sample_job(prompt.clone(), None, 1, 0)
     };
     let out = sample(
         &model.transformer,
@@ -414,12 +399,12 @@ fn prompt_logprobs_start_with_none_and_match_the_trainer() {
     // Batched with another request and an adapter, the prompt scores still equal the
     // training forward's.
     let a = random_adapter(&model, full_spec(2), 4);
-    let other = job(tokens(11, 4, 256), None, 1, 0);
+    let other = sample_job(tokens(11, 4, 256), None, 1, 0);
     let scored = SampleJob {
         prompt_logprobs: true,
         topk_prompt_logprobs: 0,
         max_tokens: 1,
-        ..job(prompt.clone(), Some(0), 1, 0)
+        ..sample_job(prompt.clone(), Some(0), 1, 0)
     };
     let out = sample(
         &model.transformer,
@@ -449,7 +434,7 @@ fn too_long_requests_are_rejected() {
     let model = tiny(Arch::Llama);
     let j = SampleJob {
         max_tokens: 10_000,
-        ..job(vec![1, 2, 3], None, 1, 0)
+        ..sample_job(vec![1, 2, 3], None, 1, 0)
     };
     let err = sample(
         &model.transformer,
@@ -564,11 +549,11 @@ fn topk_prompt_logprobs_are_the_trainers_most_likely_tokens() {
     let k = 5;
     // Batched with a request that asks for nothing, which must get nothing.
     let jobs = [
-        job(tokens(13, 3, 256), None, 1, 0),
+        sample_job(tokens(13, 3, 256), None, 1, 0),
         SampleJob {
             topk_prompt_logprobs: k,
             max_tokens: 1,
-            ..job(prompt.clone(), Some(0), 1, 0)
+            ..sample_job(prompt.clone(), Some(0), 1, 0)
         },
     ];
     let out = sample(
@@ -620,7 +605,7 @@ fn more_rows_than_the_few_rows_kernels_take_decode_the_same_as_one() {
         &model.transformer,
         &model.tokenizer,
         &[&a],
-        &[job(prompt.clone(), Some(0), 18, 100)],
+        &[sample_job(prompt.clone(), Some(0), 18, 100)],
         DecodeMode::Exact,
     )
     .unwrap();
@@ -629,7 +614,7 @@ fn more_rows_than_the_few_rows_kernels_take_decode_the_same_as_one() {
             &model.transformer,
             &model.tokenizer,
             &[&a],
-            &[job(prompt.clone(), Some(0), 1, 100 + i as u64)],
+            &[sample_job(prompt.clone(), Some(0), 1, 100 + i as u64)],
             DecodeMode::Exact,
         )
         .unwrap();
@@ -642,189 +627,13 @@ fn more_rows_than_the_few_rows_kernels_take_decode_the_same_as_one() {
 }
 
 #[test]
-fn a_request_admitted_between_steps_joins_the_running_decode_and_leaves_first() {
-    use lathe_server::sample::{Admission, RunningDecode};
-    use std::sync::Arc;
-    for mode in [DecodeMode::Exact, DecodeMode::Fast] {
-        let model = tiny(Arch::Llama);
-        let (t, tok) = (&model.transformer, &model.tokenizer);
-        let a = Arc::new(random_adapter(&model, full_spec(4), 1));
-        let long = SampleJob {
-            max_tokens: 20,
-            ..job(tokens(1, 7, 256), Some(0), 2, 5)
-        };
-        let short = SampleJob {
-            max_tokens: 3,
-            ..job(tokens(2, 4, 256), None, 1, 9)
-        };
-        let mut running = RunningDecode::new(mode);
-        let (progress, watch) = TokenProgress::new(2);
-        let admitted = running.admit(
-            t,
-            vec![Admission {
-                key: "long",
-                job: long.clone(),
-                adapter: Some(a.clone()),
-                progress: Some(progress),
-            }],
-        );
-        assert!(admitted.is_empty());
-        for _ in 0..5 {
-            assert!(running.step(t, tok).is_empty());
-        }
-        assert_eq!(running.streams(), 2);
-        let so_far: Vec<usize> = watch.borrow().iter().map(Vec::len).collect();
-        assert_eq!(so_far, vec![5, 5], "each step publishes its picks");
-        let admitted = running.admit(
-            t,
-            vec![Admission {
-                key: "short",
-                job: short.clone(),
-                adapter: None,
-                progress: None,
-            }],
-        );
-        assert!(admitted.is_empty());
-        assert_eq!(
-            running.streams(),
-            3,
-            "the new request decodes with the running one"
-        );
-        let mut order = Vec::new();
-        let mut outputs = std::collections::HashMap::new();
-        let mut steps = 0;
-        while !running.is_empty() {
-            for (key, out) in running.step(t, tok) {
-                order.push(key);
-                outputs.insert(key, out.unwrap());
-            }
-            steps += 1;
-        }
-        assert_eq!(order, vec!["short", "long"], "{mode:?}");
-        let published: Vec<Vec<u32>> = outputs["long"]
-            .sequences
-            .iter()
-            .map(|s| s.tokens.clone())
-            .collect();
-        assert_eq!(*watch.borrow(), published, "the stream saw every token");
-        assert!(
-            watch.has_changed().is_err(),
-            "a finished request ends its watch"
-        );
-        // 20 tokens in all: 5 steps before the join, the 15 after it (the last step picks
-        // the 20th token and runs no forward pass).
-        assert_eq!(steps, 15);
-        // Each request's tokens and log-probabilities are those it gets decoded alone.
-        for (key, j, adapters) in [("long", &long, vec![a.as_ref()]), ("short", &short, vec![])] {
-            let alone = sample(t, tok, &adapters, std::slice::from_ref(j), mode).unwrap();
-            let got = &outputs[key];
-            assert_eq!(got.sequences.len(), alone[0].sequences.len());
-            for (x, y) in got.sequences.iter().zip(&alone[0].sequences) {
-                assert_eq!(x.tokens, y.tokens, "{key} {mode:?}");
-                assert_eq!(x.stop, y.stop);
-                for (p, q) in x.logprobs.iter().zip(&y.logprobs) {
-                    assert!((p - q).abs() < 1e-5, "{key}: {p} vs {q}");
-                }
-            }
-        }
-    }
-}
-
-#[test]
-fn a_cancelled_request_leaves_the_decode_and_the_others_are_unchanged() {
-    use lathe_server::sample::{Admission, RunningDecode};
-    use std::sync::Arc;
-    let model = tiny(Arch::Llama);
-    let (t, tok) = (&model.transformer, &model.tokenizer);
-    let a = Arc::new(random_adapter(&model, full_spec(4), 1));
-    let long = SampleJob {
-        max_tokens: 20,
-        ..job(tokens(1, 7, 256), Some(0), 2, 5)
-    };
-    let short = SampleJob {
-        max_tokens: 6,
-        ..job(tokens(2, 4, 256), None, 1, 9)
-    };
-    let mut running = RunningDecode::new(DecodeMode::Exact);
-    let admissions = vec![
-        Admission {
-            key: "long",
-            job: long,
-            adapter: Some(a),
-            progress: None,
-        },
-        Admission {
-            key: "short",
-            job: short.clone(),
-            adapter: None,
-            progress: None,
-        },
-    ];
-    assert!(running.admit(t, admissions).is_empty());
-    assert!(running.step(t, tok).is_empty());
-    assert_eq!(running.cancel(&["long", "gone"]), vec!["long"]);
-    assert_eq!(running.streams(), 1);
-    assert!(
-        running.cancel(&["long"]).is_empty(),
-        "cancelling twice is a no-op"
-    );
-    let mut finished = Vec::new();
-    while !running.is_empty() {
-        finished.extend(running.step(t, tok));
-    }
-    assert_eq!(finished.len(), 1);
-    let (key, out) = finished.pop().unwrap();
-    assert_eq!(key, "short");
-    let alone = sample(t, tok, &[], &[short], DecodeMode::Exact).unwrap();
-    assert_eq!(
-        out.unwrap().sequences[0].tokens,
-        alone[0].sequences[0].tokens
-    );
-}
-
-#[test]
-fn a_bad_request_fails_alone_at_admission() {
-    use lathe_server::sample::{Admission, RunningDecode};
-    let model = tiny(Arch::Llama);
-    let t = &model.transformer;
-    let mut running = RunningDecode::new(DecodeMode::Exact);
-    let too_long = SampleJob {
-        max_tokens: t.max_seq_len(),
-        ..job(tokens(1, 7, 256), None, 1, 0)
-    };
-    let finished = running.admit(
-        t,
-        vec![
-            Admission {
-                key: 1,
-                job: too_long,
-                adapter: None,
-                progress: None,
-            },
-            Admission {
-                key: 2,
-                job: job(tokens(2, 4, 256), None, 3, 0),
-                adapter: None,
-                progress: None,
-            },
-        ],
-    );
-    assert_eq!(finished.len(), 1);
-    assert_eq!(finished[0].0, 1);
-    let err = finished[0].1.as_ref().unwrap_err().to_string();
-    assert!(err.contains("context limit"), "{err}");
-    assert_eq!(running.streams(), 3);
-    assert_eq!(running.live().collect::<Vec<_>>(), vec![(&2, 3)]);
-}
-
-#[test]
 fn exact_mode_never_touches_the_block_quantized_weights() {
     // Exact mode decodes with the f32 weights; on a CPU without the fast block kernels
     // their portable path is many times slower, so exact mode must not route even a
     // prompt through them.
     let model = tiny_model_q4_1(Arch::Llama, 7).unwrap();
     let t = &model.transformer;
-    let jobs = [job(tokens(1, 7, 256), None, 2, 3)];
+    let jobs = [sample_job(tokens(1, 7, 256), None, 2, 3)];
     sample(t, &model.tokenizer, &[], &jobs, DecodeMode::Exact).unwrap();
     assert!(!t.has_decode_weights());
     sample(t, &model.tokenizer, &[], &jobs, DecodeMode::Fast).unwrap();

@@ -1,5 +1,5 @@
-//! Helpers shared by the training-core tests: tiny models, adapters with non-zero B,
-//! and datum builders.
+//! Helpers shared by the integration tests: tiny models, adapters with non-zero B,
+//! datum builders and sampling jobs.
 #![allow(dead_code)]
 
 pub mod http;
@@ -8,6 +8,7 @@ pub mod kernels;
 use candle_core::{DType, Device, Tensor};
 use lathe_server::model::tiny::tiny_model;
 use lathe_server::model::{Adapter, Arch, Backend, LoadedModel, LoraSpec};
+use lathe_server::sample::{Picker, SampleJob};
 use lathe_server::train::{DatumJob, Loss, TokenInputs};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
@@ -119,4 +120,21 @@ pub fn rel_diff(a: &Tensor, b: &Tensor) -> f64 {
         .to_scalar::<f64>()
         .unwrap();
     max_abs_diff(a, b) / scale.max(1e-30)
+}
+
+/// A sampling job of `n` samples of up to 12 tokens, seeded, with default picking and
+/// no stops or prompt logprobs.
+pub fn sample_job(prompt: Vec<u32>, adapter: Option<usize>, n: usize, seed: u64) -> SampleJob {
+    SampleJob {
+        prompt,
+        adapter,
+        num_samples: n,
+        picker: Picker::default(),
+        max_tokens: 12,
+        stop_strings: vec![],
+        stop_tokens: vec![],
+        seed: Some(seed),
+        prompt_logprobs: false,
+        topk_prompt_logprobs: 0,
+    }
 }
