@@ -179,7 +179,8 @@ pub struct ArchiveQuery {
     token: String,
 }
 
-/// The download link: a tar of the checkpoint directory.
+/// The download link: a tar of the checkpoint directory, streamed from disk (at most
+/// `ARCHIVE_STREAMS` at once, `ARCHIVE_STREAMS_PER_KEY` per key; past that, 429).
 pub async fn download_archive(
     State(s): State<AppState>,
     Query(q): Query<ArchiveQuery>,
@@ -189,7 +190,7 @@ pub async fn download_archive(
         .verify_archive_token(&q.token)
         .ok_or_else(|| ApiError::unauthorized("invalid or expired download link"))?;
     let u: CheckpointUri = path.parse().map_err(ApiError::bad_request)?;
-    let bytes = s.engine.checkpoint_archive(owner, u).await?;
+    let chunks = s.engine.checkpoint_archive(owner, u).await?;
     Ok((
         [
             (header::CONTENT_TYPE, "application/x-tar".to_string()),
@@ -198,7 +199,7 @@ pub async fn download_archive(
                 "attachment; filename=\"checkpoint.tar\"".to_string(),
             ),
         ],
-        bytes,
+        axum::body::Body::from_stream(chunks),
     )
         .into_response())
 }

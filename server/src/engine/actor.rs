@@ -5,11 +5,13 @@
 //! between two engine calls (listings, deletes, publishing) or as the engine's queued
 //! [`StoreWork`] flushed after each step.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lathe_sdk::types::{CheckpointUri, CheckpointsListResponse, TrainingRun, TrainingRunsResponse};
 use tokio::sync::{mpsc, oneshot};
 
+use super::archive::ArchiveSlots;
 use super::command::Command;
 use super::futures::{FutureResult, Poll};
 use super::state::StoreWork;
@@ -22,6 +24,8 @@ use crate::worker::BatchReport;
 pub struct EngineHandle {
     tx: mpsc::Sender<Command>,
     store: Store,
+    /// The checkpoint downloads streaming now.
+    pub(super) archives: Arc<ArchiveSlots>,
 }
 
 /// How often housekeeping runs (expiry, reorder timeouts).
@@ -221,18 +225,6 @@ impl EngineHandle {
         self.finish_set_ttl(uri, version, at).await
     }
 
-    /// A tar of a checkpoint `owner` may read, built off the actor and the async threads
-    /// (it reads every file of the checkpoint).
-    pub async fn checkpoint_archive(
-        &self,
-        owner: String,
-        uri: lathe_sdk::types::CheckpointUri,
-    ) -> Result<Vec<u8>, EngineError> {
-        let dir = self.checkpoint_dir(owner, uri).await??;
-        self.blocking(move |_| Ok(crate::store::checkpoints::archive(&dir)?))
-            .await
-    }
-
     /// A sender the worker thread uses to hand its batch reports back.
     pub fn outcome_sink(&self) -> impl Fn(BatchReport) + Send + 'static {
         let tx = self.tx.clone();
@@ -284,7 +276,15 @@ fn replaced_check(uri: &CheckpointUri, current: bool) -> Result<(), EngineError>
 /// needs the handle), then started with [`run`].
 pub fn channel(store: Store) -> (EngineHandle, mpsc::Receiver<Command>) {
     let (tx, rx) = mpsc::channel(1024);
-    (EngineHandle { tx, store }, rx)
+    let archives = Arc::default();
+    (
+        EngineHandle {
+            tx,
+            store,
+            archives,
+        },
+        rx,
+    )
 }
 
 /// Writes the engine's queued index work on the blocking pool, then tells the engine

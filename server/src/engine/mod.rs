@@ -5,6 +5,7 @@
 #[cfg(test)]
 mod access_tests;
 mod actor;
+mod archive;
 #[cfg(test)]
 mod batching_tests;
 mod catalog;
@@ -29,6 +30,7 @@ mod test_engine;
 mod ttl;
 
 pub use actor::{channel, run, EngineHandle};
+pub use archive::{ARCHIVE_STREAMS, ARCHIVE_STREAMS_PER_KEY};
 pub use command::Command;
 pub use completions::{Completion, CompletionPoll};
 pub use custom_loss::MAX_CUSTOM_LOSSES_PER_SESSION;

@@ -488,9 +488,11 @@ fn sync_dir(dir: &Path) -> Result<(), StoreError> {
         .map_err(io(dir))
 }
 
-/// A tar archive of a checkpoint version's files (at the archive root), for download.
-pub fn archive(dir: &Path) -> Result<Vec<u8>, StoreError> {
-    let mut builder = tar::Builder::new(Vec::new());
+/// Writes a tar archive of a checkpoint version's files (at the archive root, in name
+/// order) into `out`, for download: file by file, so that memory does not grow with the
+/// checkpoint's size.
+pub fn archive_into(dir: &Path, out: impl Write) -> Result<(), StoreError> {
+    let mut builder = tar::Builder::new(out);
     let mut entries: Vec<PathBuf> = fs::read_dir(dir)
         .map_err(io(dir))?
         .filter_map(|e| Some(e.ok()?.path()))
@@ -503,7 +505,11 @@ pub fn archive(dir: &Path) -> Result<Vec<u8>, StoreError> {
             .append_path_with_name(&path, name)
             .map_err(io(&path))?;
     }
-    builder.into_inner().map_err(io(dir))
+    builder
+        .into_inner()
+        .map_err(io(dir))?
+        .flush()
+        .map_err(io(dir))
 }
 
 #[cfg(test)]
@@ -552,7 +558,8 @@ mod tests {
         dir.discard(&a, &v1).unwrap();
         assert!(!dir.path(&a, &v1).exists());
         dir.discard(&a, &v1).unwrap();
-        let tar = archive(&dir.path(&a, &v2)).unwrap();
+        let mut tar = Vec::new();
+        archive_into(&dir.path(&a, &v2), &mut tar).unwrap();
         let mut names: Vec<String> = tar::Archive::new(tar.as_slice())
             .entries()
             .unwrap()

@@ -1,0 +1,191 @@
+//! Checkpoint downloads: a tar streamed from disk in bounded chunks, a bounded number at
+//! a time.
+//!
+//! A rank-256 checkpoint of the default model with its optimizer state is about a
+//! gigabyte. Building each download in memory let one key exhaust the process's memory
+//! with a handful of slow downloads; streamed, each holds at most [`IN_FLIGHT`] chunks.
+//! Each stream also holds a thread of tokio's blocking pool while its client reads, and
+//! that pool runs every tenant's index and file work, so streams are capped server-wide
+//! and per key ([`ArchiveSlots`]); past a cap the download answers 429 with
+//! `Retry-After`.
+
+use std::collections::HashMap;
+use std::io::{self, Write};
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use futures::Stream;
+use tokio::sync::mpsc;
+
+use super::{EngineError, EngineHandle, LimitExceeded};
+
+/// Downloads streaming at once, server-wide.
+pub const ARCHIVE_STREAMS: usize = 4;
+/// Downloads one key may stream at once.
+pub const ARCHIVE_STREAMS_PER_KEY: usize = 2;
+/// Bytes per chunk handed to the response.
+const CHUNK: usize = 256 << 10;
+/// Chunks queued for the client beyond the one being written.
+const IN_FLIGHT: usize = 2;
+
+/// How many downloads stream now, in all and per key.
+#[derive(Debug, Default)]
+pub struct ArchiveSlots {
+    streams: Mutex<HashMap<String, usize>>,
+}
+
+/// One stream's place in [`ArchiveSlots`], given back when dropped.
+#[derive(Debug)]
+struct Slot {
+    slots: Arc<ArchiveSlots>,
+    owner: String,
+}
+
+impl ArchiveSlots {
+    /// A place for one more of `owner`'s streams, or the limit it would pass.
+    fn take(self: &Arc<Self>, owner: &str) -> Result<Slot, EngineError> {
+        let mut streams = self.streams.lock().unwrap_or_else(|e| e.into_inner());
+        let total: usize = streams.values().sum();
+        let mine = streams.get(owner).copied().unwrap_or(0);
+        let (limit, max) = if mine >= ARCHIVE_STREAMS_PER_KEY {
+            ("archive_downloads_per_key", ARCHIVE_STREAMS_PER_KEY)
+        } else if total >= ARCHIVE_STREAMS {
+            ("archive_downloads", ARCHIVE_STREAMS)
+        } else {
+            *streams.entry(owner.to_string()).or_default() += 1;
+            return Ok(Slot {
+                slots: self.clone(),
+                owner: owner.to_string(),
+            });
+        };
+        Err(EngineError::Limit(LimitExceeded {
+            limit,
+            message: format!(
+                "{max} checkpoint downloads are streaming already ({limit}); try again when one has finished"
+            ),
+            retry_after_s: 10,
+        }))
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut streams = self.slots.streams.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = streams.get_mut(&self.owner) {
+            *n -= 1;
+            if *n == 0 {
+                streams.remove(&self.owner);
+            }
+        }
+    }
+}
+
+/// Hands what is written to it to a channel in chunks of [`CHUNK`] bytes, waiting while
+/// the channel is full; fails once the receiver is gone (the client left).
+struct ChunkWriter {
+    tx: mpsc::Sender<io::Result<Bytes>>,
+    buf: Vec<u8>,
+}
+
+impl ChunkWriter {
+    fn send(&mut self) -> io::Result<()> {
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        let chunk = Bytes::from(std::mem::replace(&mut self.buf, Vec::with_capacity(CHUNK)));
+        self.tx
+            .blocking_send(Ok(chunk))
+            .map_err(|_| io::Error::new(io::ErrorKind::BrokenPipe, "the download was closed"))
+    }
+}
+
+impl Write for ChunkWriter {
+    fn write(&mut self, data: &[u8]) -> io::Result<usize> {
+        let take = data.len().min(CHUNK - self.buf.len());
+        self.buf.extend_from_slice(&data[..take]);
+        if self.buf.len() == CHUNK {
+            self.send()?;
+        }
+        Ok(take)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.send()
+    }
+}
+
+impl EngineHandle {
+    /// A tar of a checkpoint `owner` may read, streamed: written on the blocking pool
+    /// while the client reads it. A failure after the first chunk ends the stream with
+    /// an error (the client sees a cut-off download, never a wrong one).
+    pub async fn checkpoint_archive(
+        &self,
+        owner: String,
+        uri: lathe_sdk::types::CheckpointUri,
+    ) -> Result<impl Stream<Item = io::Result<Bytes>> + Send + 'static, EngineError> {
+        let slot = self.archives.take(&owner)?;
+        let dir = self.checkpoint_dir(owner, uri).await??;
+        let (tx, rx) = mpsc::channel(IN_FLIGHT);
+        tokio::task::spawn_blocking(move || {
+            let _slot = slot;
+            let mut out = ChunkWriter {
+                tx: tx.clone(),
+                buf: Vec::with_capacity(CHUNK),
+            };
+            if let Err(e) = crate::store::checkpoints::archive_into(&dir, &mut out) {
+                tracing::warn!(dir = %dir.display(), error = %e, "checkpoint download failed");
+                let _ = tx.blocking_send(Err(io::Error::other(e.to_string())));
+            }
+        });
+        Ok(futures::stream::unfold(rx, |mut rx| async move {
+            rx.recv().await.map(|chunk| (chunk, rx))
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn streams_are_capped_per_key_and_in_all_and_given_back() {
+        let slots = Arc::new(ArchiveSlots::default());
+        let a: Vec<Slot> = (0..ARCHIVE_STREAMS_PER_KEY)
+            .map(|_| slots.take("a").unwrap())
+            .collect();
+        match slots.take("a") {
+            Err(EngineError::Limit(l)) => assert_eq!(l.limit, "archive_downloads_per_key"),
+            other => panic!("{other:?}"),
+        }
+        let b: Vec<Slot> = (ARCHIVE_STREAMS_PER_KEY..ARCHIVE_STREAMS)
+            .map(|i| slots.take(&format!("k{i}")).unwrap())
+            .collect();
+        match slots.take("c") {
+            Err(EngineError::Limit(l)) => assert_eq!(l.limit, "archive_downloads"),
+            other => panic!("{other:?}"),
+        }
+        drop(a);
+        drop(b);
+        assert!(slots.streams.lock().unwrap().is_empty());
+        slots.take("c").unwrap();
+    }
+
+    #[test]
+    fn the_writer_chunks_and_fails_once_the_reader_is_gone() {
+        let (tx, mut rx) = mpsc::channel(8);
+        let mut w = ChunkWriter {
+            tx,
+            buf: Vec::new(),
+        };
+        let data = vec![7u8; CHUNK + 10];
+        w.write_all(&data).unwrap();
+        w.flush().unwrap();
+        let sizes: Vec<usize> = std::iter::from_fn(|| rx.try_recv().ok())
+            .map(|c| c.unwrap().len())
+            .collect();
+        assert_eq!(sizes, [CHUNK, 10]);
+        drop(rx);
+        w.write_all(&[1]).unwrap();
+        assert_eq!(w.flush().unwrap_err().kind(), io::ErrorKind::BrokenPipe);
+    }
+}
