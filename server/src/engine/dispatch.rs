@@ -131,7 +131,7 @@ impl Engine {
                 },
             });
         }
-        let chosen = scheduler::plan(&candidates, limits, &levels);
+        let chosen = scheduler::plan(&candidates, limits, &levels, &mut self.reserved);
         let picked: std::collections::HashSet<usize> = chosen.iter().copied().collect();
         for c in candidates.iter().filter(|c| picked.contains(&c.key)) {
             if c.key != decode_key {

@@ -30,6 +30,11 @@
 //!   `max_sample_streams` beside the live ones. Once the most deserving waiting request
 //!   does not fit, later ones wait behind it, so the live streams drain until it does (a
 //!   large request is never starved by a stream of small ones).
+//! - The first candidate a plan passes over (it did not fit the budget or the streams, or
+//!   was of the other gradient kind) is [`Reserved`]: the next plan takes it first, ahead
+//!   of keys that came back from idle since. Without that, a key returning just below
+//!   the waiting ones, again and again, could keep a large pass or sample from ever
+//!   fitting.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
@@ -119,10 +124,22 @@ pub struct Limits {
     pub live_streams: usize,
 }
 
+/// The candidate (by its `arrival`) that the last plan passed over first, which the next
+/// plan takes first. Kept by the caller from plan to plan.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Reserved(Option<u64>);
+
 /// The keys of the candidates to run now, in the order they were picked. `levels[o]` is
-/// the service level of owner `o` (see [`Service::levels`]). Takes `O(n log n)` for `n`
-/// candidates: each key's candidates are a queue by age, and the keys a heap by level.
-pub fn plan(candidates: &[Candidate], limits: Limits, levels: &[u64]) -> Vec<usize> {
+/// the service level of owner `o` (see [`Service::levels`]); `reserved` is taken first if
+/// it is still a candidate, and is then set to the first candidate this plan passed over.
+/// Takes `O(n log n)` for `n` candidates: each key's candidates are a queue by age, and
+/// the keys a heap by (reservation, level, age).
+pub fn plan(
+    candidates: &[Candidate],
+    limits: Limits,
+    levels: &[u64],
+    reserved: &mut Reserved,
+) -> Vec<usize> {
     let mut charge: Vec<u64> = levels.to_vec();
     let mut chosen: Vec<usize> = candidates
         .iter()
@@ -134,17 +151,20 @@ pub fn plan(candidates: &[Candidate], limits: Limits, levels: &[u64]) -> Vec<usi
     for c in candidates.iter().filter(|c| c.kind != Kind::Other) {
         queues[c.owner].push(c);
     }
+    // A key's oldest candidate is the reserved one if any is: each key runs oldest first.
+    let first = |c: &Candidate| u8::from(Some(c.arrival) != reserved.0);
     let mut heap = BinaryHeap::new();
     for (owner, q) in queues.iter_mut().enumerate() {
         q.sort_unstable_by_key(|c| Reverse(c.arrival));
         if let Some(c) = q.last() {
-            heap.push(Reverse((charge[owner], c.arrival, owner)));
+            heap.push(Reverse((first(c), charge[owner], c.arrival, owner)));
         }
     }
+    let mut passed_over = None;
     let mut grad_kind: Option<bool> = None;
     let (mut used, mut picks, mut admitted) = (0usize, 0usize, 0usize);
     let mut sample_blocked = false;
-    while let Some(Reverse((_, _, owner))) = heap.pop() {
+    while let Some(Reverse((_, _, _, owner))) = heap.pop() {
         let c = queues[owner].pop().expect("a queued candidate");
         let fits = picks == 0 || used.saturating_add(c.kind.tokens()) <= limits.max_batch_tokens;
         let take = fits
@@ -170,11 +190,14 @@ pub fn plan(candidates: &[Candidate], limits: Limits, levels: &[u64]) -> Vec<usi
             picks += 1;
             charge[owner] = charge[owner].saturating_add(c.kind.charge());
             chosen.push(c.key);
+        } else {
+            passed_over = passed_over.or(Some(c.arrival));
         }
         if let Some(next) = queues[owner].last() {
-            heap.push(Reverse((charge[owner], next.arrival, owner)));
+            heap.push(Reverse((first(next), charge[owner], next.arrival, owner)));
         }
     }
+    *reserved = Reserved(passed_over);
     chosen
 }
 
@@ -258,13 +281,13 @@ mod tests {
             fwd(3, 2, 40, true),
         ];
         // Oldest (2, 50 tokens) then 3 (40) fit; 1 would exceed 100.
-        assert_eq!(plan(&c, LIMITS, &[0]), vec![2, 3]);
+        assert_eq!(plan(&c, LIMITS, &[0], &mut Reserved::default()), vec![2, 3]);
     }
 
     #[test]
     fn an_oversized_first_pass_still_runs_alone() {
         let c = [fwd(1, 1, 500, true), fwd(2, 2, 10, true)];
-        assert_eq!(plan(&c, LIMITS, &[0]), vec![1]);
+        assert_eq!(plan(&c, LIMITS, &[0], &mut Reserved::default()), vec![1]);
     }
 
     #[test]
@@ -274,7 +297,7 @@ mod tests {
             fwd(2, 2, 10, true),
             fwd(3, 3, 10, false),
         ];
-        assert_eq!(plan(&c, LIMITS, &[0]), vec![1, 3]);
+        assert_eq!(plan(&c, LIMITS, &[0], &mut Reserved::default()), vec![1, 3]);
     }
 
     #[test]
@@ -292,7 +315,10 @@ mod tests {
             sample(6, 4, 10, 1),
         ];
         // Streams: 4 + 4 = 8 fills the budget; sample 6 waits.
-        assert_eq!(sorted(plan(&c, LIMITS, &[0])), vec![1, 4, 5, 9]);
+        assert_eq!(
+            sorted(plan(&c, LIMITS, &[0], &mut Reserved::default())),
+            vec![1, 4, 5, 9]
+        );
     }
 
     #[test]
@@ -303,14 +329,20 @@ mod tests {
             .collect();
         c.push(owned(fwd(9, 10, 40, true), 1));
         // Key 0 has been served more: key 1 goes first, key 0 fills the rest.
-        assert_eq!(plan(&c, LIMITS, &[1000, 0]), vec![9, 0]);
+        assert_eq!(
+            plan(&c, LIMITS, &[1000, 0], &mut Reserved::default()),
+            vec![9, 0]
+        );
         // Equal levels: charging each pick alternates the keys.
         let c = [
             owned(fwd(1, 1, 30, true), 0),
             owned(fwd(2, 2, 30, true), 0),
             owned(fwd(3, 3, 30, true), 1),
         ];
-        assert_eq!(plan(&c, LIMITS, &[0, 0]), vec![1, 3, 2]);
+        assert_eq!(
+            plan(&c, LIMITS, &[0, 0], &mut Reserved::default()),
+            vec![1, 3, 2]
+        );
     }
 
     #[test]
@@ -320,9 +352,9 @@ mod tests {
         let mut c: Vec<Candidate> = (0..50).map(|i| fwd(i, 100 + i as u64, 30, true)).collect();
         c.push(fwd(99, 0, 90, true));
         c.push(sample(98, 1, 1000, 64));
-        assert_eq!(plan(&c, LIMITS, &[0])[0], 99);
+        assert_eq!(plan(&c, LIMITS, &[0], &mut Reserved::default())[0], 99);
         c.retain(|c| c.key != 99);
-        assert_eq!(plan(&c, LIMITS, &[0]), vec![98]);
+        assert_eq!(plan(&c, LIMITS, &[0], &mut Reserved::default()), vec![98]);
     }
 
     fn decode(key: usize, owner: usize, streams: usize) -> Candidate {
@@ -342,14 +374,14 @@ mod tests {
         };
         let c = [decode(0, 0, 6), sample(1, 1, 10, 2), sample(2, 2, 10, 1)];
         // 6 live + 2 fills the 8 streams: the second request waits for a sequence to end.
-        assert_eq!(plan(&c, limits, &[0]), vec![0, 1]);
+        assert_eq!(plan(&c, limits, &[0], &mut Reserved::default()), vec![0, 1]);
         // The oldest request needs 3 streams, 2 are free: it waits, and the smaller one
         // behind it waits too rather than taking the room it needs.
         let c = [decode(0, 0, 6), sample(1, 1, 10, 3), sample(2, 2, 10, 1)];
-        assert_eq!(plan(&c, limits, &[0]), vec![0]);
+        assert_eq!(plan(&c, limits, &[0], &mut Reserved::default()), vec![0]);
         // Nothing live and a request larger than the limit: it runs alone.
         let c = [sample(1, 1, 10, 20), sample(2, 2, 10, 1)];
-        assert_eq!(plan(&c, LIMITS, &[0]), vec![1]);
+        assert_eq!(plan(&c, LIMITS, &[0], &mut Reserved::default()), vec![1]);
     }
 
     #[test]
@@ -362,7 +394,7 @@ mod tests {
         for round in 0..2000u64 {
             let c = [owned(fwd(1, round, 100, true), 0), decode(2, 1, 4)];
             let levels = service.levels(&["hog", "sampler"]);
-            for key in plan(&c, LIMITS, &levels) {
+            for key in plan(&c, LIMITS, &levels, &mut Reserved::default()) {
                 let (owner, name) = if key == 1 { (0, "hog") } else { (1, "sampler") };
                 let charge = c[key - 1].kind.charge();
                 service.charge(name, charge);
@@ -387,7 +419,7 @@ mod tests {
 
     #[test]
     fn empty_input_plans_nothing() {
-        assert!(plan(&[], LIMITS, &[]).is_empty());
+        assert!(plan(&[], LIMITS, &[], &mut Reserved::default()).is_empty());
     }
 
     #[test]
@@ -403,5 +435,63 @@ mod tests {
         assert_eq!(s.levels(&["hog"]), vec![5000]);
         s.charge("hog", 100_000);
         assert_eq!(s.levels(&["victim", "hog"]), vec![104_999, 105_000]);
+    }
+
+    /// Keys that come back from idle again and again, each just below the waiting key,
+    /// do not keep a large pass or sample from ever fitting: the first candidate passed
+    /// over goes first in the next plan.
+    #[test]
+    fn a_large_request_is_not_starved_by_keys_returning_from_idle() {
+        // Key "big" waits with a 90-token pass; each round a returning key brings a
+        // 20-token pass, and the two do not fit one 100-token batch together.
+        let mut service = Service::default();
+        service.levels(&["big"]);
+        service.charge("big", 500);
+        let mut reserved = Reserved::default();
+        let mut ran_big = None;
+        for round in 0..10u64 {
+            let c = [
+                owned(fwd(1, 1, 90, true), 0),
+                owned(fwd(2, 10 + round, 20, true), 1),
+            ];
+            let name = format!("returning-{}", round % 2);
+            let levels = service.levels(&["big", &name]);
+            let chosen = plan(&c, LIMITS, &levels, &mut reserved);
+            for &key in &chosen {
+                let owner = if key == 1 { "big" } else { name.as_str() };
+                service.charge(owner, c[key - 1].kind.charge());
+            }
+            if chosen.contains(&1) {
+                ran_big = Some(round);
+                break;
+            }
+            // The returning key idles until its next request.
+            service.levels(&["big"]);
+        }
+        // The returning key goes first once (it is less served), then the large pass.
+        assert_eq!(ran_big, Some(1));
+        // The same for a sampling request that needs every stream: the live ones drain.
+        let limits = Limits {
+            live_streams: 4,
+            ..LIMITS
+        };
+        let mut reserved = Reserved::default();
+        let c = [decode(0, 1, 4), sample(1, 0, 10, 8), sample(2, 2, 10, 1)];
+        let c = [
+            c[0],
+            Candidate { arrival: 1, ..c[1] },
+            Candidate { arrival: 5, ..c[2] },
+        ];
+        // The small request (a less-served key) would fit; the large one is first anyway
+        // once passed over, and nothing joins the decode until it fits.
+        assert_eq!(plan(&c, limits, &[5, 0, 0], &mut reserved), vec![0]);
+        assert_eq!(reserved, Reserved(Some(1)));
+        assert_eq!(plan(&c, limits, &[5, 0, 0], &mut reserved), vec![0]);
+        let drained = Limits {
+            live_streams: 0,
+            ..LIMITS
+        };
+        let c = [c[1], c[2]];
+        assert_eq!(plan(&c, drained, &[5, 0, 0], &mut reserved), vec![1]);
     }
 }

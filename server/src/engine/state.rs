@@ -19,7 +19,7 @@ use super::futures::Futures;
 use super::info::ModelInfo;
 use super::limits::KeyLimits;
 use super::run_queue::{Admit, Queued, RunQueue};
-use super::scheduler::Service;
+use super::scheduler::{Reserved, Service};
 use super::EngineError;
 
 /// Engine settings.
@@ -207,6 +207,8 @@ pub struct Engine {
     pub(super) arrivals: u64,
     /// Tokens run per API key: the scheduler's fair-share clock.
     pub(super) service: Service,
+    /// The candidate the last plan passed over, taken first by the next.
+    pub(super) reserved: Reserved,
     pub(super) worker: Box<dyn WorkerLink>,
     pub(super) busy: bool,
     pub(super) draining: bool,
@@ -256,6 +258,7 @@ impl Engine {
             unload: Vec::new(),
             arrivals: 0,
             service: Service::default(),
+            reserved: Reserved::default(),
             worker,
             busy: false,
             draining: false,
