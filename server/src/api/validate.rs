@@ -559,6 +559,7 @@ mod tests {
             chat_template: None,
             eos_token: None,
             bos_token: None,
+            lora_widths: Default::default(),
         }
     }
 

@@ -566,3 +566,31 @@ fn cancelled_samples_leave_the_queue_or_the_decode_and_training_is_not_cancelled
     let err = engine.cancel_future("alice", &id).unwrap_err();
     assert!(err.to_string().contains("training operation"), "{err}");
 }
+
+#[test]
+fn saves_still_queued_count_against_the_checkpoint_quota() {
+    let (mut engine, sent) = engine();
+    engine.config.limits.checkpoints = 2;
+    let run = live_run(&mut engine, &sent, "a");
+    let save = |engine: &mut super::Engine, seq: u64, name: &str| {
+        engine.save(
+            "a",
+            &run,
+            Some(seq),
+            super::SaveRequest {
+                kind: lathe_sdk::types::CheckpointKind::Training,
+                name: name.into(),
+                overwrite: false,
+                ttl: None,
+            },
+        )
+    };
+    // Nothing is written yet (the worker has not run them): two queued saves fill the
+    // quota, and a third new name is refused rather than admitted past it.
+    save(&mut engine, 1, "one").unwrap();
+    save(&mut engine, 2, "two").unwrap();
+    match save(&mut engine, 3, "three") {
+        Err(super::EngineError::Limit(l)) => assert_eq!(l.limit, "max_checkpoints"),
+        other => panic!("{other:?}"),
+    }
+}

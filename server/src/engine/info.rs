@@ -1,6 +1,6 @@
 //! What the api layer needs to know about the served model, as plain data.
 
-use crate::model::{Arch, LoadedModel};
+use crate::model::{Arch, LoadedModel, LoraSpec, ModelConfig};
 
 /// The served base model.
 #[derive(Debug, Clone)]
@@ -23,6 +23,55 @@ pub struct ModelInfo {
     pub eos_token: Option<String>,
     /// BOS token text.
     pub bos_token: Option<String>,
+    /// LoRA parameters per unit of rank, over every layer: what an adapter of rank `r`
+    /// holds is `r` times the sum of the parts its spec trains.
+    pub lora_widths: LoraWidths,
+}
+
+/// `in + out` summed over the adapted matrices of each part of a spec, all layers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LoraWidths {
+    /// q, k, v and o.
+    pub attn: usize,
+    /// gate, up and down.
+    pub mlp: usize,
+    /// The output head.
+    pub unembed: usize,
+}
+
+impl LoraWidths {
+    fn of(cfg: &ModelConfig) -> Self {
+        let sum = |spec: LoraSpec| -> usize {
+            spec.targets(cfg)
+                .into_iter()
+                .map(|t| {
+                    let (out, inp) = t.dims(cfg);
+                    out + inp
+                })
+                .sum()
+        };
+        let only = |train_attn, train_mlp, train_unembed| LoraSpec {
+            rank: 1,
+            train_attn,
+            train_mlp,
+            train_unembed,
+        };
+        Self {
+            attn: sum(only(true, false, false)),
+            mlp: sum(only(false, true, false)),
+            unembed: sum(only(false, false, true)),
+        }
+    }
+
+    /// Bytes of an f32 adapter of `spec`.
+    pub fn adapter_bytes(&self, spec: &LoraSpec) -> u64 {
+        let width = usize::from(spec.train_attn) * self.attn
+            + usize::from(spec.train_mlp) * self.mlp
+            + usize::from(spec.train_unembed) * self.unembed;
+        (width as u64)
+            .saturating_mul(spec.rank as u64)
+            .saturating_mul(4)
+    }
 }
 
 impl ModelInfo {
@@ -44,11 +93,49 @@ impl ModelInfo {
             chat_template: model.chat_template.as_ref().map(|t| t.source().to_string()),
             eos_token: model.tokenizer.eos_token(),
             bos_token: model.tokenizer.bos_token(),
+            lora_widths: LoraWidths::of(cfg),
         }
     }
 
     /// Whether `name` refers to this model.
     pub fn matches(&self, name: &str) -> bool {
         name == self.name || self.aliases.iter().any(|a| a == name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::tiny::tiny_config;
+    use crate::model::Adapter;
+
+    /// The estimate is the parameter count of the adapter a run of that spec makes.
+    #[test]
+    fn adapter_bytes_are_those_of_a_real_adapter() {
+        for arch in [Arch::Llama, Arch::Qwen2, Arch::Qwen3] {
+            let cfg = tiny_config(arch);
+            let widths = LoraWidths::of(&cfg);
+            for (attn, mlp, unembed) in [
+                (true, true, false),
+                (true, false, true),
+                (false, true, true),
+            ] {
+                let spec = LoraSpec {
+                    rank: 3,
+                    train_attn: attn,
+                    train_mlp: mlp,
+                    train_unembed: unembed,
+                };
+                let a = Adapter::new(
+                    &cfg,
+                    spec,
+                    1,
+                    candle_core::DType::F32,
+                    &candle_core::Device::Cpu,
+                )
+                .unwrap();
+                assert_eq!(widths.adapter_bytes(&spec), 4 * a.num_params() as u64);
+            }
+        }
     }
 }

@@ -6,6 +6,8 @@
 //! minutes.
 
 use super::{Engine, EngineError};
+use crate::worker::RunOp;
+use lathe_sdk::types::CheckpointKind;
 
 /// What each API key may use. Every field is a `lathe serve` flag.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -190,22 +192,27 @@ impl Engine {
         Ok(())
     }
 
-    /// Refuses a save when `owner` stores `checkpoints` (for a new name) or
-    /// `checkpoint_bytes` already.
+    /// Refuses a save when `owner` would store more than `checkpoints` (for a new name)
+    /// or `checkpoint_bytes`, counting its saves still queued as stored: each a new name,
+    /// of its adapter's f32 bytes (three times that with the optimizer state of a
+    /// training checkpoint). Checked only when a save is queued, the quota would
+    /// otherwise admit every save sent before the first one is written.
     pub(super) fn check_checkpoint_quota(
         &self,
         owner: &str,
         new_name: bool,
     ) -> Result<(), EngineError> {
-        let (count, bytes) = self.catalog.usage_of(owner);
+        let (stored, stored_bytes) = self.catalog.usage_of(owner);
+        let (queued, queued_bytes) = self.queued_saves(owner);
+        let (count, bytes) = (stored + queued, stored_bytes.saturating_add(queued_bytes));
         let limits = &self.config.limits;
         if new_name && count >= limits.checkpoints {
             return Err(exceeded(
                 "max_checkpoints",
                 60,
                 format!(
-                    "this key stores {count} checkpoints, its limit (--max-checkpoints {}); \
-                     delete some first",
+                    "this key stores {stored} checkpoints and has {queued} saves queued, its \
+                     limit (--max-checkpoints {}); delete some first",
                     limits.checkpoints
                 ),
             ));
@@ -215,12 +222,34 @@ impl Engine {
                 "max_checkpoint_bytes",
                 60,
                 format!(
-                    "this key stores {bytes} bytes of checkpoints, its limit \
-                     (--max-checkpoint-bytes {}); delete some first",
+                    "this key stores {stored_bytes} bytes of checkpoints and has saves of \
+                     about {queued_bytes} more queued, its limit (--max-checkpoint-bytes \
+                     {}); delete some first",
                     limits.checkpoint_bytes
                 ),
             ));
         }
         Ok(())
+    }
+
+    /// `owner`'s saves queued and not yet written: how many, and their estimated bytes.
+    fn queued_saves(&self, owner: &str) -> (usize, u64) {
+        let widths = &self.model.lora_widths;
+        self.runs
+            .values()
+            .filter(|r| r.owner == owner)
+            .flat_map(|r| r.queue.ops().map(move |q| (r, q)))
+            .filter_map(|(r, q)| match &q.op {
+                RunOp::Save { meta, .. } => {
+                    let copies = if meta.kind == CheckpointKind::Training.type_name() {
+                        3
+                    } else {
+                        1
+                    };
+                    Some(widths.adapter_bytes(&r.spec).saturating_mul(copies))
+                }
+                _ => None,
+            })
+            .fold((0, 0u64), |(n, bytes), b| (n + 1, bytes.saturating_add(b)))
     }
 }

@@ -36,7 +36,7 @@ pub use completions::{Completion, CompletionPoll};
 pub use custom_loss::MAX_CUSTOM_LOSSES_PER_SESSION;
 pub use error::EngineError;
 pub use futures::FutureResult;
-pub use info::ModelInfo;
+pub use info::{LoraWidths, ModelInfo};
 pub use interpolate::{InterpolatePlan, MAX_SOURCES};
 pub use limits::{KeyLimits, LimitExceeded};
 pub use rest::{parse_checkpoint_id, MAX_PAGE};

@@ -52,6 +52,7 @@ fn build(
         chat_template: None,
         eos_token: None,
         bos_token: None,
+        lora_widths: Default::default(),
     };
     let dir = std::env::temp_dir().join(format!("lathe-batching-{}", uuid::Uuid::new_v4()));
     let engine = Engine::new(

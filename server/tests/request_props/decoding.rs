@@ -18,6 +18,7 @@ pub(crate) fn model() -> ModelInfo {
         chat_template: None,
         eos_token: None,
         bos_token: None,
+        lora_widths: Default::default(),
     }
 }
 
