@@ -139,6 +139,20 @@ fn bad_hyper_parameters_are_rejected() {
             weight_decay: -1.0,
             ..Default::default()
         },
+        // 0 / (0 + eps) on a fresh adapter's A: NaN.
+        AdamParams {
+            eps: 0.0,
+            ..Default::default()
+        },
+        AdamParams {
+            eps: 1e-46,
+            ..Default::default()
+        },
+        // Finite in f64, infinite in the f32 update.
+        AdamParams {
+            learning_rate: 1e39,
+            ..Default::default()
+        },
     ] {
         assert!(adamw::validate(&p).is_err(), "{p:?}");
     }

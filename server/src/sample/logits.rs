@@ -41,12 +41,19 @@ pub fn token_logprob(logits: &[f32], token: usize) -> f64 {
 const NUCLEUS_START: usize = 64;
 
 impl Picker {
+    /// Whether this picks the most likely token: a temperature of 0, or one so small that
+    /// `1 / T` overflows the f32 the softmax is scaled by (it would give `0 x inf` = NaN
+    /// weights, and a pick of whatever token the walk ends on).
+    pub fn greedy(&self) -> bool {
+        self.temperature <= 0.0 || !((1.0 / self.temperature) as f32).is_finite()
+    }
+
     /// Picks a token id from `logits`.
     ///
     /// Candidates are ranked by logit (ties: the lower id first); only as many are sorted
     /// as top-k and top-p need, so the pick is the one a full sort would give.
     pub fn pick(&self, logits: &[f32], rng: &mut StdRng) -> usize {
-        if self.temperature <= 0.0 {
+        if self.greedy() {
             return argmax(logits);
         }
         let rank = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
@@ -103,13 +110,8 @@ impl Picker {
     /// Whether [`Picker::device_row`] gives a row for a vocabulary of `vocab`.
     pub fn on_device(&self, vocab: usize) -> bool {
         use crate::model::cuda::PICK_MAX_K;
-        if self.temperature <= 0.0 {
+        if self.greedy() {
             return true;
-        }
-        // The kernel takes 1 / T as an f32, as the host does; a temperature so small that
-        // it overflows is left to the host.
-        if !((1.0 / self.temperature) as f32).is_finite() {
-            return false;
         }
         let k = self.top_k.unwrap_or(vocab).clamp(1, vocab.max(1));
         if k < vocab {
@@ -130,7 +132,7 @@ impl Picker {
         if !self.on_device(vocab) {
             return None;
         }
-        if self.temperature <= 0.0 {
+        if self.greedy() {
             return Some(PickRow {
                 inv_temperature: 0.0,
                 top_k: None,
@@ -260,6 +262,23 @@ fn argmax(logits: &[f32]) -> usize {
 mod tests {
     use super::*;
     use rand::SeedableRng;
+
+    /// A positive temperature too small for `1 / T` in f32 picks as greedy does, not
+    /// whichever token NaN weights would walk to.
+    #[test]
+    fn a_vanishing_temperature_is_greedy() {
+        let logits = [0.5f32, 3.0, -1.0, 2.0];
+        for t in [1e-39, f64::MIN_POSITIVE] {
+            let p = Picker {
+                temperature: t,
+                ..Default::default()
+            };
+            assert!(p.greedy());
+            let mut rng = StdRng::seed_from_u64(1);
+            assert_eq!(p.pick(&logits, &mut rng), 1);
+        }
+        assert!(!Picker::default().greedy());
+    }
 
     #[test]
     fn greedy_picks_the_argmax() {

@@ -54,7 +54,8 @@ pub fn validate(p: &AdamParams) -> Result<(), TrainError> {
         ("grad_clip_norm", p.grad_clip_norm),
     ];
     for (name, v) in all {
-        if !v.is_finite() {
+        // The update runs in f32: a value finite in f64 but not in f32 is not finite.
+        if !(v as f32).is_finite() {
             return Err(TrainError::Input(format!("{name} must be finite, got {v}")));
         }
         if v < 0.0 {
@@ -65,6 +66,16 @@ pub fn validate(p: &AdamParams) -> Result<(), TrainError> {
     }
     if p.beta1 >= 1.0 || p.beta2 >= 1.0 {
         return Err(TrainError::Input("beta1 and beta2 must be below 1".into()));
+    }
+    // A parameter whose gradient and second moment are still zero (every LoRA A before
+    // its B has moved) is updated by 0 / (0 + eps): eps must be a positive f32, or the
+    // adapter turns to NaN.
+    if (p.eps as f32) < f32::MIN_POSITIVE {
+        return Err(TrainError::Input(format!(
+            "eps must be positive (at least {:e}), got {}",
+            f32::MIN_POSITIVE,
+            p.eps
+        )));
     }
     Ok(())
 }
