@@ -337,6 +337,26 @@ fn what_cannot_be_honoured_is_refused_by_name() {
             "alternatives",
         ),
         ("/v1/completions", json!({"model": base}), 400, "prompt"),
+        // Refused before anything is encoded: text longer than the context could hold
+        // (256 tokens here, 32 bytes each), and more prompts than choices.
+        (
+            "/v1/completions",
+            json!({"model": base, "prompt": "ab ".repeat(3000)}),
+            400,
+            "bytes of text",
+        ),
+        (
+            "/v1/completions",
+            json!({"model": base, "prompt": vec!["x"; 65]}),
+            400,
+            "65 prompt(s)",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": base, "messages": [{"role": "user", "content": "ab ".repeat(3000)}]}),
+            400,
+            "bytes of text",
+        ),
         (
             "/v1/chat/completions",
             json!({"model": base, "messages": []}),

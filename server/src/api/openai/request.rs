@@ -117,6 +117,24 @@ fn choices(prompts: usize, n: Option<usize>) -> Result<usize, ApiError> {
     }
 }
 
+/// Bytes of text per token of context that a prompt may have before it is encoded:
+/// tokenizers average about four bytes a token, so a longer text could not fit the
+/// context, and encoding it first (its cost and memory grow with the text) is refused.
+const TEXT_BYTES_PER_TOKEN: usize = 32;
+
+/// Refuses text that could not fit `s`'s context, before anything encodes it.
+fn check_text_len(s: &AppState, what: &str, bytes: usize) -> Result<(), ApiError> {
+    let max = s.model.max_seq_len.saturating_mul(TEXT_BYTES_PER_TOKEN);
+    if bytes > max {
+        return Err(bad(format!(
+            "{what} has {bytes} bytes of text, more than the context of {} tokens could \
+             hold ({max} bytes)",
+            s.model.max_seq_len
+        )));
+    }
+    Ok(())
+}
+
 /// Plans `/v1/completions`.
 pub async fn completion(s: &AppState, req: &CompletionRequest) -> Result<Plan, ApiError> {
     let sampler = sampler(s, &req.model)?;
@@ -130,6 +148,18 @@ pub async fn completion(s: &AppState, req: &CompletionRequest) -> Result<Plan, A
     let n = req.sampling.n.unwrap_or(1);
     if req.best_of.is_some_and(|b| b != n) {
         return Err(bad("best_of is not supported (only equal to n)"));
+    }
+    // Counts and sizes first: encoding is the expensive part.
+    let texts: &[String] = match &req.prompt {
+        CompletionPrompt::Text(t) => std::slice::from_ref(t),
+        CompletionPrompt::Texts(t) => t,
+        _ => &[],
+    };
+    if !texts.is_empty() {
+        choices(texts.len(), req.sampling.n)?;
+    }
+    for t in texts {
+        check_text_len(s, "a prompt", t.len())?;
     }
     let prompts = match &req.prompt {
         CompletionPrompt::Text(t) => encode_texts(s, vec![t.clone()]).await?,
@@ -201,6 +231,11 @@ pub async fn chat(s: &AppState, req: &ChatCompletionRequest) -> Result<Plan, Api
         .enumerate()
         .map(|(i, m)| message(i, m))
         .collect::<Result<Vec<_>, _>>()?;
+    let bytes = messages.iter().fold(0usize, |n, m| {
+        n.saturating_add(m.content.len())
+            .saturating_add(m.role.len())
+    });
+    check_text_len(s, "the conversation", bytes)?;
     let prompt = render_chat(s, messages).await?;
     let n = choices(1, req.sampling.n)?;
     let job = job(
