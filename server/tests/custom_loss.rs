@@ -78,6 +78,18 @@ fn a_custom_loss_trains_exactly_as_the_built_in_loss_it_spells_out() {
         linear_loss("weights", 1, "custom/neg_ll:sum"),
     );
     assert_eq!(again.unwrap(), neg_ll);
+    // Repeats answer with the first creation's future while it lasts: a client sending
+    // one creation over and over holds one future, not one per request.
+    let mut body = linear_loss("weights", 1, "custom/neg_ll:sum");
+    body["session_id"] = json!(session);
+    body["custom_loss_seq_id"] = json!(0);
+    let ids: Vec<Value> = (0..3)
+        .map(|_| alice.post("/api/v1/create_custom_loss", &body).1["request_id"].clone())
+        .collect();
+    assert!(
+        ids.iter().all(|id| id == &ids[0] && id.is_string()),
+        "{ids:?}"
+    );
     let clash = create(&alice, &session, 0, linear_loss("c", 0, "custom/c:mean")).unwrap_err();
     assert!(clash.to_string().contains("already names"), "{clash}");
 

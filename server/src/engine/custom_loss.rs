@@ -43,7 +43,20 @@ impl Engine {
             }
             None => session.custom_losses.push((loss_id.clone(), loss)),
         }
+        // A repeat answers with the first creation's future while the table keeps it, so
+        // repeating a creation holds at most one future per loss.
+        let first = session.custom_loss_futures.get(&loss_id).cloned();
+        if let Some(request_id) = first.filter(|id| self.futures.is_pending(id, owner).is_some()) {
+            return Ok(UntypedApiFuture {
+                request_id,
+                model_id: None,
+                sample_sequence_ids: None,
+            });
+        }
         let request_id = uuid::Uuid::new_v4().to_string();
+        self.session_mut(owner, session_id)?
+            .custom_loss_futures
+            .insert(loss_id.clone(), request_id.clone());
         self.futures.insert(request_id.clone(), owner);
         self.futures
             .resolve(&request_id, Ok(Reply::CustomLossCreated { loss_id }));

@@ -95,6 +95,9 @@ pub(super) struct Session {
     pub samplers: Vec<String>,
     /// Custom losses created in the session, by `loss_id`.
     pub custom_losses: Vec<(String, std::sync::Arc<crate::train::custom::CustomLoss>)>,
+    /// The future each custom loss's creation answered with, given again to a repeated
+    /// creation while it lasts (so repeats mint no new futures).
+    pub custom_loss_futures: HashMap<String, String>,
 }
 
 pub(super) struct Run {
@@ -301,6 +304,7 @@ impl Engine {
                 runs: Vec::new(),
                 samplers: Vec::new(),
                 custom_losses: Vec::new(),
+                custom_loss_futures: HashMap::new(),
             },
         );
         Ok(id)
