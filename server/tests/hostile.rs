@@ -408,3 +408,35 @@ fn a_key_at_its_sampling_session_limit_is_refused_and_no_one_else() {
     server.stop();
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// What axum's extractors reject before any handler runs (a malformed query string or
+/// path segment, a missing query parameter) is answered in JSON too, in the API's shape.
+#[test]
+fn rejections_before_a_handler_are_json() {
+    let dir = temp_dir("hostile-json-errors");
+    let server = TestServer::start(&dir, |c| c.max_request_bytes = 4096);
+    let a = server.client(KEY_A);
+    for path in [
+        "/api/v1/training_runs?limit=-1",
+        "/api/v1/sessions/%FF",
+        "/api/v1/lathe/archive",
+    ] {
+        let (status, v) = a.get(path);
+        assert_eq!(status, 400, "{path}: {v}");
+        assert!(
+            v["detail"].as_str().is_some_and(|d| !d.is_empty()),
+            "{path}: {v}"
+        );
+        assert_eq!(v["code"], "invalid_request", "{path}: {v}");
+    }
+    // Under /v1/, OpenAI's shape: here a body over --max-request-bytes.
+    let base = a.base_model();
+    let (status, v) = a.post(
+        "/v1/completions",
+        &json!({"model": base, "prompt": "x".repeat(5000)}),
+    );
+    assert_eq!(status, 413, "{v}");
+    assert_eq!(v["error"]["code"], "payload_too_large", "{v}");
+    server.stop();
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -64,6 +64,31 @@ impl ApiError {
     }
 }
 
+impl ApiError {
+    /// An error answer that did not come from Lathe's handlers (an extractor's rejection
+    /// of a query string, a path segment or an oversized body: axum answers those in
+    /// plain text), as an `ApiError` with that status and text.
+    pub(super) fn from_plain(status: StatusCode, text: &str) -> Self {
+        let code = match status {
+            StatusCode::BAD_REQUEST => "invalid_request",
+            StatusCode::NOT_FOUND => "not_found",
+            StatusCode::METHOD_NOT_ALLOWED => "method_not_allowed",
+            StatusCode::PAYLOAD_TOO_LARGE => return Self::too_large(),
+            StatusCode::UNSUPPORTED_MEDIA_TYPE => "unsupported_media_type",
+            StatusCode::UNPROCESSABLE_ENTITY => "invalid_request",
+            s if s.is_server_error() => "internal",
+            _ => "error",
+        };
+        let text = text.trim();
+        let message = if text.is_empty() {
+            status.canonical_reason().unwrap_or("error").to_string()
+        } else {
+            text.to_string()
+        };
+        Self::new(status, code, message)
+    }
+}
+
 impl From<EngineError> for ApiError {
     fn from(e: EngineError) -> Self {
         match e {

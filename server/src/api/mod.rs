@@ -84,6 +84,35 @@ where
 
 /// 404 for paths the server does not serve, logged so that an operator sees which calls
 /// a client makes that Lathe lacks.
+/// Gives every error answer a JSON body: Tinker's shape (`detail`, `code`), or OpenAI's
+/// under `/v1/`. Lathe's handlers answer in JSON already; this catches what axum's
+/// extractors reject before a handler runs (a malformed query string or path segment,
+/// an oversized body), which axum answers in plain text.
+async fn json_errors(req: Request, next: axum::middleware::Next) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let openai = req.uri().path().starts_with("/v1/");
+    let resp = next.run(req).await;
+    let status = resp.status();
+    let json = resp
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/json"));
+    if !(status.is_client_error() || status.is_server_error()) || json {
+        return resp;
+    }
+    // Rejection texts are short; a longer body is cut, not buffered whole.
+    let body = axum::body::to_bytes(resp.into_body(), 4096)
+        .await
+        .unwrap_or_default();
+    let e = ApiError::from_plain(status, &String::from_utf8_lossy(&body));
+    if openai {
+        openai::OpenAiError(e).into_response()
+    } else {
+        e.into_response()
+    }
+}
+
 async fn no_such_endpoint(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {
     tracing::warn!(%method, path = uri.path(), "no such endpoint");
     ApiError::not_found(format!("no such endpoint: {method} {}", uri.path()))
@@ -187,5 +216,6 @@ pub fn router(state: AppState) -> Router {
         .merge(protected)
         .fallback(no_such_endpoint)
         .layer(DefaultBodyLimit::max(max_request_bytes))
+        .layer(axum::middleware::from_fn(json_errors))
         .with_state(state)
 }
