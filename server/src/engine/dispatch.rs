@@ -12,9 +12,12 @@ use crate::worker::{
 
 use super::run_queue::UNORDERED;
 use super::runs::MAX_SNAPSHOTS_PER_RUN;
-use super::scheduler::{self, Candidate, Kind, Limits};
+use super::scheduler::{self, Candidate, Kind, Limits, MIN_CHARGE};
 use super::state::{After, Inflight, ACTIVE_WINDOW, WORKER_GONE};
 use super::Engine;
+use super::LoraWidths;
+use crate::model::LoraSpec;
+use lathe_sdk::types::CheckpointKind;
 
 impl Engine {
     /// Sends the next batch to the worker if it is idle and there is work. Work that
@@ -62,7 +65,12 @@ impl Engine {
                 op @ RunOp::ReverseKl { .. } => Kind::Solo {
                     tokens: op.tokens(),
                 },
-                _ => Kind::Other,
+                op => match adapter_work(&self.model.lora_widths, &run.spec, op) {
+                    // Large adapters' saves, loads and steps take their time's worth of
+                    // the batch and of the key's share, like a pass.
+                    tokens if tokens >= MIN_CHARGE as usize => Kind::Solo { tokens },
+                    _ => Kind::Other,
+                },
             };
             candidates.push(Candidate {
                 key: heads.len(),
@@ -421,4 +429,71 @@ pub(super) fn next_pass(data: &[DatumJob], budget: usize) -> (usize, usize) {
         tokens += n;
     }
     (data.len(), tokens)
+}
+
+/// Bytes of adapter traffic reckoned as one token of a training pass: on the CPU a
+/// token of a pass takes a few milliseconds, about what writing or updating a MiB of
+/// adapter state does.
+const ADAPTER_BYTES_PER_TOKEN: u64 = 1 << 20;
+
+/// The work of an operation on a run's adapter (`spec`), in tokens: its bytes of
+/// adapter state written, read or updated (the optimizer's two moments and the
+/// gradient triple an Adam step's traffic, and a training checkpoint's), over
+/// [`ADAPTER_BYTES_PER_TOKEN`]. Operations below [`MIN_CHARGE`] tokens ride along with
+/// every batch (`scheduler::Kind::Other`); larger ones are scheduled by fair share
+/// within the batch budget, so a key with many large adapters cannot add seconds of
+/// saves, loads and steps to every batch of everyone's.
+fn adapter_work(widths: &LoraWidths, spec: &LoraSpec, op: &RunOp) -> usize {
+    let copies: u64 = match op {
+        RunOp::Save { meta, .. } if meta.kind == CheckpointKind::Training.type_name() => 3,
+        RunOp::Load {
+            optimizer: true, ..
+        } => 3,
+        RunOp::OptimStep(_) => 4,
+        RunOp::Save { .. } | RunOp::Load { .. } | RunOp::Snapshot { .. } | RunOp::Create { .. } => {
+            1
+        }
+        _ => 0,
+    };
+    let bytes = widths.adapter_bytes(spec).saturating_mul(copies);
+    usize::try_from(bytes / ADAPTER_BYTES_PER_TOKEN).unwrap_or(usize::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::checkpoints::CheckpointMeta;
+
+    /// SmolLM2-135M's: 30 layers of hidden 576, kv 192, intermediate 1536.
+    const SMOLLM2: LoraWidths = LoraWidths {
+        attn: 30 * ((576 + 576) * 2 + (576 + 192) * 2),
+        mlp: 30 * (576 + 1536) * 3,
+        unembed: 49152 + 576,
+    };
+
+    fn spec(rank: usize) -> LoraSpec {
+        LoraSpec {
+            rank,
+            train_attn: true,
+            train_mlp: true,
+            train_unembed: false,
+        }
+    }
+
+    #[test]
+    fn large_adapters_work_is_counted_in_tokens_and_small_ones_ride_along() {
+        let save = RunOp::Save {
+            meta: CheckpointMeta::for_test("r", "training", "x", "o"),
+            overwrite: false,
+        };
+        let step = RunOp::OptimStep(Default::default());
+        // Rank 8: a 9.8 MB adapter; its training checkpoint (with Adam's moments) 29 MB.
+        assert_eq!(adapter_work(&SMOLLM2, &spec(8), &save), 27);
+        assert!(adapter_work(&SMOLLM2, &spec(8), &step) < MIN_CHARGE as usize);
+        // Rank 256: about 0.9 GB to write, a pass's worth of tokens.
+        let big = adapter_work(&SMOLLM2, &spec(256), &save);
+        assert!((850..=950).contains(&big), "{big}");
+        assert!(adapter_work(&SMOLLM2, &spec(256), &step) > big);
+        assert_eq!(adapter_work(&SMOLLM2, &spec(256), &RunOp::Unload), 0);
+    }
 }
