@@ -45,6 +45,13 @@ impl Detokenizer {
             self.prefix = self.read;
             self.read = self.ids.len();
             Ok(now[before.len()..].to_string())
+        } else if stuck {
+            // Tokens that decode to nothing (ids the tokenizer does not know, where the
+            // model's vocabulary is larger than its tokenizer's) are given up too: were
+            // they kept, every later token would re-decode a window growing with them.
+            self.prefix = self.read;
+            self.read = self.ids.len();
+            Ok(String::new())
         } else {
             Ok(String::new())
         }
@@ -256,6 +263,23 @@ mod tests {
         shown.push_str(&c.finish(&tok).unwrap());
         assert_eq!(shown, c.visible());
         assert!(shown.chars().all(|ch| ch == '\u{FFFD}') && !shown.is_empty());
+    }
+
+    #[test]
+    fn ids_that_decode_to_nothing_do_not_grow_the_window() {
+        let tok = tiny_tokenizer().unwrap();
+        let a = tok.encode("a").unwrap();
+        let b = tok.encode("b").unwrap();
+        let unknown = 1_000_000;
+        assert_eq!(tok.decode(&[unknown]).unwrap_or_default(), "");
+        let mut c = ChoiceText::new(Vec::new());
+        let mut shown = String::new();
+        for &id in a.iter().chain(&[unknown; 200]).chain(&b) {
+            shown.push_str(&c.push(&tok, id).unwrap());
+            assert!(c.detok.ids.len() - c.detok.prefix <= 2 * (MAX_PENDING + 1));
+        }
+        shown.push_str(&c.finish(&tok).unwrap());
+        assert_eq!(shown, "ab");
     }
 
     #[test]
