@@ -303,14 +303,14 @@ async fn flush(store: Store, engine: mpsc::WeakSender<Command>, work: StoreWork)
                 tracing::warn!("recording runs' activity: {e}");
             }
         }
+        let now = super::now_unix();
         work.expired
             .into_iter()
             .map(|(uri, version)| {
-                let deleted = store.delete(&uri, &version);
-                if let Err(e) = &deleted {
+                let outcome = store.delete_expired(&uri, &version, now).map_err(|e| {
                     tracing::warn!(checkpoint = %uri, "deleting an expired checkpoint: {e}");
-                }
-                (uri, version, deleted.is_ok())
+                });
+                (uri, version, outcome.ok())
             })
             .collect::<Vec<_>>()
     })

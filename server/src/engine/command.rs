@@ -47,7 +47,7 @@ macro_rules! commands {
             Complete(BatchReport),
             /// Expired checkpoints were deleted off the actor (URI, version, whether the
             /// delete succeeded).
-            ExpiredDeleted(Vec<(CheckpointUri, String, bool)>),
+            ExpiredDeleted(Vec<(CheckpointUri, String, Option<crate::store::ExpiredDelete>)>),
         }
 
         impl Command {
@@ -63,8 +63,8 @@ macro_rules! commands {
                     )*
                     Command::Complete(report) => engine.complete(report),
                     Command::ExpiredDeleted(done) => {
-                        for (uri, version, deleted) in done {
-                            engine.finish_delete(&uri, &version, deleted);
+                        for (uri, version, outcome) in done {
+                            engine.finish_expired(&uri, &version, outcome);
                         }
                     }
                 }

@@ -175,6 +175,29 @@ impl Engine {
         self.catalog.end_delete(uri, version, deleted);
     }
 
+    /// An expired checkpoint's delete ended (`None`: it failed, and is retried at the
+    /// next tick). Where the index recorded a later expiry than the catalog had (two TTL
+    /// changes applied here in the other order than written), the checkpoint stays, with
+    /// the index's expiry.
+    pub fn finish_expired(
+        &mut self,
+        uri: &CheckpointUri,
+        version: &str,
+        outcome: Option<crate::store::ExpiredDelete>,
+    ) {
+        use crate::store::ExpiredDelete;
+        match outcome {
+            Some(ExpiredDelete::Deleted | ExpiredDelete::Replaced) => {
+                self.catalog.end_delete(uri, version, true)
+            }
+            Some(ExpiredDelete::Kept(at)) => {
+                self.catalog.set_expiry(uri, version, at);
+                self.catalog.end_delete(uri, version, false);
+            }
+            None => self.catalog.end_delete(uri, version, false),
+        }
+    }
+
     /// Checks that `owner` may publish or unpublish; unpublishing takes effect at once
     /// (before the index write), so access is never wider than the index says. Returns
     /// the current setting, to restore if the write fails, and the version it applies to.

@@ -52,6 +52,17 @@ struct Inner {
     _lock: fs::File,
 }
 
+/// What [`Store::delete_expired`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpiredDelete {
+    /// The files and the row are gone.
+    Deleted,
+    /// The index records a later expiry (or none): kept, with that expiry.
+    Kept(Option<i64>),
+    /// That version is no longer the checkpoint's (replaced or deleted meanwhile).
+    Replaced,
+}
+
 /// The data dir's index and files, shared by the engine (through a blocking pool) and the
 /// worker thread (which writes checkpoint versions and commits them). Every method is
 /// blocking I/O: never call it on an async task.
@@ -162,6 +173,32 @@ impl Store {
     /// the row); returns whether it was.
     pub fn delete(&self, uri: &CheckpointUri, version: &str) -> Result<bool, StoreError> {
         self.lock().delete(uri, version)
+    }
+
+    /// Deletes `version` of a checkpoint the engine found expired at `now_unix`, if the
+    /// index agrees: it is still the current version and its recorded expiry has
+    /// passed. Two TTL changes of one checkpoint can reach the engine's catalog in the
+    /// other order than the index wrote them, so the index, not the catalog, decides.
+    pub fn delete_expired(
+        &self,
+        uri: &CheckpointUri,
+        version: &str,
+        now_unix: i64,
+    ) -> Result<ExpiredDelete, StoreError> {
+        let mut inner = self.lock();
+        let row = inner
+            .db
+            .checkpoint(&uri.run_id, uri.kind.type_name(), &uri.name)?;
+        match row {
+            Some(row) if row.version == version => match row.meta.expires_at {
+                Some(at) if at <= now_unix => {
+                    inner.delete(uri, version)?;
+                    Ok(ExpiredDelete::Deleted)
+                }
+                at => Ok(ExpiredDelete::Kept(at)),
+            },
+            _ => Ok(ExpiredDelete::Replaced),
+        }
     }
 
     /// Every checkpoint row (the engine's in-memory catalog at start).

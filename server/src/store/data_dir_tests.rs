@@ -189,3 +189,37 @@ fn a_lost_index_is_rebuilt_from_the_newest_complete_versions() {
     drop(store);
     fs::remove_dir_all(&root).unwrap();
 }
+
+/// The index decides an expiry delete: where it records no expiry or a later one (two
+/// TTL changes reached the engine's catalog in the other order than written), the
+/// checkpoint stays and its recorded expiry comes back; a replaced version is left.
+#[test]
+fn an_expiry_delete_follows_the_index_not_the_catalog() {
+    let root = temp();
+    let (store, _) = Store::open(&root, Faults::default()).unwrap();
+    save(&store, "a", "a1").unwrap();
+    let version = store.all_checkpoints().unwrap()[0].version.clone();
+    let u = uri("a");
+    assert!(store.set_expiry(&u, &version, None).unwrap());
+    assert_eq!(
+        store.delete_expired(&u, &version, 200).unwrap(),
+        ExpiredDelete::Kept(None)
+    );
+    assert!(store.set_expiry(&u, &version, Some(300)).unwrap());
+    assert_eq!(
+        store.delete_expired(&u, &version, 200).unwrap(),
+        ExpiredDelete::Kept(Some(300))
+    );
+    assert_eq!(read(&store, "a").as_deref(), Some("a1"));
+    assert_eq!(
+        store.delete_expired(&u, "v-other", 400).unwrap(),
+        ExpiredDelete::Replaced
+    );
+    assert_eq!(
+        store.delete_expired(&u, &version, 300).unwrap(),
+        ExpiredDelete::Deleted
+    );
+    assert_eq!(read(&store, "a"), None);
+    drop(store);
+    let _ = fs::remove_dir_all(root);
+}

@@ -10,5 +10,5 @@ mod error;
 pub mod interpolate;
 pub mod peft;
 
-pub use data_dir::{OpenReport, Store};
+pub use data_dir::{ExpiredDelete, OpenReport, Store};
 pub use error::StoreError;
