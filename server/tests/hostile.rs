@@ -429,7 +429,20 @@ fn rejections_before_a_handler_are_json() {
         );
         assert_eq!(v["code"], "invalid_request", "{path}: {v}");
     }
-    // Under /v1/, OpenAI's shape: here a body over --max-request-bytes.
+    // A route that takes another method: 405 in JSON, its `Allow` header kept.
+    let resp = reqwest::blocking::Client::new()
+        .get(format!("{}/api/v1/forward_backward", server.url))
+        .header("X-API-Key", KEY_A)
+        .send()
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 405);
+    assert!(resp.headers().contains_key("allow"));
+    let v: Value = resp.json().unwrap();
+    assert_eq!(v["code"], "method_not_allowed", "{v}");
+    // Under /v1/, OpenAI's shape: an unknown path, a body over --max-request-bytes.
+    let (status, v) = a.get("/v1/no-such-thing");
+    assert_eq!(status, 404, "{v}");
+    assert!(v["error"]["message"].is_string(), "{v}");
     let base = a.base_model();
     let (status, v) = a.post(
         "/v1/completions",

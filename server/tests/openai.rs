@@ -345,9 +345,10 @@ fn what_cannot_be_honoured_is_refused_by_name() {
             400,
             "bytes of text",
         ),
+        // Each of these prompts is over the size limit too: the count is checked first.
         (
             "/v1/completions",
-            json!({"model": base, "prompt": vec!["x"; 65]}),
+            json!({"model": base, "prompt": vec!["ab ".repeat(3000); 65]}),
             400,
             "65 prompt(s)",
         ),

@@ -143,7 +143,17 @@ fn whole_flow_over_http() {
         .unwrap();
     let location = resp.headers()["location"].to_str().unwrap().to_string();
     assert!(resp.headers().contains_key("expires"));
-    let tar = http.get(location).send().unwrap().bytes().unwrap();
+    let resp = http.get(location).send().unwrap();
+    let length: Option<u64> = resp
+        .headers()
+        .get("content-length")
+        .map(|v| v.to_str().unwrap().parse().unwrap());
+    let tar = resp.bytes().unwrap();
+    assert_eq!(
+        length,
+        Some(tar.len() as u64),
+        "the tar's length is announced"
+    );
     let mut names: Vec<String> = tar::Archive::new(tar.as_ref())
         .entries()
         .unwrap()

@@ -82,8 +82,6 @@ where
     }
 }
 
-/// 404 for paths the server does not serve, logged so that an operator sees which calls
-/// a client makes that Lathe lacks.
 /// Gives every error answer a JSON body: Tinker's shape (`detail`, `code`), or OpenAI's
 /// under `/v1/`. Lathe's handlers answer in JSON already; this catches what axum's
 /// extractors reject before a handler runs (a malformed query string or path segment,
@@ -101,21 +99,43 @@ async fn json_errors(req: Request, next: axum::middleware::Next) -> axum::respon
     if !(status.is_client_error() || status.is_server_error()) || json {
         return resp;
     }
-    // Rejection texts are short; a longer body is cut, not buffered whole.
-    let body = axum::body::to_bytes(resp.into_body(), 4096)
-        .await
-        .unwrap_or_default();
-    let e = ApiError::from_plain(status, &String::from_utf8_lossy(&body));
-    if openai {
+    let (mut parts, body) = resp.into_parts();
+    // Rejection texts are short: only the first KiB is read.
+    let mut text = Vec::new();
+    let mut stream = body.into_data_stream();
+    while let Some(Ok(chunk)) = ::futures::StreamExt::next(&mut stream).await {
+        text.extend_from_slice(&chunk[..chunk.len().min(1024 - text.len())]);
+        if text.len() >= 1024 {
+            break;
+        }
+    }
+    let e = ApiError::from_plain(status, &String::from_utf8_lossy(&text));
+    let fresh = if openai {
+        openai::OpenAiError(e).into_response()
+    } else {
+        e.into_response()
+    };
+    // The original headers (such as a 405's `Allow`) stay; the body and its type change.
+    let (new_parts, new_body) = fresh.into_parts();
+    parts.headers.remove(axum::http::header::CONTENT_LENGTH);
+    parts.headers.extend(new_parts.headers);
+    axum::response::Response::from_parts(parts, new_body)
+}
+
+/// 404 for paths the server does not serve, logged so that an operator sees which calls
+/// a client makes that Lathe lacks; in OpenAI's shape under `/v1/`.
+async fn no_such_endpoint(
+    method: axum::http::Method,
+    uri: axum::http::Uri,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    tracing::warn!(%method, path = uri.path(), "no such endpoint");
+    let e = ApiError::not_found(format!("no such endpoint: {method} {}", uri.path()));
+    if uri.path().starts_with("/v1/") {
         openai::OpenAiError(e).into_response()
     } else {
         e.into_response()
     }
-}
-
-async fn no_such_endpoint(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {
-    tracing::warn!(%method, path = uri.path(), "no such endpoint");
-    ApiError::not_found(format!("no such endpoint: {method} {}", uri.path()))
 }
 
 /// The whole API.

@@ -190,8 +190,8 @@ pub async fn download_archive(
         .verify_archive_token(&q.token)
         .ok_or_else(|| ApiError::unauthorized("invalid or expired download link"))?;
     let u: CheckpointUri = path.parse().map_err(ApiError::bad_request)?;
-    let chunks = s.engine.checkpoint_archive(owner, u).await?;
-    Ok((
+    let (len, chunks) = s.engine.checkpoint_archive(owner, u).await?;
+    let mut resp = (
         [
             (header::CONTENT_TYPE, "application/x-tar".to_string()),
             (
@@ -201,7 +201,12 @@ pub async fn download_archive(
         ],
         axum::body::Body::from_stream(chunks),
     )
-        .into_response())
+        .into_response();
+    if let Some(len) = len {
+        resp.headers_mut()
+            .insert(header::CONTENT_LENGTH, len.into());
+    }
+    Ok(resp)
 }
 
 pub async fn list_sessions(

@@ -7,7 +7,8 @@
 //! Each stream also holds a thread of tokio's blocking pool while its client reads, and
 //! that pool runs every tenant's index and file work, so streams are capped server-wide
 //! and per key ([`ArchiveSlots`]); past a cap the download answers 429 with
-//! `Retry-After`.
+//! `Retry-After`. A download whose client takes no chunk for a minute is ended, so a
+//! stalled reader cannot hold its place.
 
 use std::collections::HashMap;
 use std::io::{self, Write};
@@ -27,6 +28,8 @@ pub const ARCHIVE_STREAMS_PER_KEY: usize = 2;
 const CHUNK: usize = 256 << 10;
 /// Chunks queued for the client beyond the one being written.
 const IN_FLIGHT: usize = 2;
+/// How long a download may go without the client taking a chunk before it is ended.
+const STALL: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// How many downloads stream now, in all and per key.
 #[derive(Debug, Default)]
@@ -92,10 +95,34 @@ impl ChunkWriter {
         if self.buf.is_empty() {
             return Ok(());
         }
-        let chunk = Bytes::from(std::mem::replace(&mut self.buf, Vec::with_capacity(CHUNK)));
-        self.tx
-            .blocking_send(Ok(chunk))
-            .map_err(|_| io::Error::new(io::ErrorKind::BrokenPipe, "the download was closed"))
+        let mut chunk = Ok(Bytes::from(std::mem::replace(
+            &mut self.buf,
+            Vec::with_capacity(CHUNK),
+        )));
+        // A client that stops reading must not keep its slot (and a blocking thread)
+        // forever: the download ends once no chunk has left for `STALL`.
+        let start = std::time::Instant::now();
+        loop {
+            match self.tx.try_send(chunk) {
+                Ok(()) => return Ok(()),
+                Err(mpsc::error::TrySendError::Closed(_)) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::BrokenPipe,
+                        "the download was closed",
+                    ))
+                }
+                Err(mpsc::error::TrySendError::Full(c)) if start.elapsed() < STALL => {
+                    chunk = c;
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+                Err(mpsc::error::TrySendError::Full(_)) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "the client read nothing for a minute",
+                    ))
+                }
+            }
+        }
     }
 }
 
@@ -115,16 +142,29 @@ impl Write for ChunkWriter {
 }
 
 impl EngineHandle {
-    /// A tar of a checkpoint `owner` may read, streamed: written on the blocking pool
-    /// while the client reads it. A failure after the first chunk ends the stream with
-    /// an error (the client sees a cut-off download, never a wrong one).
+    /// A tar of a checkpoint `owner` may read, with its length where it is known,
+    /// streamed: written on the blocking pool while the client reads it. A failure after
+    /// the first chunk ends the stream with an error (the client sees a cut-off
+    /// download, never a wrong one).
     pub async fn checkpoint_archive(
         &self,
         owner: String,
         uri: lathe_sdk::types::CheckpointUri,
-    ) -> Result<impl Stream<Item = io::Result<Bytes>> + Send + 'static, EngineError> {
+    ) -> Result<
+        (
+            Option<u64>,
+            impl Stream<Item = io::Result<Bytes>> + Send + 'static,
+        ),
+        EngineError,
+    > {
         let slot = self.archives.take(&owner)?;
         let dir = self.checkpoint_dir(owner, uri).await??;
+        // Its length first, which also answers a vanished checkpoint with an error
+        // rather than a cut-off download.
+        let at = dir.clone();
+        let len = self
+            .blocking(move |_| Ok(crate::store::checkpoints::archive_len(&at)?))
+            .await?;
         let (tx, rx) = mpsc::channel(IN_FLIGHT);
         tokio::task::spawn_blocking(move || {
             let _slot = slot;
@@ -137,9 +177,10 @@ impl EngineHandle {
                 let _ = tx.blocking_send(Err(io::Error::other(e.to_string())));
             }
         });
-        Ok(futures::stream::unfold(rx, |mut rx| async move {
+        let chunks = futures::stream::unfold(rx, |mut rx| async move {
             rx.recv().await.map(|chunk| (chunk, rx))
-        }))
+        });
+        Ok((len, chunks))
     }
 }
 

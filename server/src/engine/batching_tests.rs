@@ -571,6 +571,8 @@ fn cancelled_samples_leave_the_queue_or_the_decode_and_training_is_not_cancelled
 fn saves_still_queued_count_against_the_checkpoint_quota() {
     let (mut engine, sent) = engine();
     engine.config.limits.checkpoints = 2;
+    // Each save then counts 1 x rank 4 x 4 bytes, three times (a training checkpoint).
+    engine.model.lora_widths.attn = 1;
     let run = live_run(&mut engine, &sent, "a");
     let save = |engine: &mut super::Engine, seq: u64, name: &str| {
         engine.save(
@@ -588,9 +590,18 @@ fn saves_still_queued_count_against_the_checkpoint_quota() {
     // Nothing is written yet (the worker has not run them): two queued saves fill the
     // quota, and a third new name is refused rather than admitted past it.
     save(&mut engine, 1, "one").unwrap();
+    // The first is being written (dispatched to the worker), the second queued.
+    pump_now(&mut engine);
     save(&mut engine, 2, "two").unwrap();
     match save(&mut engine, 3, "three") {
         Err(super::EngineError::Limit(l)) => assert_eq!(l.limit, "max_checkpoints"),
+        other => panic!("{other:?}"),
+    }
+    // Bytes too: a 1-byte budget is full with what is in flight.
+    engine.config.limits.checkpoints = 100;
+    engine.config.limits.checkpoint_bytes = 1;
+    match save(&mut engine, 4, "four") {
+        Err(super::EngineError::Limit(l)) => assert_eq!(l.limit, "max_checkpoint_bytes"),
         other => panic!("{other:?}"),
     }
 }

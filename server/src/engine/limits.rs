@@ -6,8 +6,6 @@
 //! minutes.
 
 use super::{Engine, EngineError};
-use crate::worker::RunOp;
-use lathe_sdk::types::CheckpointKind;
 
 /// What each API key may use. Every field is a `lathe serve` flag.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -193,10 +191,10 @@ impl Engine {
     }
 
     /// Refuses a save when `owner` would store more than `checkpoints` (for a new name)
-    /// or `checkpoint_bytes`, counting its saves still queued as stored: each a new name,
-    /// of its adapter's f32 bytes (three times that with the optimizer state of a
-    /// training checkpoint). Checked only when a save is queued, the quota would
-    /// otherwise admit every save sent before the first one is written.
+    /// or `checkpoint_bytes`, counting its saves queued or being written as stored (those
+    /// that add a name as names; each at its adapter's f32 bytes, three times that with
+    /// the optimizer state of a training checkpoint). Checked only against what is
+    /// written, the quota would admit every save sent before the first one is.
     pub(super) fn check_checkpoint_quota(
         &self,
         owner: &str,
@@ -232,24 +230,15 @@ impl Engine {
         Ok(())
     }
 
-    /// `owner`'s saves queued and not yet written: how many, and their estimated bytes.
+    /// `owner`'s saves queued or being written: how many add a name, and their
+    /// estimated bytes.
     fn queued_saves(&self, owner: &str) -> (usize, u64) {
-        let widths = &self.model.lora_widths;
-        self.runs
+        self.inflight
             .values()
-            .filter(|r| r.owner == owner)
-            .flat_map(|r| r.queue.ops().map(move |q| (r, q)))
-            .filter_map(|(r, q)| match &q.op {
-                RunOp::Save { meta, .. } => {
-                    let copies = if meta.kind == CheckpointKind::Training.type_name() {
-                        3
-                    } else {
-                        1
-                    };
-                    Some(widths.adapter_bytes(&r.spec).saturating_mul(copies))
-                }
-                _ => None,
+            .filter(|f| f.owner == owner)
+            .filter_map(|f| f.save)
+            .fold((0, 0u64), |(n, bytes), (new, b)| {
+                (n + usize::from(new), bytes.saturating_add(b))
             })
-            .fold((0, 0u64), |(n, bytes), b| (n + 1, bytes.saturating_add(b)))
     }
 }

@@ -55,12 +55,6 @@ pub(super) struct RunQueue {
 }
 
 impl RunQueue {
-    /// Every operation queued (the one running included: it leaves when done), in no
-    /// particular order.
-    pub fn ops(&self) -> impl Iterator<Item = &Queued> {
-        self.unordered.iter().chain(self.pending.values())
-    }
-
     /// The next `seq_id` to execute.
     pub fn next_seq(&self) -> u64 {
         self.next_seq

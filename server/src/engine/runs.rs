@@ -142,6 +142,7 @@ impl Engine {
                 sample_tokens: 0,
                 more_passes: false,
                 partial: None,
+                save: None,
             },
         );
         Ok(UntypedApiFuture {
@@ -246,11 +247,21 @@ impl Engine {
             train_mlp: spec.train_mlp,
             train_unembed: spec.train_unembed,
         };
+        let copies = if req.kind == CheckpointKind::Training {
+            3
+        } else {
+            1
+        };
+        let bytes = (self.model.lora_widths.adapter_bytes(&spec)).saturating_mul(copies);
         let op = RunOp::Save {
             meta,
             overwrite: req.overwrite,
         };
-        self.enqueue(owner, run_id, seq_id, op, After::Nothing)
+        let request_id = self.enqueue(owner, run_id, seq_id, op, After::Nothing)?;
+        if let Some(f) = self.inflight.get_mut(&request_id) {
+            f.save = Some((!exists, bytes));
+        }
+        Ok(request_id)
     }
 
     /// MinT's reverse-KL step on a run: the reference must be readable now (and is

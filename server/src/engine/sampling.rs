@@ -217,6 +217,7 @@ impl Engine {
                 sample_tokens: job_tokens,
                 more_passes: false,
                 partial: None,
+                save: None,
             },
         );
         Ok(UntypedApiFuture {

@@ -32,10 +32,11 @@
 //!   does not fit, later ones wait behind it, so the live streams drain until it does (a
 //!   large request is never starved by a stream of small ones).
 //! - The first candidate a plan passes over (it did not fit the budget or the streams, or
-//!   was of the other gradient kind) is [`Reserved`]: the next plan takes it first, ahead
-//!   of keys that came back from idle since. Without that, a key returning just below
-//!   the waiting ones, again and again, could keep a large pass or sample from ever
-//!   fitting.
+//!   was of the other gradient kind) while its key was at the front by fair share (the
+//!   least-served waiting key, or within a token of it) is [`Reserved`]: the next plan
+//!   takes it first, ahead of keys that came back from idle since. Without that, a key
+//!   returning just below the waiting ones, again and again, could keep a large pass or
+//!   sample from ever fitting. The decode step is never reserved.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
@@ -161,6 +162,17 @@ pub fn plan(
             heap.push(Reverse((first(c), charge[owner], c.arrival, owner)));
         }
     }
+    // Only a candidate that fair share had at (or within a token of) the front is
+    // reserved: that is the one a key returning from idle (started just below the
+    // waiting keys) can push out again and again. A more-served key's work, or the
+    // decode step, waits its turn by level as before.
+    let front = queues
+        .iter()
+        .enumerate()
+        .filter(|(_, q)| !q.is_empty())
+        .map(|(owner, _)| levels[owner])
+        .min()
+        .unwrap_or(0);
     let mut passed_over = None;
     let mut grad_kind: Option<bool> = None;
     let (mut used, mut picks, mut admitted) = (0usize, 0usize, 0usize);
@@ -192,7 +204,11 @@ pub fn plan(
             charge[owner] = charge[owner].saturating_add(c.kind.charge());
             chosen.push(c.key);
         } else {
-            passed_over = passed_over.or(Some(c.arrival));
+            let reservable =
+                !matches!(c.kind, Kind::Decode { .. }) && levels[owner] <= front.saturating_add(1);
+            if reservable {
+                passed_over = passed_over.or(Some(c.arrival));
+            }
         }
         if let Some(next) = queues[owner].last() {
             heap.push(Reverse((first(next), charge[owner], next.arrival, owner)));
@@ -390,12 +406,14 @@ mod tests {
         // Key 0 has an endless backlog of full passes; key 1 decodes 4 sequences. Batch
         // after batch, each key is served about the same number of tokens.
         let mut service = Service::default();
+        let mut reserved = Reserved::default();
         let mut served = [0u64; 2];
         let (mut passes, mut steps) = (0, 0);
-        for round in 0..2000u64 {
-            let c = [owned(fwd(1, round, 100, true), 0), decode(2, 1, 4)];
+        for _ in 0..2000 {
+            // One long request: its passes keep its arrival.
+            let c = [owned(fwd(1, 1, 100, true), 0), decode(2, 1, 4)];
             let levels = service.levels(&["hog", "sampler"]);
-            for key in plan(&c, LIMITS, &levels, &mut Reserved::default()) {
+            for key in plan(&c, LIMITS, &levels, &mut reserved) {
                 let (owner, name) = if key == 1 { (0, "hog") } else { (1, "sampler") };
                 let charge = c[key - 1].kind.charge();
                 service.charge(name, charge);
@@ -477,22 +495,32 @@ mod tests {
             ..LIMITS
         };
         let mut reserved = Reserved::default();
-        let c = [decode(0, 1, 4), sample(1, 0, 10, 8), sample(2, 2, 10, 1)];
+        // Key 0 waits with a request for 8 streams, key 1 decodes 4, key 2 returns with
+        // a request for 1.
         let c = [
-            c[0],
-            Candidate { arrival: 1, ..c[1] },
-            Candidate { arrival: 5, ..c[2] },
+            decode(0, 1, 4),
+            owned(sample(1, 1, 10, 8), 0),
+            owned(sample(2, 5, 10, 1), 2),
         ];
-        // The small request (a less-served key) would fit; the large one is first anyway
-        // once passed over, and nothing joins the decode until it fits.
-        assert_eq!(plan(&c, limits, &[5, 0, 0], &mut reserved), vec![0]);
+        // The large request's key is the least served but one token (levels 1, the
+        // decode's 5, a returning key's 0): the returning key's small request goes first
+        // and fits, the large one does not and is reserved. From then on it is first, and
+        // nothing joins the decode until it fits.
+        let levels = [1, 5, 0];
+        assert_eq!(plan(&c, limits, &levels, &mut reserved), vec![2, 0]);
         assert_eq!(reserved, Reserved(Some(1)));
-        assert_eq!(plan(&c, limits, &[5, 0, 0], &mut reserved), vec![0]);
+        assert_eq!(plan(&c, limits, &levels, &mut reserved), vec![0]);
+        assert_eq!(reserved, Reserved(Some(1)));
         let drained = Limits {
             live_streams: 0,
             ..LIMITS
         };
         let c = [c[1], c[2]];
-        assert_eq!(plan(&c, drained, &[5, 0, 0], &mut reserved), vec![1]);
+        assert_eq!(plan(&c, drained, &levels, &mut reserved), vec![1]);
+        // A more-served key's work passed over is not reserved: it waits its turn.
+        let mut reserved = Reserved::default();
+        let c = [owned(fwd(1, 1, 90, true), 0), owned(fwd(2, 2, 20, true), 1)];
+        assert_eq!(plan(&c, LIMITS, &[500, 0], &mut reserved), vec![2]);
+        assert_eq!(reserved, Reserved::default());
     }
 }

@@ -181,6 +181,9 @@ pub(super) struct Inflight {
     pub more_passes: bool,
     /// The joined results of a forward request's finished passes.
     pub partial: Option<crate::worker::ForwardResult>,
+    /// A save, from when it is queued until it is answered: whether it adds a name, and
+    /// its estimated bytes (the checkpoint quota counts it as stored meanwhile).
+    pub save: Option<(bool, u64)>,
 }
 
 /// All engine state.
@@ -418,6 +421,7 @@ impl Engine {
                 sample_tokens: 0,
                 more_passes: false,
                 partial: None,
+                save: None,
             },
         );
         // Work on a run keeps its session alive, heartbeat or not.

@@ -488,18 +488,42 @@ fn sync_dir(dir: &Path) -> Result<(), StoreError> {
         .map_err(io(dir))
 }
 
-/// Writes a tar archive of a checkpoint version's files (at the archive root, in name
-/// order) into `out`, for download: file by file, so that memory does not grow with the
-/// checkpoint's size.
-pub fn archive_into(dir: &Path, out: impl Write) -> Result<(), StoreError> {
-    let mut builder = tar::Builder::new(out);
+/// The files of a checkpoint version that its archive holds, in archive order.
+fn archive_entries(dir: &Path) -> Result<Vec<PathBuf>, StoreError> {
     let mut entries: Vec<PathBuf> = fs::read_dir(dir)
         .map_err(io(dir))?
         .filter_map(|e| Some(e.ok()?.path()))
         .filter(|p| p.is_file())
         .collect();
     entries.sort();
-    for path in entries {
+    Ok(entries)
+}
+
+/// The length in bytes of the tar [`archive_into`] writes for `dir` as it is now: a
+/// 512-byte header per file and its data in whole 512-byte blocks, then two zero
+/// blocks. `None` where a name needs more than the header's 100 bytes (the archive
+/// then carries extra header blocks, and the length is not given).
+pub fn archive_len(dir: &Path) -> Result<Option<u64>, StoreError> {
+    let mut len = 1024u64;
+    for path in archive_entries(dir)? {
+        let name = path.file_name().map_or(0, |n| n.len());
+        if name >= 100 {
+            return Ok(None);
+        }
+        let size = fs::metadata(&path).map_err(io(&path))?.len();
+        len = len
+            .saturating_add(512)
+            .saturating_add(size.div_ceil(512) * 512);
+    }
+    Ok(Some(len))
+}
+
+/// Writes a tar archive of a checkpoint version's files (at the archive root, in name
+/// order) into `out`, for download: file by file, so that memory does not grow with the
+/// checkpoint's size.
+pub fn archive_into(dir: &Path, out: impl Write) -> Result<(), StoreError> {
+    let mut builder = tar::Builder::new(out);
+    for path in archive_entries(dir)? {
         let name = path.file_name().expect("file has a name");
         builder
             .append_path_with_name(&path, name)
@@ -560,6 +584,10 @@ mod tests {
         dir.discard(&a, &v1).unwrap();
         let mut tar = Vec::new();
         archive_into(&dir.path(&a, &v2), &mut tar).unwrap();
+        assert_eq!(
+            archive_len(&dir.path(&a, &v2)).unwrap(),
+            Some(tar.len() as u64)
+        );
         let mut names: Vec<String> = tar::Archive::new(tar.as_slice())
             .entries()
             .unwrap()

@@ -45,7 +45,7 @@ impl Detokenizer {
             self.prefix = self.read;
             self.read = self.ids.len();
             Ok(now[before.len()..].to_string())
-        } else if stuck {
+        } else if stuck && now == before {
             // Tokens that decode to nothing (ids the tokenizer does not know, where the
             // model's vocabulary is larger than its tokenizer's) are given up too: were
             // they kept, every later token would re-decode a window growing with them.
