@@ -215,7 +215,7 @@ pub async fn start(
         limits: config.engine.limits.clone(),
         max_request_bytes: config.max_request_bytes,
         zstd_forward_backward: config.zstd_forward_backward,
-        decode_slots: Arc::new(tokio::sync::Semaphore::new(
+        cpu_slots: Arc::new(api::CpuSlots::new(
             std::thread::available_parallelism().map_or(1, |n| n.get()),
         )),
         text: Arc::new(text),

@@ -49,6 +49,11 @@ impl FromRequest<AppState> for ForwardBackwardBody {
                 ))
             }
         };
+        let owner = req
+            .extensions()
+            .get::<super::auth::Owner>()
+            .map(|o| o.0.clone())
+            .unwrap_or_default();
         let body = Bytes::from_request(req, state)
             .await
             .map_err(|r| match r.status() {
@@ -56,7 +61,7 @@ impl FromRequest<AppState> for ForwardBackwardBody {
                 _ => ApiError::bad_request(format!("reading the body: {}", r.body_text())),
             })?;
         let limit = state.max_request_bytes;
-        let slot = state.cpu_slot().await?;
+        let slot = state.cpu_slot(&owner).await?;
         // Decompressing and decoding tens of megabytes is CPU work: off the async threads,
         // a bounded number at once.
         let decoded = tokio::task::spawn_blocking(move || {

@@ -51,7 +51,7 @@ pub async fn interpolate(
     };
     // Each interpolation reads and writes whole adapters off the async threads: at most
     // one per core at once, like body decoding.
-    let slot = s.cpu_slot().await?;
+    let slot = s.cpu_slot(&owner.0).await?;
     let fut = s
         .engine
         .interpolate(owner.0, sources, req.coefficients, name, slot)

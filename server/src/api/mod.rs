@@ -44,22 +44,64 @@ pub struct AppState {
     pub max_request_bytes: usize,
     /// Advertise zstd-compressed `forward_backward` bodies to the SDK.
     pub zstd_forward_backward: bool,
-    /// Protobuf bodies decoding at once (one per core): each holds its decoded request,
-    /// so many at once must not add up.
-    pub decode_slots: Arc<tokio::sync::Semaphore>,
+    /// The slots bounding CPU-heavy request work (protobuf decoding, tokenizing,
+    /// interpolation): one per core, one key holding at most all but one.
+    pub cpu_slots: Arc<CpuSlots>,
     /// The tokenizer and chat template, for the OpenAI-compatible endpoints.
     pub text: Arc<openai::TextModel>,
 }
 
 impl AppState {
     /// One of the per-core slots that bound CPU-heavy request work (body decoding,
-    /// tokenizing, interpolation); held until dropped.
-    pub async fn cpu_slot(&self) -> Result<tokio::sync::OwnedSemaphorePermit, ApiError> {
-        self.decode_slots
-            .clone()
-            .acquire_owned()
-            .await
-            .map_err(|_| ApiError::internal("the server is shutting down"))
+    /// tokenizing, interpolation) for `owner`'s request; held until dropped.
+    pub async fn cpu_slot(&self, owner: &str) -> Result<CpuSlot, ApiError> {
+        self.cpu_slots.acquire(owner).await
+    }
+}
+
+/// One slot per core for CPU-heavy request work. Each holds its request's decoded data,
+/// so many at once must not add up; and one key may hold at most all slots but one, so
+/// a key sending many large bodies, prompts or interpolations at once cannot make every
+/// other key's requests wait behind them.
+#[derive(Debug)]
+pub struct CpuSlots {
+    all: Arc<tokio::sync::Semaphore>,
+    per_key: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Semaphore>>>,
+    per_key_max: usize,
+}
+
+/// A held [`CpuSlots`] slot.
+#[derive(Debug)]
+pub struct CpuSlot {
+    _key: tokio::sync::OwnedSemaphorePermit,
+    _all: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl CpuSlots {
+    /// `n` slots (at least one); a key may hold `n - 1` of them (one, if `n` is 1).
+    pub fn new(n: usize) -> Self {
+        let n = n.max(1);
+        Self {
+            all: Arc::new(tokio::sync::Semaphore::new(n)),
+            per_key: Default::default(),
+            per_key_max: (n - 1).max(1),
+        }
+    }
+
+    async fn acquire(&self, owner: &str) -> Result<CpuSlot, ApiError> {
+        let key = {
+            let mut map = self.per_key.lock().unwrap_or_else(|e| e.into_inner());
+            map.entry(owner.to_string())
+                .or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(self.per_key_max)))
+                .clone()
+        };
+        let closed = |_| ApiError::internal("the server is shutting down");
+        let key = key.acquire_owned().await.map_err(closed)?;
+        let all = self.all.clone().acquire_owned().await.map_err(closed)?;
+        Ok(CpuSlot {
+            _key: key,
+            _all: all,
+        })
     }
 }
 
@@ -238,4 +280,21 @@ pub fn router(state: AppState) -> Router {
         .layer(DefaultBodyLimit::max(max_request_bytes))
         .layer(axum::middleware::from_fn(json_errors))
         .with_state(state)
+}
+
+#[cfg(test)]
+mod cpu_slot_tests {
+    use super::*;
+
+    /// With two slots, a key holding one waits for its second, while another key gets
+    /// the other at once.
+    #[tokio::test]
+    async fn one_key_cannot_take_every_slot() {
+        let slots = CpuSlots::new(2);
+        let _a1 = slots.acquire("a").await.unwrap();
+        let second = tokio::time::timeout(Duration::from_millis(50), slots.acquire("a")).await;
+        assert!(second.is_err(), "a second slot for the same key waits");
+        let b = tokio::time::timeout(Duration::from_millis(50), slots.acquire("b")).await;
+        assert!(b.is_ok(), "another key is not kept waiting");
+    }
 }

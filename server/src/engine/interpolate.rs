@@ -136,7 +136,7 @@ impl EngineHandle {
         sources: Vec<CheckpointUri>,
         coefficients: Vec<f64>,
         name: String,
-        slot: tokio::sync::OwnedSemaphorePermit,
+        slot: impl Send + 'static,
     ) -> Result<UntypedApiFuture, EngineError> {
         let this = self.clone();
         self.detached(async move {

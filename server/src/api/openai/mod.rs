@@ -98,7 +98,7 @@ pub async fn completions(
     body: Bytes,
 ) -> Result<Response, OpenAiError> {
     let req: CompletionRequest = parse(&body)?;
-    let plan = request::completion(&s, &req).await?;
+    let plan = request::completion(&s, &owner.0, &req).await?;
     let kind = stream::Kind::Completion;
     serve(
         s,
@@ -121,7 +121,7 @@ pub async fn chat_completions(
     body: Bytes,
 ) -> Result<Response, OpenAiError> {
     let req: ChatCompletionRequest = parse(&body)?;
-    let plan = request::chat(&s, &req).await?;
+    let plan = request::chat(&s, &owner.0, &req).await?;
     let kind = stream::Kind::Chat;
     serve(
         s,

@@ -136,7 +136,11 @@ fn check_text_len(s: &AppState, what: &str, bytes: usize) -> Result<(), ApiError
 }
 
 /// Plans `/v1/completions`.
-pub async fn completion(s: &AppState, req: &CompletionRequest) -> Result<Plan, ApiError> {
+pub async fn completion(
+    s: &AppState,
+    owner: &str,
+    req: &CompletionRequest,
+) -> Result<Plan, ApiError> {
     let sampler = sampler(s, &req.model)?;
     check_sampling(&req.sampling, req.logprobs.is_some())?;
     if req.echo && req.sampling.stream {
@@ -162,8 +166,8 @@ pub async fn completion(s: &AppState, req: &CompletionRequest) -> Result<Plan, A
         check_text_len(s, "a prompt", t.len())?;
     }
     let prompts = match &req.prompt {
-        CompletionPrompt::Text(t) => encode_texts(s, vec![t.clone()]).await?,
-        CompletionPrompt::Texts(t) => encode_texts(s, t.clone()).await?,
+        CompletionPrompt::Text(t) => encode_texts(s, owner, vec![t.clone()]).await?,
+        CompletionPrompt::Texts(t) => encode_texts(s, owner, t.clone()).await?,
         CompletionPrompt::Tokens(t) => vec![t.clone()],
         CompletionPrompt::TokenLists(t) => t.clone(),
     };
@@ -203,7 +207,11 @@ pub async fn completion(s: &AppState, req: &CompletionRequest) -> Result<Plan, A
 }
 
 /// Plans `/v1/chat/completions`: the messages rendered with the model's chat template.
-pub async fn chat(s: &AppState, req: &ChatCompletionRequest) -> Result<Plan, ApiError> {
+pub async fn chat(
+    s: &AppState,
+    owner: &str,
+    req: &ChatCompletionRequest,
+) -> Result<Plan, ApiError> {
     let sampler = sampler(s, &req.model)?;
     check_sampling(&req.sampling, req.logprobs)?;
     if req.top_logprobs.is_some_and(|k| k > 0) {
@@ -236,7 +244,7 @@ pub async fn chat(s: &AppState, req: &ChatCompletionRequest) -> Result<Plan, Api
             .saturating_add(m.role.len())
     });
     check_text_len(s, "the conversation", bytes)?;
-    let prompt = render_chat(s, messages).await?;
+    let prompt = render_chat(s, owner, messages).await?;
     let n = choices(1, req.sampling.n)?;
     let job = job(
         s,
@@ -293,9 +301,10 @@ fn message(i: usize, m: &ChatMessageIn) -> Result<ChatMessage, ApiError> {
 /// bound protobuf decoding): a long prompt takes real CPU time to encode.
 async fn on_blocking<R: Send + 'static>(
     s: &AppState,
+    owner: &str,
     work: impl FnOnce(&TextModel) -> Result<R, ApiError> + Send + 'static,
 ) -> Result<R, ApiError> {
-    let _slot = s.cpu_slot().await?;
+    let _slot = s.cpu_slot(owner).await?;
     let text = s.text.clone();
     tokio::task::spawn_blocking(move || work(&text))
         .await
@@ -303,8 +312,12 @@ async fn on_blocking<R: Send + 'static>(
 }
 
 /// Encodes text prompts with the model's tokenizer.
-async fn encode_texts(s: &AppState, texts: Vec<String>) -> Result<Vec<Vec<u32>>, ApiError> {
-    on_blocking(s, move |text| {
+async fn encode_texts(
+    s: &AppState,
+    owner: &str,
+    texts: Vec<String>,
+) -> Result<Vec<Vec<u32>>, ApiError> {
+    on_blocking(s, owner, move |text| {
         texts
             .iter()
             .map(|t| {
@@ -319,8 +332,12 @@ async fn encode_texts(s: &AppState, texts: Vec<String>) -> Result<Vec<Vec<u32>>,
 
 /// Renders a conversation with the model's chat template, opening the assistant's turn,
 /// and encodes it.
-async fn render_chat(s: &AppState, messages: Vec<ChatMessage>) -> Result<Vec<u32>, ApiError> {
-    on_blocking(s, move |text| {
+async fn render_chat(
+    s: &AppState,
+    owner: &str,
+    messages: Vec<ChatMessage>,
+) -> Result<Vec<u32>, ApiError> {
+    on_blocking(s, owner, move |text| {
         let template = text
             .chat_template
             .as_ref()
