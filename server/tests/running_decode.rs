@@ -7,6 +7,20 @@ use common::*;
 use lathe_server::model::Arch;
 use lathe_server::sample::{sample, DecodeMode, SampleJob, TokenProgress};
 
+/// A 20-token job of two samples on adapter 0, and a one-sample job of `short_tokens`
+/// on the base model.
+fn long_and_short(short_tokens: usize) -> (SampleJob, SampleJob) {
+    let long = SampleJob {
+        max_tokens: 20,
+        ..sample_job(tokens(1, 7, 256), Some(0), 2, 5)
+    };
+    let short = SampleJob {
+        max_tokens: short_tokens,
+        ..sample_job(tokens(2, 4, 256), None, 1, 9)
+    };
+    (long, short)
+}
+
 #[test]
 fn a_request_admitted_between_steps_joins_the_running_decode_and_leaves_first() {
     use lathe_server::sample::{Admission, RunningDecode};
@@ -15,14 +29,7 @@ fn a_request_admitted_between_steps_joins_the_running_decode_and_leaves_first() 
         let model = tiny(Arch::Llama);
         let (t, tok) = (&model.transformer, &model.tokenizer);
         let a = Arc::new(random_adapter(&model, full_spec(4), 1));
-        let long = SampleJob {
-            max_tokens: 20,
-            ..sample_job(tokens(1, 7, 256), Some(0), 2, 5)
-        };
-        let short = SampleJob {
-            max_tokens: 3,
-            ..sample_job(tokens(2, 4, 256), None, 1, 9)
-        };
+        let (long, short) = long_and_short(3);
         let mut running = RunningDecode::new(mode);
         let (progress, watch) = TokenProgress::new(2);
         let admitted = running.admit(
@@ -103,14 +110,7 @@ fn a_cancelled_request_leaves_the_decode_and_the_others_are_unchanged() {
     let model = tiny(Arch::Llama);
     let (t, tok) = (&model.transformer, &model.tokenizer);
     let a = Arc::new(random_adapter(&model, full_spec(4), 1));
-    let long = SampleJob {
-        max_tokens: 20,
-        ..sample_job(tokens(1, 7, 256), Some(0), 2, 5)
-    };
-    let short = SampleJob {
-        max_tokens: 6,
-        ..sample_job(tokens(2, 4, 256), None, 1, 9)
-    };
+    let (long, short) = long_and_short(6);
     let mut running = RunningDecode::new(DecodeMode::Exact);
     let admissions = vec![
         Admission {

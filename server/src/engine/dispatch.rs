@@ -444,18 +444,16 @@ const ADAPTER_BYTES_PER_TOKEN: u64 = 1 << 20;
 /// within the batch budget, so a key with many large adapters cannot add seconds of
 /// saves, loads and steps to every batch of everyone's.
 fn adapter_work(widths: &LoraWidths, spec: &LoraSpec, op: &RunOp) -> usize {
-    let copies: u64 = match op {
-        RunOp::Save { meta, .. } if meta.kind == CheckpointKind::Training.type_name() => 3,
-        RunOp::Load {
-            optimizer: true, ..
-        } => 3,
-        RunOp::OptimStep(_) => 4,
-        RunOp::Save { .. } | RunOp::Load { .. } | RunOp::Snapshot { .. } | RunOp::Create { .. } => {
-            1
+    let bytes = match op {
+        RunOp::Save { meta, .. } => {
+            widths.checkpoint_bytes(spec, meta.kind == CheckpointKind::Training.type_name())
         }
+        RunOp::Load { optimizer, .. } => widths.checkpoint_bytes(spec, *optimizer),
+        // Parameters, gradients and Adam's two moments.
+        RunOp::OptimStep(_) => widths.adapter_bytes(spec).saturating_mul(4),
+        RunOp::Snapshot { .. } | RunOp::Create { .. } => widths.adapter_bytes(spec),
         _ => 0,
     };
-    let bytes = widths.adapter_bytes(spec).saturating_mul(copies);
     usize::try_from(bytes / ADAPTER_BYTES_PER_TOKEN).unwrap_or(usize::MAX)
 }
 

@@ -63,6 +63,13 @@ impl LoraWidths {
         }
     }
 
+    /// Bytes of a checkpoint of an f32 adapter of `spec`: the adapter, and with
+    /// `optimizer` Adam's two moments beside it (a training checkpoint).
+    pub fn checkpoint_bytes(&self, spec: &LoraSpec, optimizer: bool) -> u64 {
+        self.adapter_bytes(spec)
+            .saturating_mul(if optimizer { 3 } else { 1 })
+    }
+
     /// Bytes of an f32 adapter of `spec`.
     pub fn adapter_bytes(&self, spec: &LoraSpec) -> u64 {
         let width = usize::from(spec.train_attn) * self.attn

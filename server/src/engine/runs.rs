@@ -247,12 +247,8 @@ impl Engine {
             train_mlp: spec.train_mlp,
             train_unembed: spec.train_unembed,
         };
-        let copies = if req.kind == CheckpointKind::Training {
-            3
-        } else {
-            1
-        };
-        let bytes = (self.model.lora_widths.adapter_bytes(&spec)).saturating_mul(copies);
+        let training = req.kind == CheckpointKind::Training;
+        let bytes = self.model.lora_widths.checkpoint_bytes(&spec, training);
         let op = RunOp::Save {
             meta,
             overwrite: req.overwrite,
