@@ -23,6 +23,8 @@ use super::cpu::quant::BlockArith;
 use super::lora::{
     lora_backward, lora_forward, Adapter, AdapterGrads, LoraCache, LoraPair, Segment, Target,
 };
+use super::lora_stack;
+use super::ops;
 use super::weights::{matmul_input_grad, matmul_t};
 
 /// A frozen weight `(out, in)`, its bias, and the LoRA target of each slice of its
@@ -238,16 +240,7 @@ pub fn add_deltas(
     if let Some(done) = super::lora::lora_forward_sgmv(be, x, &y, parts, segs, adapters)? {
         return Ok(done);
     }
-    let mut outs = Vec::with_capacity(parts.len());
-    let mut caches = Vec::with_capacity(parts.len());
-    let mut col = 0;
-    for &(target, width) in parts {
-        let (part, cache) = lora_forward(be, x, y.narrow(1, col, width)?, target, segs, adapters)?;
-        outs.push(part);
-        caches.push(cache);
-        col += width;
-    }
-    Ok((Tensor::cat(&outs, 1)?, caches))
+    lora_stack::forward(be, x, y, parts, segs, adapters)
 }
 
 /// Backward of [`forward`]: accumulates each adapter's `dA`, `dB` into `grads` and
@@ -263,16 +256,24 @@ pub fn backward(
     grads: &mut [AdapterGrads],
 ) -> Result<Tensor> {
     if !on_host(&[x, dy], proj, segs, adapters) {
-        let mut dx = matmul_input_grad(proj.backend, dy, proj.weight)?;
-        let mut col = 0;
-        for (&(target, width), cache) in proj.parts.iter().zip(caches) {
-            let dyp = dy.narrow(1, col, width)?.contiguous()?;
-            if let Some(extra) = lora_backward(x, &dyp, target, segs, adapters, cache, grads)? {
-                dx = (dx + extra)?;
-            }
-            col += width;
+        let dx = matmul_input_grad(proj.backend, dy, proj.weight)?;
+        if let ([(target, _)], [cache]) = (proj.parts, caches) {
+            return match lora_backward(x, dy, *target, segs, adapters, cache, grads)? {
+                Some(extra) => ops::add(proj.backend, &dx, &extra),
+                None => Ok(dx),
+            };
         }
-        return Ok(dx);
+        return lora_stack::backward(
+            proj.backend,
+            x,
+            dy,
+            dx,
+            proj.parts,
+            segs,
+            adapters,
+            caches,
+            grads,
+        );
     }
     let (n, d_in) = x.dims2()?;
     let d_out = proj.weight.dim(0)?;

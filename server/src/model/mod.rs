@@ -13,6 +13,7 @@ pub mod gguf;
 pub mod hf;
 pub mod kv;
 pub mod lora;
+pub mod lora_stack;
 pub mod ops;
 pub mod tiny;
 pub mod tokenizer;
