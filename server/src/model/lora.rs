@@ -399,7 +399,8 @@ pub fn lora_forward(
             Some((pair, scale)) => {
                 let xs = x.narrow(0, seg.start, seg.len)?;
                 let u = matmul_t(be, &xs, &pair.a)?;
-                deltas.push((matmul_t(be, &u, &pair.b)? * scale)?);
+                // Scaled at rank width, not at the output's.
+                deltas.push(matmul_t(be, &(&u * scale)?, &pair.b)?);
                 cache.push(Some(u));
             }
             None => {
