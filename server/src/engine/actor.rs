@@ -26,6 +26,32 @@ pub struct EngineHandle {
     store: Store,
     /// The checkpoint downloads streaming now.
     pub(super) archives: Arc<ArchiveSlots>,
+    /// One checkpoint's setting changes (publishing, TTL), one at a time.
+    settings: Arc<SettingLocks>,
+}
+
+/// Runs each change of a checkpoint's settings (begin in the engine, index write on the
+/// blocking pool, finish in the engine) alone among that checkpoint's changes. The index
+/// writes of two concurrent changes may land in either order and their finishes reach the
+/// actor in either order: without this, an unpublish written last could leave the
+/// catalog public (and access open) after a publish finished last, until a restart.
+/// Striped by checkpoint: bounded memory, and changes of other checkpoints wait only
+/// when they share a stripe.
+struct SettingLocks([tokio::sync::Mutex<()>; 64]);
+
+impl SettingLocks {
+    fn new() -> Self {
+        SettingLocks(std::array::from_fn(|_| tokio::sync::Mutex::new(())))
+    }
+
+    async fn lock(&self, uri: &CheckpointUri) -> tokio::sync::MutexGuard<'_, ()> {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (&uri.run_id, uri.kind.type_name(), &uri.name).hash(&mut h);
+        self.0[(h.finish() % self.0.len() as u64) as usize]
+            .lock()
+            .await
+    }
 }
 
 /// How often housekeeping runs (expiry, reorder timeouts).
@@ -186,6 +212,7 @@ impl EngineHandle {
         uri: CheckpointUri,
         public: bool,
     ) -> Result<(), EngineError> {
+        let _alone = self.settings.lock(&uri).await;
         let (was, version) = self.begin_set_public(owner, uri.clone(), public).await??;
         let (u, v) = (uri.clone(), version.clone());
         let result = self
@@ -216,6 +243,7 @@ impl EngineHandle {
         uri: CheckpointUri,
         ttl: Option<Ttl>,
     ) -> Result<(), EngineError> {
+        let _alone = self.settings.lock(&uri).await;
         let (at, version) = self.begin_set_ttl(owner, uri.clone(), ttl).await??;
         let (u, v) = (uri.clone(), version.clone());
         let current = self
@@ -282,6 +310,7 @@ pub fn channel(store: Store) -> (EngineHandle, mpsc::Receiver<Command>) {
             tx,
             store,
             archives,
+            settings: Arc::new(SettingLocks::new()),
         },
         rx,
     )

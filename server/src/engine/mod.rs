@@ -24,6 +24,8 @@ mod run_queue;
 mod runs;
 mod sampling;
 pub mod scheduler;
+#[cfg(test)]
+mod settings_tests;
 mod state;
 #[cfg(test)]
 mod test_engine;

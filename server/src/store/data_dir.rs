@@ -214,13 +214,24 @@ impl Store {
         version: &str,
         public: bool,
     ) -> Result<bool, StoreError> {
-        self.lock().db.set_public(
-            &uri.run_id,
-            uri.kind.type_name(),
-            &uri.name,
-            version,
-            public,
-        )
+        let (current, faults) = {
+            let inner = self.lock();
+            let current = inner.db.set_public(
+                &uri.run_id,
+                uri.kind.type_name(),
+                &uri.name,
+                version,
+                public,
+            )?;
+            (current, inner.faults.clone())
+        };
+        // After the index lock is released: a test holds a change here to race another.
+        faults.hit(if public {
+            "set_public:published"
+        } else {
+            "set_public:unpublished"
+        });
+        Ok(current)
     }
 
     /// Sets or clears the expiry of `version` of a checkpoint; false if it is no longer
