@@ -6,9 +6,11 @@
 //! the frozen product goes straight through `gemm` ([`super::cpu::gemm`], or the bf16
 //! products), and each delta is added to it in place row by row ([`super::cpu::lora_rows`],
 //! the order the decode step shares), each part's columns read and written through
-//! strides. Elsewhere (f64 checks, CUDA) the same maths runs as candle ops
-//! ([`lora_forward`] / [`lora_backward`]; `lora_forward` itself takes the row-by-row
-//! deltas for host f32 tensors); a test holds the paths equal.
+//! strides. Elsewhere (f64 checks, CUDA) the same maths runs as candle ops: a stacked
+//! projection's parts together ([`super::lora_stack`]) unless the SGMV kernels take a
+//! decode step's short segments, a single target through [`lora_forward`] /
+//! [`lora_backward`] (`lora_forward` itself takes the row-by-row deltas for host f32
+//! tensors); tests hold the paths equal.
 
 use candle_core::{Device, Result, Tensor};
 
@@ -221,8 +223,9 @@ pub fn forward_decoded(
     Ok((host_tensor(y, n, d_out)?, caches_of(us, parts.len(), segs)?))
 }
 
-/// Adds each part's LoRA deltas to the frozen output `y` through [`lora_forward`] (for
-/// the quantized decode weights' products, and off the CPU).
+/// Adds each part's LoRA deltas to the frozen output `y` (for the quantized decode
+/// weights' products, and off the CPU): one target through [`lora_forward`], several
+/// through the SGMV kernels where they apply, else [`lora_stack::forward`].
 pub fn add_deltas(
     be: Backend,
     x: &Tensor,
