@@ -322,8 +322,9 @@ impl PrecisionChoice {
     /// tiles' products (there bf16 trains fastest and decodes fastest with several
     /// streams, and the sampler's logprobs are the trainer's bit for bit); f32 on a CPU
     /// with AVX512-BF16 alone (one stream decodes slower in bf16 there, and a recipe
-    /// missed its criterion) or with neither, and on a device backend (bf16 there narrows the stored weights for
-    /// good and has not been measured against f32).
+    /// missed its criterion) or with neither, and on a device backend (bf16 there narrows
+    /// the stored weights for good, decodes slower than f32 on the GPUs measured, and no
+    /// recipe has been run to its criterion in it).
     pub fn resolve(self, backend: crate::model::backend::Backend) -> Precision {
         match self {
             PrecisionChoice::F32 => Precision::F32,
