@@ -25,7 +25,7 @@ pub enum DecodeMode {
     /// Q4_1 GGUF model, the default one included) this *is* the trained policy. Where
     /// they do not (8-bit copies of f32 or bf16 weights), the tokens follow the 8-bit
     /// model's distribution, which differs by quantisation noise, and the f32 trainer
-    /// weights rescore every sampled token in one batched pass afterwards, so reported
+    /// weights rescore every sampled token in batched passes afterwards, so reported
     /// log-probabilities are the trainer's either way.
     #[default]
     Fast,
