@@ -336,6 +336,13 @@ fn what_cannot_be_honoured_is_refused_by_name() {
             400,
             "alternatives",
         ),
+        // At most OpenAI's 5 alternatives, echoed or not.
+        (
+            "/v1/completions",
+            json!({"model": base, "prompt": "x", "echo": true, "logprobs": 6, "max_tokens": 0}),
+            400,
+            "at most 5",
+        ),
         ("/v1/completions", json!({"model": base}), 400, "prompt"),
         // Refused before anything is encoded: text longer than the context could hold
         // (256 tokens here, 32 bytes each), and more prompts than choices.

@@ -18,6 +18,12 @@ use crate::sample::SampleJob;
 /// OpenAI's default `max_tokens` for `/v1/completions`.
 pub const COMPLETIONS_DEFAULT_MAX_TOKENS: usize = 16;
 
+/// Most alternatives per position `logprobs` may ask for on `/v1/completions`: OpenAI's
+/// own limit. Each prompt position's alternatives are decoded to text and rendered into
+/// the answer (for every choice with `echo`), so the bound keeps an answer's size a small
+/// multiple of its tokens.
+pub const MAX_COMPLETION_LOGPROBS: usize = 5;
+
 /// Most choices one request may ask for (prompts times `n`), as `asample`'s
 /// `num_samples` bound.
 pub const MAX_CHOICES: usize = validate::MAX_NUM_SAMPLES;
@@ -148,6 +154,11 @@ pub async fn completion(
     }
     if req.suffix.is_some() {
         return Err(bad("suffix is not supported"));
+    }
+    if let Some(k) = req.logprobs.filter(|&k| k > MAX_COMPLETION_LOGPROBS) {
+        return Err(bad(format!(
+            "logprobs must be at most {MAX_COMPLETION_LOGPROBS}, got {k}"
+        )));
     }
     let n = req.sampling.n.unwrap_or(1);
     if req.best_of.is_some_and(|b| b != n) {
