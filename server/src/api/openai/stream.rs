@@ -9,6 +9,7 @@
 //! the same request gives unstreamed.
 
 use std::convert::Infallible;
+use std::time::Duration;
 
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -29,6 +30,11 @@ use crate::sample::SampleOutput;
 
 /// Chunks buffered between the task and the response body.
 const CHUNKS_IN_FLIGHT: usize = 16;
+
+/// A reader that takes no chunk for this long is treated as gone: its request is
+/// cancelled and what the stream holds is freed, where a connection left open but never
+/// read would otherwise hold them for as long as it stays open.
+const READER_STALL: Duration = Duration::from_secs(60);
 
 /// Which endpoint's chunk shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,7 +91,15 @@ impl Chunks {
         let event = Event::default()
             .json_data(body)
             .unwrap_or_else(|_| Event::default().data("{}"));
-        self.tx.send(event).await.map_err(|_| Gone)
+        self.deliver(event).await
+    }
+
+    /// Queues `event` for the reader; `Gone` when it left or stalled ([`READER_STALL`]).
+    async fn deliver(&self, event: Event) -> Result<(), Gone> {
+        match tokio::time::timeout(READER_STALL, self.tx.send(event)).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(_)) | Err(_) => Err(Gone),
+        }
     }
 
     /// A chunk for choice `index`: new text, the assistant role (chat's first chunk),
@@ -177,10 +191,7 @@ impl Chunks {
     }
 
     async fn done(&self) -> Result<(), Gone> {
-        self.tx
-            .send(Event::default().data("[DONE]"))
-            .await
-            .map_err(|_| Gone)
+        self.deliver(Event::default().data("[DONE]")).await
     }
 }
 
@@ -308,4 +319,44 @@ async fn follow_prompt(
         }
     }
     Ok(Some(out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A reader that leaves its connection open but stops reading is dropped after
+    /// [`READER_STALL`], so that what its stream holds is freed and its request ends.
+    #[tokio::test(start_paused = true)]
+    async fn a_reader_that_stops_reading_is_gone_after_the_stall_limit() {
+        let (tx, mut rx) = mpsc::channel(1);
+        let chunks = Chunks {
+            id: "cmpl-1".into(),
+            created: 0,
+            kind: Kind::Completion,
+            model: "m".into(),
+            tx,
+        };
+        // A reader that reads gets its chunks.
+        chunks
+            .deliver(Event::default().data("1"))
+            .await
+            .ok()
+            .unwrap();
+        assert!(rx.recv().await.is_some());
+        // One that stops: the buffer fills, then the next chunk waits out the limit.
+        chunks
+            .deliver(Event::default().data("2"))
+            .await
+            .ok()
+            .unwrap();
+        let start = tokio::time::Instant::now();
+        let stalled =
+            tokio::time::timeout(2 * READER_STALL, chunks.deliver(Event::default().data("3")))
+                .await
+                .expect("the send gave up by itself");
+        assert!(stalled.is_err(), "the stalled reader counts as gone");
+        assert!(start.elapsed() >= READER_STALL);
+        drop(rx);
+    }
 }
