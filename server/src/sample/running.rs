@@ -193,24 +193,26 @@ impl<K> RunningDecode<K> {
                 return finished;
             }
         };
-        match prefill(model, &valid, self.mode) {
-            Ok(pre) => {
-                for (a, p) in valid.into_iter().zip(pre) {
-                    finished.extend(self.add(model, a, p, rescores));
-                }
-            }
-            Err(_) if valid.len() > 1 => {
-                for a in valid {
-                    match prefill(model, std::slice::from_ref(&a), self.mode) {
-                        Ok(mut p) => {
-                            let p = p.pop().expect("one prompt, one prefill");
-                            finished.extend(self.add(model, a, p, rescores));
-                        }
-                        Err(e) => finished.push((a.key, Err(e))),
+        for group in scoring_groups(valid) {
+            match prefill(model, &group, self.mode) {
+                Ok(pre) => {
+                    for (a, p) in group.into_iter().zip(pre) {
+                        finished.extend(self.add(model, a, p, rescores));
                     }
                 }
+                Err(_) if group.len() > 1 => {
+                    for a in group {
+                        match prefill(model, std::slice::from_ref(&a), self.mode) {
+                            Ok(mut p) => {
+                                let p = p.pop().expect("one prompt, one prefill");
+                                finished.extend(self.add(model, a, p, rescores));
+                            }
+                            Err(e) => finished.push((a.key, Err(e))),
+                        }
+                    }
+                }
+                Err(e) => finished.extend(group.into_iter().map(|a| (a.key, Err(copy(&e))))),
             }
-            Err(e) => finished.extend(valid.into_iter().map(|a| (a.key, Err(copy(&e))))),
         }
         // Stable: the samples of a request keep their order within a slot.
         self.streams
@@ -604,6 +606,26 @@ fn check(model: &Transformer, job: &SampleJob) -> Result<(), ModelError> {
 /// Prompts through the f32 weights in one batch, filling each one's KV cache and giving
 /// the first token's logits (and the prompt's log-probabilities when asked for). The
 /// product is compute-bound, and each prompt's cache is then exact whatever the batch.
+/// Admissions split by what their prefill computes: prompts not scored, prompts scored
+/// without alternatives, prompts with top-k alternatives (in admission order within
+/// each; empty groups left out). A prefill scores every row of its batch for the
+/// largest request's asking, and top-k copies each row's logits to the host, so a
+/// request that asks for scores must not impose them on prompts that did not.
+fn scoring_groups<K>(admissions: Vec<Admission<K>>) -> Vec<Vec<Admission<K>>> {
+    let mut groups: [Vec<Admission<K>>; 3] = Default::default();
+    for a in admissions {
+        let g = if a.job.topk_prompt_logprobs > 0 {
+            2
+        } else if a.job.prompt_logprobs {
+            1
+        } else {
+            0
+        };
+        groups[g].push(a);
+    }
+    groups.into_iter().filter(|g| !g.is_empty()).collect()
+}
+
 fn prefill<K>(
     model: &Transformer,
     admissions: &[Admission<K>],
@@ -819,6 +841,47 @@ mod tests {
     use crate::model::tiny::tiny_model;
     use crate::model::Arch;
     use crate::sample::Picker;
+
+    /// Scored prompts are prefilled apart from unscored ones, top-k apart from both.
+    #[test]
+    fn scoring_groups_keep_scores_to_the_prompts_that_ask() {
+        let admission = |key: u32, scored: bool, topk: usize| Admission {
+            key,
+            job: SampleJob {
+                prompt: vec![1, 2, 3],
+                adapter: None,
+                num_samples: 1,
+                picker: Picker::default(),
+                max_tokens: 1,
+                stop_strings: vec![],
+                stop_tokens: vec![],
+                seed: Some(0),
+                prompt_logprobs: scored,
+                topk_prompt_logprobs: topk,
+            },
+            adapter: None,
+            progress: None,
+        };
+        let keys = |groups: Vec<Vec<Admission<u32>>>| -> Vec<Vec<u32>> {
+            groups
+                .into_iter()
+                .map(|g| g.into_iter().map(|a| a.key).collect())
+                .collect()
+        };
+        let mixed = vec![
+            admission(0, false, 1),
+            admission(1, false, 0),
+            admission(2, true, 0),
+            admission(3, false, 0),
+            admission(4, true, 5),
+        ];
+        assert_eq!(
+            keys(scoring_groups(mixed)),
+            vec![vec![1, 3], vec![2], vec![0, 4]]
+        );
+        let plain = vec![admission(7, false, 0), admission(8, false, 0)];
+        assert_eq!(keys(scoring_groups(plain)), vec![vec![7, 8]]);
+    }
 
     /// Rescoring in passes of a few rows (sequences packed together, a long one cut and
     /// continued from its cache) gives each token the log-probability one pass gives it.
