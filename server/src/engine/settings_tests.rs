@@ -3,7 +3,7 @@
 //! restart reads) saying different things.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::test_engine::engine_with;
@@ -19,8 +19,14 @@ async fn an_unpublish_racing_a_publish_leaves_access_as_the_index_records_it() {
     let root = std::env::temp_dir().join(format!("lathe-settings-{}", uuid::Uuid::new_v4()));
     let hold = Arc::new(AtomicBool::new(false));
     let held = hold.clone();
+    // Told when the publish's index write is done; the publish is then held there.
+    let (written_tx, written) = tokio::sync::oneshot::channel::<()>();
+    let written_tx = Mutex::new(Some(written_tx));
     let faults = Faults::new(move |point| {
         if point == "set_public:published" && held.swap(false, Ordering::SeqCst) {
+            if let Some(tx) = written_tx.lock().unwrap().take() {
+                let _ = tx.send(());
+            }
             std::thread::sleep(Duration::from_millis(400));
         }
     });
@@ -50,7 +56,7 @@ async fn an_unpublish_racing_a_publish_leaves_access_as_the_index_records_it() {
         tokio::spawn(async move { handle.set_public("alice".into(), uri, true).await })
     };
     // The publish is written and held before it finishes; the unpublish starts now.
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    written.await.unwrap();
     handle
         .set_public("alice".into(), uri.clone(), false)
         .await

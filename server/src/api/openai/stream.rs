@@ -8,7 +8,8 @@
 //! text of each choice comes from the request's result, so chunks add up to the answer
 //! the same request gives unstreamed.
 
-use std::convert::Infallible;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -31,9 +32,10 @@ use crate::sample::SampleOutput;
 /// Chunks buffered between the task and the response body.
 const CHUNKS_IN_FLIGHT: usize = 16;
 
-/// A reader that takes no chunk for this long is treated as gone: its request is
-/// cancelled and what the stream holds is freed, where a connection left open but never
-/// read would otherwise hold them for as long as it stays open.
+/// A chunk that waits this long for room (the reader took none of the buffered ones
+/// meanwhile) counts the reader as gone: its request is cancelled and the connection
+/// aborted, where a connection left open but never read would otherwise hold them for
+/// as long as it stays open. Slow decoding between chunks never counts.
 const READER_STALL: Duration = Duration::from_secs(60);
 
 /// Which endpoint's chunk shape.
@@ -55,6 +57,7 @@ pub fn start(
     include_usage: bool,
 ) -> Response {
     let (tx, rx) = mpsc::channel::<Event>(CHUNKS_IN_FLIGHT);
+    let stalled = Arc::new(AtomicBool::new(false));
     let chunks = Chunks {
         id: match kind {
             Kind::Completion => format!("cmpl-{}", sent.id()),
@@ -64,14 +67,35 @@ pub fn start(
         kind,
         model,
         tx,
+        stalled: stalled.clone(),
     };
     tokio::spawn(follow(s, plan, sent, chunks, include_usage));
-    let body = futures::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|e| (Ok::<_, Infallible>(e), rx))
-    });
-    Sse::new(body)
+    Sse::new(body(rx, stalled))
         .keep_alive(KeepAlive::default())
         .into_response()
+}
+
+/// The response body: the chunks as they come, then its end; after a stall
+/// ([`READER_STALL`]) an error instead of a clean end, so that the connection is aborted
+/// and a reader that comes back cannot take a cut answer for a whole one.
+fn body(
+    rx: mpsc::Receiver<Event>,
+    stalled: Arc<AtomicBool>,
+) -> impl futures::Stream<Item = Result<Event, std::io::Error>> {
+    futures::stream::unfold(Some((rx, stalled)), |state| async move {
+        let (mut rx, stalled) = state?;
+        match rx.recv().await {
+            Some(e) => Some((Ok(e), Some((rx, stalled)))),
+            None if stalled.load(Ordering::SeqCst) => Some((
+                Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "the reader took no chunk for 60 s",
+                )),
+                None,
+            )),
+            None => None,
+        }
+    })
 }
 
 /// Writes chunks of one answer.
@@ -81,6 +105,8 @@ struct Chunks {
     kind: Kind,
     model: String,
     tx: mpsc::Sender<Event>,
+    /// Set when a chunk waited [`READER_STALL`] for room: the body then ends in an error.
+    stalled: Arc<AtomicBool>,
 }
 
 /// The reader went away.
@@ -98,7 +124,11 @@ impl Chunks {
     async fn deliver(&self, event: Event) -> Result<(), Gone> {
         match tokio::time::timeout(READER_STALL, self.tx.send(event)).await {
             Ok(Ok(())) => Ok(()),
-            Ok(Err(_)) | Err(_) => Err(Gone),
+            Ok(Err(_)) => Err(Gone),
+            Err(_) => {
+                self.stalled.store(true, Ordering::SeqCst);
+                Err(Gone)
+            }
         }
     }
 
@@ -324,18 +354,21 @@ async fn follow_prompt(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use futures::StreamExt;
 
     /// A reader that leaves its connection open but stops reading is dropped after
     /// [`READER_STALL`], so that what its stream holds is freed and its request ends.
     #[tokio::test(start_paused = true)]
     async fn a_reader_that_stops_reading_is_gone_after_the_stall_limit() {
         let (tx, mut rx) = mpsc::channel(1);
+        let flag = Arc::new(AtomicBool::new(false));
         let chunks = Chunks {
             id: "cmpl-1".into(),
             created: 0,
             kind: Kind::Completion,
             model: "m".into(),
             tx,
+            stalled: flag.clone(),
         };
         // A reader that reads gets its chunks.
         chunks
@@ -357,6 +390,21 @@ mod tests {
                 .expect("the send gave up by itself");
         assert!(stalled.is_err(), "the stalled reader counts as gone");
         assert!(start.elapsed() >= READER_STALL);
-        drop(rx);
+        // The body gives what was buffered, then an error, not a clean end.
+        drop(chunks);
+        let events: Vec<_> = body(rx, flag).collect().await;
+        assert_eq!(events.len(), 2);
+        assert!(events[0].is_ok() && events[1].is_err());
+    }
+
+    /// A stream that ends as it should ends cleanly.
+    #[tokio::test]
+    async fn a_finished_stream_ends_cleanly() {
+        let (tx, rx) = mpsc::channel(2);
+        tx.send(Event::default().data("[DONE]")).await.unwrap();
+        drop(tx);
+        let events: Vec<_> = body(rx, Arc::new(AtomicBool::new(false))).collect().await;
+        assert_eq!(events.len(), 1);
+        assert!(events[0].is_ok());
     }
 }
