@@ -100,14 +100,15 @@ pub async fn completions(
     let req: CompletionRequest = parse(&body)?;
     let plan = request::completion(&s, &owner.0, &req).await?;
     let kind = stream::Kind::Completion;
+    let (model, sampling) = (req.model.clone(), req.sampling.clone());
     serve(
         s,
         owner,
         plan,
         kind,
-        &req.model,
-        &req.sampling,
-        |text, id, plan, outputs| {
+        &model,
+        &sampling,
+        move |text, id, plan, outputs| {
             Ok(Json(answer::completion(text, id, plan, &req, outputs)?).into_response())
         },
     )
@@ -123,14 +124,15 @@ pub async fn chat_completions(
     let req: ChatCompletionRequest = parse(&body)?;
     let plan = request::chat(&s, &owner.0, &req).await?;
     let kind = stream::Kind::Chat;
+    let (model, sampling) = (req.model.clone(), req.sampling.clone());
     serve(
         s,
         owner,
         plan,
         kind,
-        &req.model,
-        &req.sampling,
-        |text, id, plan, outputs| {
+        &model,
+        &sampling,
+        move |text, id, plan, outputs| {
             Ok(Json(answer::chat(text, id, plan, &req, outputs)?).into_response())
         },
     )
@@ -138,7 +140,9 @@ pub async fn chat_completions(
 }
 
 /// Submits a planned request and answers it: streamed when asked, else whole, written
-/// by `whole` from every prompt's result.
+/// by `whole` from every prompt's result, off the async threads under one of the
+/// owner's CPU slots (decoding every choice's text, and with `echo` every prompt
+/// position's alternatives, takes real CPU time for a large request).
 async fn serve(
     s: AppState,
     owner: Owner,
@@ -146,12 +150,9 @@ async fn serve(
     kind: stream::Kind,
     model: &str,
     sampling: &OpenAiSampling,
-    whole: impl FnOnce(
-        &TextModel,
-        &str,
-        &request::Plan,
-        Vec<SampleOutput>,
-    ) -> Result<Response, ApiError>,
+    whole: impl FnOnce(&TextModel, &str, &request::Plan, Vec<SampleOutput>) -> Result<Response, ApiError>
+        + Send
+        + 'static,
 ) -> Result<Response, OpenAiError> {
     let sent = Submitted::submit(&s, &owner, &plan, sampling.stream).await?;
     if sampling.stream {
@@ -163,7 +164,12 @@ async fn serve(
     }
     let id = sent.id().to_string();
     let outputs = sent.outputs().await?;
-    Ok(whole(&s.text, &id, &plan, outputs)?)
+    let _slot = s.cpu_slot(&owner.0).await?;
+    let text = s.text.clone();
+    let answer = tokio::task::spawn_blocking(move || whole(&text, &id, &plan, outputs))
+        .await
+        .map_err(|e| ApiError::internal(format!("answer task failed: {e}")))??;
+    Ok(answer)
 }
 
 /// `GET /v1/models`: the base model, then the key's sampler checkpoints (newest first,
