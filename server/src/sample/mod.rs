@@ -4,6 +4,7 @@
 pub mod jobs;
 pub mod logits;
 pub mod progress;
+mod rescore;
 pub mod running;
 
 pub use jobs::{
