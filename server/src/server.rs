@@ -12,6 +12,7 @@ use rand::distr::{Alphanumeric, SampleString};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+use crate::api::listener::ConnectionLimits;
 use crate::api::{self, AppState, Auth};
 use crate::engine::{self, Engine, EngineConfig, EngineHandle, ModelInfo};
 use crate::model::LoadedModel;
@@ -43,6 +44,8 @@ pub struct ServerConfig {
     /// network; on one machine it only costs the client time). Compressed bodies are
     /// accepted either way.
     pub zstd_forward_backward: bool,
+    /// Limits on HTTP connections (open at once, request heads, stalled transfers).
+    pub connections: ConnectionLimits,
 }
 
 impl Default for ServerConfig {
@@ -57,6 +60,7 @@ impl Default for ServerConfig {
             poll_timeout: Duration::from_secs(30),
             decode_mode: DecodeMode::Fast,
             zstd_forward_backward: false,
+            connections: ConnectionLimits::default(),
         }
     }
 }
@@ -220,7 +224,12 @@ pub async fn start(
         )),
         text: Arc::new(text),
     };
-    let app = api::router(state);
+    // A request body that sends nothing for the stall limit fails its request (the
+    // connection then closes); the limit applies per frame, so a large upload over a
+    // slow link is not cut off.
+    let app = api::router(state).layer(tower_http::timeout::RequestBodyTimeoutLayer::new(
+        config.connections.stall_timeout,
+    ));
     let listener = tokio::net::TcpListener::bind((config.host.as_str(), config.port))
         .await
         .map_err(io_err(format!(
@@ -231,15 +240,13 @@ pub async fn start(
         .local_addr()
         .map_err(io_err("reading the listen address"))?;
     let (stop, stopped) = oneshot::channel::<()>();
+    let connections = config.connections.clone();
     let http = tokio::spawn(async move {
-        let served = axum::serve(listener, app)
-            .with_graceful_shutdown(async {
-                let _ = stopped.await;
-            })
-            .await;
-        if let Err(e) = served {
-            tracing::error!("HTTP server failed: {e}");
-        }
+        // Dropping the `RunningServer` (its sender) stops the listener too.
+        api::listener::serve(listener, app, connections, async {
+            let _ = stopped.await;
+        })
+        .await;
     });
     Ok(RunningServer {
         addr,

@@ -50,6 +50,9 @@ impl Transport {
     pub(crate) fn new(config: ClientConfig) -> Result<Self> {
         let http = reqwest::Client::builder()
             .connect_timeout(config.connect_timeout)
+            // Below a Lathe server's default header timeout (30 s), after which it closes
+            // an idle connection: a request is not sent on one the server is closing.
+            .pool_idle_timeout(Duration::from_secs(20))
             .redirect(reqwest::redirect::Policy::none())
             .user_agent(concat!("lathe-sdk/", env!("CARGO_PKG_VERSION")))
             .build()

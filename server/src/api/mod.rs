@@ -7,6 +7,7 @@ mod body;
 mod custom_loss;
 pub mod error;
 mod futures;
+pub mod listener;
 mod mint;
 pub mod openai;
 mod reply;

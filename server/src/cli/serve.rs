@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
+use lathe_server::api::listener::ConnectionLimits;
 use lathe_server::engine::{EngineConfig, KeyLimits};
 use lathe_server::model::PrecisionChoice;
 use lathe_server::sample::DecodeMode;
@@ -71,6 +72,36 @@ pub struct ServeArgs {
     /// oldest are dropped (their futures answer 404).
     #[arg(long, default_value_t = 1 << 30, help_heading = "Limits")]
     max_result_bytes: usize,
+    /// Limits on HTTP connections, which hold before any key is checked.
+    #[command(flatten)]
+    connections: ConnectionArgs,
+}
+
+/// Limits on HTTP connections.
+#[derive(Args)]
+#[command(next_help_heading = "Connections")]
+struct ConnectionArgs {
+    /// Most connections open at once; past it new connections wait until one closes.
+    #[arg(long, default_value_t = ConnectionLimits::default().max_connections)]
+    max_connections: usize,
+    /// Seconds a client has to send a request's head; an idle keep-alive connection
+    /// closes after as long.
+    #[arg(long, default_value_t = ConnectionLimits::default().header_timeout.as_secs())]
+    header_timeout: u64,
+    /// Seconds a request body may send nothing, or a response wait for the client to
+    /// take any of it, before the connection closes.
+    #[arg(long, default_value_t = ConnectionLimits::default().stall_timeout.as_secs())]
+    stall_timeout: u64,
+}
+
+impl ConnectionArgs {
+    fn limits(&self) -> ConnectionLimits {
+        ConnectionLimits {
+            max_connections: self.max_connections.max(1),
+            header_timeout: Duration::from_secs(self.header_timeout.max(1)),
+            stall_timeout: Duration::from_secs(self.stall_timeout.max(1)),
+        }
+    }
 }
 
 /// Per-key limits. Occupancy limits answer 429 with Retry-After; limits on one
@@ -165,6 +196,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         },
         max_request_bytes: args.max_request_bytes,
         zstd_forward_backward: args.zstd_forward_backward,
+        connections: args.connections.limits(),
         decode_mode: match args.decode_mode {
             Mode::Fast => DecodeMode::Fast,
             Mode::Exact => DecodeMode::Exact,

@@ -1,0 +1,129 @@
+//! Limits on HTTP connections, which hold before any key is known: a request head sent
+//! too slowly, a request body that stalls, and more connections than the server takes
+//! at once. Raw TCP clients play the hostile peer.
+
+mod common;
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use common::http::*;
+use lathe_server::api::listener::ConnectionLimits;
+
+fn connect(server: &TestServer) -> TcpStream {
+    TcpStream::connect(server.url.trim_start_matches("http://")).unwrap()
+}
+
+/// What the server sends before it closes `stream` (waiting at most `within`), and
+/// how long that took.
+fn read_until_closed(stream: &mut TcpStream, within: Duration) -> (String, Duration) {
+    let started = Instant::now();
+    stream.set_read_timeout(Some(within)).unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match stream.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == ErrorKind::ConnectionReset => break,
+            Err(e) => panic!("the server neither answered nor closed within {within:?}: {e}"),
+        }
+    }
+    (
+        String::from_utf8_lossy(&got).into_owned(),
+        started.elapsed(),
+    )
+}
+
+const HEALTHZ: &[u8] = b"GET /api/v1/healthz HTTP/1.1\r\nHost: lathe\r\nConnection: close\r\n\r\n";
+
+fn limits(tweak: impl FnOnce(&mut ConnectionLimits)) -> ConnectionLimits {
+    let mut limits = ConnectionLimits::default();
+    tweak(&mut limits);
+    limits
+}
+
+/// Half a request head, then silence (slowloris): the connection is closed once the
+/// head deadline passes, and the server answers a whole request afterwards.
+#[test]
+fn a_request_head_sent_too_slowly_is_cut_off() {
+    let dir = temp_dir("conn-head");
+    let server = TestServer::start(&dir, |c| {
+        c.connections = limits(|l| l.header_timeout = Duration::from_secs(1));
+    });
+    let mut slow = connect(&server);
+    slow.write_all(b"GET /api/v1/healthz HTTP/1.1\r\nHo")
+        .unwrap();
+    let (_, took) = read_until_closed(&mut slow, Duration::from_secs(10));
+    assert!(
+        took >= Duration::from_millis(900),
+        "closed after {took:?}, before the deadline"
+    );
+    let mut whole = connect(&server);
+    whole.write_all(HEALTHZ).unwrap();
+    let (answer, _) = read_until_closed(&mut whole, Duration::from_secs(10));
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    server.stop();
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A request body that stops arriving fails its request once the stall limit passes;
+/// the server is not held.
+#[test]
+fn a_request_body_that_stalls_is_cut_off() {
+    let dir = temp_dir("conn-body");
+    let server = TestServer::start(&dir, |c| {
+        c.connections = limits(|l| l.stall_timeout = Duration::from_secs(1));
+    });
+    let mut stalled = connect(&server);
+    let head = format!(
+        "POST /api/v1/create_session HTTP/1.1\r\nHost: lathe\r\nX-API-Key: {KEY_A}\r\n\
+         Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{{\"tags\": "
+    );
+    stalled.write_all(head.as_bytes()).unwrap();
+    let (answer, took) = read_until_closed(&mut stalled, Duration::from_secs(10));
+    assert!(
+        took >= Duration::from_millis(900),
+        "answered after {took:?}, before the stall limit: {answer}"
+    );
+    assert!(
+        answer.is_empty() || answer.starts_with("HTTP/1.1 4"),
+        "a stalled body is the client's fault: {answer}"
+    );
+    let mut whole = connect(&server);
+    whole.write_all(HEALTHZ).unwrap();
+    let (answer, _) = read_until_closed(&mut whole, Duration::from_secs(10));
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    server.stop();
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// With every connection slot taken, a new connection waits (its request unanswered)
+/// until one closes, then is served.
+#[test]
+fn connections_past_the_limit_wait_for_a_free_slot() {
+    let dir = temp_dir("conn-limit");
+    let server = TestServer::start(&dir, |c| {
+        c.connections = limits(|l| l.max_connections = 2);
+    });
+    let first = connect(&server);
+    let _second = connect(&server);
+    // Let the server take both before the third arrives.
+    std::thread::sleep(Duration::from_millis(200));
+    let mut third = connect(&server);
+    third.write_all(HEALTHZ).unwrap();
+    third
+        .set_read_timeout(Some(Duration::from_millis(700)))
+        .unwrap();
+    let mut buf = [0u8; 64];
+    match third.read(&mut buf) {
+        Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+        other => panic!("a third connection was served past the limit of 2: {other:?}"),
+    }
+    drop(first);
+    let (answer, _) = read_until_closed(&mut third, Duration::from_secs(10));
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    server.stop();
+    let _ = std::fs::remove_dir_all(dir);
+}
