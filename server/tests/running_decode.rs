@@ -85,8 +85,11 @@ fn a_request_admitted_between_steps_joins_the_running_decode_and_leaves_first() 
             "a finished request ends its watch"
         );
         // 20 tokens in all: 5 steps before the join, the 15 after it (the last step picks
-        // the 20th token and runs no forward pass).
-        assert_eq!(steps, 15);
+        // the 20th token and runs no forward pass); fast decoding of the tiny f32 model
+        // picks tokens from 8-bit copies, whose tokens the trainer's weights then rescore
+        // in one more step (announced by the step before, so the engine can charge it).
+        let rescoring_steps = usize::from(matches!(mode, DecodeMode::Fast));
+        assert_eq!(steps, 15 + rescoring_steps, "{mode:?}");
         // Each request's tokens and log-probabilities are those it gets decoded alone.
         for (key, j, adapters) in [("long", &long, vec![a.as_ref()]), ("short", &short, vec![])] {
             let alone = sample(t, tok, &adapters, std::slice::from_ref(j), mode).unwrap();
@@ -181,4 +184,87 @@ fn a_bad_request_fails_alone_at_admission() {
     assert!(err.contains("context limit"), "{err}");
     assert_eq!(running.streams(), 3);
     assert_eq!(running.live().collect::<Vec<_>>(), vec![(&2, 3)]);
+}
+
+/// Sampled tokens rescored with the trainer's weights are scored one bounded pass per
+/// step, each reported beforehand (so the engine charges and interleaves it), while
+/// other requests go on decoding; the result equals rescoring in one pass.
+#[test]
+fn rescoring_runs_one_bounded_pass_per_step_beside_the_decode() {
+    use lathe_server::sample::{Admission, RunningDecode};
+    let model = tiny(Arch::Llama);
+    let (t, tok) = (&model.transformer, &model.tokenizer);
+    let job = SampleJob {
+        max_tokens: 9,
+        ..sample_job(tokens(3, 6, 256), None, 3, 11)
+    };
+    let (long, _) = long_and_short(1);
+    let long = SampleJob {
+        adapter: None,
+        num_samples: 1,
+        max_tokens: 40,
+        ..long
+    };
+    let run = |pass_rows: usize| {
+        let mut running = RunningDecode::new(DecodeMode::Fast).with_rescore_pass_rows(pass_rows);
+        let admit = |running: &mut RunningDecode<&'static str>, key, job: &SampleJob| {
+            let admitted = running.admit(
+                t,
+                vec![Admission {
+                    key,
+                    job: job.clone(),
+                    adapter: None,
+                    progress: None,
+                }],
+            );
+            assert!(admitted.is_empty());
+        };
+        admit(&mut running, "rescored", &job);
+        admit(&mut running, "long", &long);
+        let mut outputs = std::collections::HashMap::new();
+        let (mut passes, mut rows) = (0, 0);
+        let mut long_tokens_while_rescoring = 0;
+        while !running.is_empty() {
+            let next = running.rescore_next().map(|(k, n)| (*k, n));
+            let streams_before = running.streams();
+            if let Some((key, n)) = next {
+                assert!(
+                    n >= 1 && n <= pass_rows,
+                    "{n} rows in passes of {pass_rows}"
+                );
+                if key == "rescored" {
+                    passes += 1;
+                    rows += n;
+                    long_tokens_while_rescoring += streams_before;
+                }
+            }
+            for (key, out) in running.step(t, tok) {
+                outputs.insert(key, out.unwrap());
+            }
+        }
+        (outputs, passes, rows, long_tokens_while_rescoring)
+    };
+    let (whole, whole_passes, whole_rows, _) = run(100_000);
+    let (pieces, passes, rows, beside) = run(4);
+    let expected_rows: usize = whole["rescored"]
+        .sequences
+        .iter()
+        .map(|g| g.tokens.len().saturating_sub(1))
+        .sum();
+    assert!(expected_rows > 8, "the test needs several passes");
+    assert_eq!((whole_passes, whole_rows), (1, expected_rows));
+    assert_eq!(rows, expected_rows, "every sampled token scored once");
+    assert_eq!(passes, expected_rows.div_ceil(4));
+    assert!(
+        beside >= passes,
+        "the long request decoded through every pass"
+    );
+    for key in ["rescored", "long"] {
+        for (x, y) in pieces[key].sequences.iter().zip(&whole[key].sequences) {
+            assert_eq!(x.tokens, y.tokens, "{key}");
+            for (p, q) in x.logprobs.iter().zip(&y.logprobs) {
+                assert!((p - q).abs() < 1e-5, "{key}: {p} vs {q}");
+            }
+        }
+    }
 }

@@ -352,6 +352,7 @@ fn report(
     crate::worker::BatchReport {
         outcomes,
         decoding: decoding.iter().map(|(r, n)| (r.to_string(), *n)).collect(),
+        rescoring: None,
     }
 }
 
@@ -445,6 +446,57 @@ fn a_forward_request_waits_at_most_one_decode_step_behind_another_keys_sampling(
         batch.decode_step,
         "beside one decode step (116 tokens fit the budget)"
     );
+}
+
+/// A request whose tokens are being rescored decodes no sequence but still needs decode
+/// steps: each runs one announced pass of its rows, which takes the step's token budget
+/// and is charged to its key, so another key's pass alternates with the passes instead
+/// of waiting behind them all or sharing a batch the budget has no room for.
+#[test]
+fn rescoring_passes_are_charged_and_another_keys_pass_alternates_with_them() {
+    use crate::worker::{Pass, RunOp};
+    let (mut engine, sent) = engine();
+    let run = live_run(&mut engine, &sent, "victim");
+    let hog = engine
+        .sample("hog", SamplerRef::BaseModel, job())
+        .unwrap()
+        .request_id;
+    pump_now(&mut engine);
+    let pass = crate::train::PASS_TOKENS;
+    let rescoring = |engine: &mut super::Engine| {
+        let mut r = report(vec![], &[(&hog, 0)]);
+        r.rescoring = Some((hog.clone(), pass));
+        engine.complete(r);
+    };
+    rescoring(&mut engine);
+    for _ in 0..3 {
+        pump_now(&mut engine);
+        let step = sent.lock().unwrap().pop().unwrap();
+        assert!(step.decode_step, "a rescoring request gets decode steps");
+        rescoring(&mut engine);
+    }
+    let levels = engine.service.levels(&["hog", "victim"]);
+    assert!(
+        levels[0] >= 3 * pass as u64,
+        "three passes of {pass} rows charged to the hog: {levels:?}"
+    );
+    let small = RunOp::Forward {
+        data: vec![datum(100)],
+        with_grad: true,
+        pass: Pass::WHOLE,
+    };
+    engine.submit("victim", &run, Some(1), small).unwrap();
+    pump_now(&mut engine);
+    let batch = sent.lock().unwrap().pop().unwrap();
+    assert_eq!(batch.runs.len(), 1, "the victim's pass runs next");
+    assert!(
+        !batch.decode_step,
+        "a full rescoring pass leaves no room beside it in the budget"
+    );
+    rescoring(&mut engine);
+    pump_now(&mut engine);
+    let batch = sent.lock().unwrap().pop().unwrap();
+    assert!(batch.decode_step, "then the hog's next pass");
 }
 
 #[test]

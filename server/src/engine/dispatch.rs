@@ -104,6 +104,13 @@ impl Engine {
             }
         }
         let live_streams: usize = decoders.iter().map(|(_, n)| n).sum();
+        // A rescoring pass runs in the decode step: its rows take the step's budget and
+        // are charged to their key.
+        let rescoring = self.rescoring.as_ref().and_then(|(request_id, rows)| {
+            let inflight = self.inflight.get(request_id)?;
+            Some((owner_index(&inflight.owner), *rows))
+        });
+        let rescore_rows = rescoring.map_or(0, |(_, rows)| rows);
         // Waiting only pays when another client may be about to submit too: a run or a
         // sampling client that submitted recently (a lone client never waits).
         self.sample_submits
@@ -136,6 +143,7 @@ impl Engine {
                 owner,
                 kind: Kind::Decode {
                     streams: live_streams,
+                    rescore_rows,
                 },
             });
         }
@@ -275,6 +283,9 @@ impl Engine {
             for &(owner, streams) in &decoders {
                 self.service.charge(&owners[owner], streams as u64);
             }
+            if let Some((owner, rows)) = rescoring {
+                self.service.charge(&owners[owner], rows as u64);
+            }
         }
         for (request_id, failure) in refused {
             if let Some(Inflight {
@@ -318,6 +329,7 @@ impl Engine {
         let report = report.into();
         self.busy = false;
         let before = std::mem::replace(&mut self.decoding, report.decoding);
+        self.rescoring = report.rescoring;
         // A request that left the decode must have an outcome; one that has none (a
         // worker bug) fails rather than waiting forever and holding its key's limits.
         for (request_id, _) in before {

@@ -66,10 +66,13 @@ pub enum Kind {
         /// Sequences it decodes.
         streams: usize,
     },
-    /// One decode step of every live sequence (one token each).
+    /// One decode step of every live sequence (one token each), with one pass of the
+    /// rescoring of a request whose sequences ended.
     Decode {
         /// Live sequences.
         streams: usize,
+        /// Rows of the rescoring pass (0 when none waits).
+        rescore_rows: usize,
     },
 }
 
@@ -86,7 +89,10 @@ impl Kind {
                 (tokens as u64).max(MIN_CHARGE)
             }
             Kind::Other => MIN_CHARGE,
-            Kind::Decode { streams } => streams as u64,
+            Kind::Decode {
+                streams,
+                rescore_rows,
+            } => (streams + rescore_rows) as u64,
         }
     }
 
@@ -96,7 +102,10 @@ impl Kind {
             Kind::Forward { tokens, .. } | Kind::Sample { tokens, .. } | Kind::Solo { tokens } => {
                 tokens
             }
-            Kind::Decode { streams } => streams,
+            Kind::Decode {
+                streams,
+                rescore_rows,
+            } => streams + rescore_rows,
             Kind::Other => 0,
         }
     }
@@ -379,7 +388,10 @@ mod tests {
             key,
             arrival: 0,
             owner,
-            kind: Kind::Decode { streams },
+            kind: Kind::Decode {
+                streams,
+                rescore_rows: 0,
+            },
         }
     }
 

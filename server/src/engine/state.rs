@@ -206,6 +206,9 @@ pub struct Engine {
     /// The sampling requests the worker is decoding, with their live sequences, as of
     /// its last report.
     pub(super) decoding: Vec<(String, usize)>,
+    /// The request whose tokens the worker's next decode step rescores, with that
+    /// pass's rows (charged to its key like a training pass's tokens).
+    pub(super) rescoring: Option<(String, usize)>,
     /// Sampling requests at the worker whose clients cancelled them, for the next batch.
     pub(super) cancels: Vec<String>,
     pub(super) drop_snapshots: Vec<String>,
@@ -259,6 +262,7 @@ impl Engine {
             sample_submits: HashMap::new(),
             inflight: HashMap::new(),
             decoding: Vec::new(),
+            rescoring: None,
             cancels: Vec::new(),
             drop_snapshots: Vec::new(),
             unload: Vec::new(),
@@ -489,6 +493,7 @@ impl Engine {
         self.worker_gone = true;
         self.busy = false;
         self.decoding.clear();
+        self.rescoring = None;
         let mut queued = self.take_queued();
         queued.extend(self.inflight.keys().cloned());
         for id in queued {

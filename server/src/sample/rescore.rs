@@ -7,68 +7,97 @@ use super::jobs::{Generated, SampleJob};
 use crate::model::{Adapter, KvCache, ModelError, PackedBatch, Transformer};
 
 /// Replaces each sequence's log-probabilities with the trainer's (its f32 weights, with
-/// their products in bf16 when the model computes in bf16). The first token was drawn
-/// from the prefill's logits, so its log-probability is already the trainer's; the
-/// others are scored in batched passes over the generated tokens, continuing copies of
-/// the prompt's KV cache, of at most the model's training pass size
-/// ([`crate::train::pass_tokens`]): a request's samples together may hold hundreds of
-/// thousands of tokens, whose activations in one pass would not fit in memory.
-pub(super) fn rescore(
-    model: &Transformer,
-    adapter: Option<&Adapter>,
-    job: &SampleJob,
-    prompt_cache: &KvCache,
-    sequences: &mut [Generated],
-) -> Result<(), ModelError> {
-    rescore_in_passes(
-        model,
-        adapter,
-        job,
-        prompt_cache,
-        sequences,
-        crate::train::pass_tokens(model),
-    )
+/// their products in bf16 when the model computes in bf16), one bounded pass at a time.
+/// The first token was drawn from the prefill's logits, so its log-probability is
+/// already the trainer's; the others are scored in batched passes over the generated
+/// tokens, continuing copies of the prompt's KV cache, of at most the model's training
+/// pass size ([`crate::train::pass_tokens`]): a request's samples together may hold
+/// hundreds of thousands of tokens, whose activations in one pass would not fit in
+/// memory, and whose passes back to back would hold every other tenant's work. The
+/// running decode runs one pass per step, so the scheduler charges and interleaves them.
+pub(super) struct Rescorer {
+    /// The request's sequences, in sample order; their log-probabilities are replaced.
+    pub sequences: Vec<Generated>,
+    /// Sequences with tokens to score, in order.
+    order: Vec<usize>,
+    /// Position in `order` of the sequence scored next, and how many of its rows are done.
+    cursor: usize,
+    done: usize,
+    /// The cache of a sequence cut at the end of the last pass, which the next continues.
+    carried: Option<KvCache>,
+    /// Most rows of one pass.
+    max_rows: usize,
 }
 
-/// [`rescore`] in passes of at most `max_rows` rows: whole sequences packed in order, a
-/// longer one in consecutive pieces that continue its cache (each row's numbers do not
-/// depend on the rows beside it in a pass).
-fn rescore_in_passes(
-    model: &Transformer,
-    adapter: Option<&Adapter>,
-    job: &SampleJob,
-    prompt_cache: &KvCache,
-    sequences: &mut [Generated],
-    max_rows: usize,
-) -> Result<(), ModelError> {
-    let max_rows = max_rows.max(1);
-    let order: Vec<usize> = (0..sequences.len())
-        .filter(|&i| sequences[i].tokens.len() >= 2)
-        .collect();
-    let adapters: Vec<&Adapter> = adapter.into_iter().collect();
-    let which = adapter.map(|_| 0);
-    // The sequence being scored next, how many of its rows are done, and its cache.
-    let (mut cursor, mut done) = (0, 0);
-    let mut carried: Option<KvCache> = None;
-    while cursor < order.len() {
+impl Rescorer {
+    /// Rescoring of `sequences` in passes of at most `max_rows` rows: whole sequences
+    /// packed in order, a longer one in consecutive pieces that continue its cache (each
+    /// row's numbers do not depend on the rows beside it in a pass).
+    pub fn new(sequences: Vec<Generated>, max_rows: usize) -> Self {
+        let order = (0..sequences.len())
+            .filter(|&i| sequences[i].tokens.len() >= 2)
+            .collect();
+        Self {
+            sequences,
+            order,
+            cursor: 0,
+            done: 0,
+            carried: None,
+            max_rows: max_rows.max(1),
+        }
+    }
+
+    /// Whether every token is scored.
+    pub fn is_done(&self) -> bool {
+        self.cursor >= self.order.len()
+    }
+
+    /// Rows (tokens) the next pass scores: 0 once done.
+    pub fn next_rows(&self) -> usize {
+        let mut rows = 0;
+        let mut done = self.done;
+        for &i in &self.order[self.cursor.min(self.order.len())..] {
+            rows += self.sequences[i].tokens.len() - 1 - done;
+            done = 0;
+            if rows >= self.max_rows {
+                return self.max_rows;
+            }
+        }
+        rows
+    }
+
+    /// Scores the next pass's rows (nothing once done).
+    pub fn pass(
+        &mut self,
+        model: &Transformer,
+        adapter: Option<&Adapter>,
+        job: &SampleJob,
+        prompt_cache: &KvCache,
+    ) -> Result<(), ModelError> {
+        let adapters: Vec<&Adapter> = adapter.into_iter().collect();
+        let which = adapter.map(|_| 0);
         // (sequence, first row, end row, cache) of this pass.
         let mut pass: Vec<(usize, usize, usize, KvCache)> = Vec::new();
         let mut rows = 0;
-        while rows < max_rows && cursor < order.len() {
-            let i = order[cursor];
-            let n = sequences[i].tokens.len() - 1;
-            let take = (n - done).min(max_rows - rows);
-            let cache = match carried.take() {
+        while rows < self.max_rows && !self.is_done() {
+            let i = self.order[self.cursor];
+            let n = self.sequences[i].tokens.len() - 1;
+            let take = (n - self.done).min(self.max_rows - rows);
+            let cache = match self.carried.take() {
                 Some(c) => c,
                 None => prompt_cache.try_clone()?,
             };
-            pass.push((i, done, done + take, cache));
+            pass.push((i, self.done, self.done + take, cache));
             rows += take;
-            done += take;
-            if done == n {
-                (cursor, done) = (cursor + 1, 0);
+            self.done += take;
+            if self.done == n {
+                (self.cursor, self.done) = (self.cursor + 1, 0);
             }
         }
+        if pass.is_empty() {
+            return Ok(());
+        }
+        let sequences = &mut self.sequences;
         let seqs: Vec<(&[u32], Option<usize>, usize)> = pass
             .iter()
             .map(|&(i, from, to, _)| {
@@ -89,17 +118,18 @@ fn rescore_in_passes(
         let (_, lp) = model.forward_cached_logprobs(&batch, &adapters, &mut refs, &targets)?;
         let lp: Vec<f32> = lp.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
         let mut offset = 0;
+        let cut = (self.done > 0).then(|| self.order[self.cursor]);
         for (i, from, to, cache) in pass {
             sequences[i].logprobs[from + 1..to + 1]
                 .copy_from_slice(&lp[offset..offset + to - from]);
             offset += to - from;
             // A sequence cut at the end of this pass goes on from its cache.
-            if done > 0 && i == order[cursor] {
-                carried = Some(cache);
+            if cut == Some(i) {
+                self.carried = Some(cache);
             }
         }
+        Ok(())
     }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -147,9 +177,28 @@ mod tests {
             generated(&[20, 21, 22, 23, 24, 25, 26]),
         ];
         let scored = |max_rows| {
-            let mut s = sequences.clone();
-            rescore_in_passes(t, None, &job, &prompt_cache, &mut s, max_rows).unwrap();
-            s
+            let mut r = Rescorer::new(sequences.clone(), max_rows);
+            let rows: usize = sequences.iter().map(|g| g.tokens.len().max(1) - 1).sum();
+            let mut passes = 0;
+            let mut scored_rows = 0;
+            while !r.is_done() {
+                let next = r.next_rows();
+                assert!(
+                    next >= 1 && next <= max_rows,
+                    "{next} rows in passes of {max_rows}"
+                );
+                r.pass(t, None, &job, &prompt_cache).unwrap();
+                scored_rows += next;
+                passes += 1;
+            }
+            assert_eq!(r.next_rows(), 0);
+            assert_eq!(scored_rows, rows, "every row scored once");
+            assert_eq!(
+                passes,
+                rows.div_ceil(max_rows),
+                "passes of {max_rows} rows are full"
+            );
+            r.sequences
         };
         let whole = scored(1000);
         assert!(whole

@@ -25,7 +25,7 @@ use super::logits::token_logprob;
 #[cfg(feature = "cuda")]
 use super::logits::{pick_on_device, Picker, StepPick};
 use super::progress::TokenProgress;
-use super::rescore::rescore;
+use super::rescore::Rescorer;
 use crate::model::cpu::decode_step::{HostAdapter, HostDecoder, StepRow};
 use crate::model::transformer::TopK;
 use crate::model::{Adapter, KvCache, ModelError, PackedBatch, TextTokenizer, Transformer};
@@ -68,6 +68,9 @@ struct Request<K> {
     /// The prompt's f32 KV cache, kept when the sampled tokens are rescored at the end.
     prompt_cache: Option<KvCache>,
     progress: Option<TokenProgress>,
+    /// Set once every sequence ended and the sampled tokens wait to be rescored: the
+    /// order it started in, and the rescoring, one pass per step.
+    rescoring: Option<(u64, Rescorer)>,
 }
 
 /// One sequence being decoded.
@@ -103,6 +106,10 @@ pub struct RunningDecode<K> {
     /// Grouped by slot, so a step's batch has one segment per adapter.
     streams: Vec<Stream>,
     timings: SampleTimings,
+    /// Requests that started rescoring so far (orders them: the first rescores first).
+    rescores_started: u64,
+    /// Most rows of one rescoring pass; `None`: the model's training pass size.
+    rescore_pass_rows: Option<usize>,
 }
 
 impl<K> RunningDecode<K> {
@@ -114,7 +121,16 @@ impl<K> RunningDecode<K> {
             requests: Vec::new(),
             streams: Vec::new(),
             timings: SampleTimings::default(),
+            rescores_started: 0,
+            rescore_pass_rows: None,
         }
+    }
+
+    /// Rescores in passes of at most `rows` rows instead of the model's training pass
+    /// size ([`crate::train::pass_tokens`]).
+    pub fn with_rescore_pass_rows(mut self, rows: usize) -> Self {
+        self.rescore_pass_rows = Some(rows.max(1));
+        self
     }
 
     /// Whether no request is decoding.
@@ -130,6 +146,24 @@ impl<K> RunningDecode<K> {
     /// Each decoding request with its sequences still decoding.
     pub fn live(&self) -> impl Iterator<Item = (&K, usize)> {
         self.requests.iter().flatten().map(|r| (&r.key, r.live))
+    }
+
+    /// The request whose sampled tokens the next step rescores, with the rows (tokens)
+    /// of that pass; the others rescoring wait behind it with no live sequences.
+    pub fn rescore_next(&self) -> Option<(&K, usize)> {
+        self.next_rescoring()
+            .and_then(|i| self.requests[i].as_ref())
+            .and_then(|r| Some((&r.key, r.rescoring.as_ref()?.1.next_rows())))
+    }
+
+    /// Index of the request that started rescoring first.
+    fn next_rescoring(&self) -> Option<usize> {
+        self.requests
+            .iter()
+            .enumerate()
+            .filter_map(|(i, r)| Some((r.as_ref()?.rescoring.as_ref()?.0, i)))
+            .min()
+            .map(|(_, i)| i)
     }
 
     /// Time spent in each phase so far.
@@ -296,8 +330,13 @@ impl<K> RunningDecode<K> {
             topk_prompt_logprobs: pre.topk_prompt_logprobs,
             prompt_cache: if rescores { prompt_cache } else { None },
             progress: a.progress,
+            rescoring: None,
         });
-        (samples == 0).then(|| self.finish(model, index))
+        if samples == 0 {
+            self.ended(model, index)
+        } else {
+            None
+        }
     }
 
     /// The slot holding `adapter` (the same `Arc`), made if new.
@@ -336,9 +375,19 @@ impl<K> RunningDecode<K> {
         }
     }
 
-    /// One iteration: every live sequence picks its next token; requests whose
-    /// sequences have all ended leave (returned); the rest advance one forward step.
+    /// One iteration: the request rescoring first scores one pass of its tokens (the
+    /// pass [`Self::rescore_next`] announced; it leaves when it has scored them all);
+    /// every live sequence picks its next token; requests whose sequences have all
+    /// ended leave (returned) or, when their tokens are rescored, start rescoring at the
+    /// next step; the rest advance one forward step.
     pub fn step(&mut self, model: &Transformer, tokenizer: &TextTokenizer) -> Vec<Finished<K>> {
+        let mut finished: Vec<Finished<K>> = self.rescore_step(model).into_iter().collect();
+        finished.extend(self.decode_step(model, tokenizer));
+        finished
+    }
+
+    /// The decoding part of [`Self::step`].
+    fn decode_step(&mut self, model: &Transformer, tokenizer: &TextTokenizer) -> Vec<Finished<K>> {
         let start = Instant::now();
         let mut finished = Vec::new();
         if self.streams.is_empty() {
@@ -383,11 +432,15 @@ impl<K> RunningDecode<K> {
             }
         }
         let done: Vec<usize> = (0..self.requests.len())
-            .filter(|&i| self.requests[i].as_ref().is_some_and(|r| r.live == 0))
+            .filter(|&i| {
+                self.requests[i]
+                    .as_ref()
+                    .is_some_and(|r| r.live == 0 && r.rescoring.is_none())
+            })
             .collect();
         let decoded = start.elapsed();
         for index in done {
-            finished.push(self.finish(model, index));
+            finished.extend(self.ended(model, index));
         }
         let forward = Instant::now();
         if !self.streams.is_empty() {
@@ -549,9 +602,34 @@ impl<K> RunningDecode<K> {
         Some(r)
     }
 
-    /// Request `index`, all of whose sequences ended, leaves with its output (its
-    /// sampled tokens rescored first when the mode asks for it).
-    fn finish(&mut self, model: &Transformer, index: usize) -> Finished<K> {
+    /// Request `index`, all of whose sequences ended: it leaves with its output, or
+    /// starts rescoring its sampled tokens when the mode asks for it.
+    fn ended(&mut self, model: &Transformer, index: usize) -> Option<Finished<K>> {
+        let r = self.requests[index].as_mut().expect("a live request");
+        r.ended.sort_by_key(|(i, _)| *i);
+        let sequences: Vec<Generated> = std::mem::take(&mut r.ended)
+            .into_iter()
+            .map(|(_, g)| g)
+            .collect();
+        if r.prompt_cache.is_some() {
+            let rows = self
+                .rescore_pass_rows
+                .unwrap_or_else(|| crate::train::pass_tokens(model));
+            let rescorer = Rescorer::new(sequences, rows);
+            if !rescorer.is_done() {
+                r.rescoring = Some((self.rescores_started, rescorer));
+                self.rescores_started += 1;
+                return None;
+            }
+            return Some(self.leave(index, rescorer.sequences));
+        }
+        Some(self.leave(index, sequences))
+    }
+
+    /// One pass of the first rescoring request's tokens; it leaves once all are scored
+    /// (or if the pass fails).
+    fn rescore_step(&mut self, model: &Transformer) -> Option<Finished<K>> {
+        let index = self.next_rescoring()?;
         let adapter = self.requests[index].as_ref().and_then(|r| r.slot).map(|s| {
             self.slots[s]
                 .as_ref()
@@ -559,17 +637,26 @@ impl<K> RunningDecode<K> {
                 .adapter
                 .clone()
         });
-        let mut r = self.remove(index).expect("a live request");
-        r.ended.sort_by_key(|(i, _)| *i);
-        let mut sequences: Vec<Generated> = r.ended.into_iter().map(|(_, g)| g).collect();
-        if let Some(cache) = &r.prompt_cache {
-            let start = Instant::now();
-            let rescored = rescore(model, adapter.as_deref(), &r.job, cache, &mut sequences);
-            self.timings.rescore += start.elapsed();
-            if let Err(e) = rescored {
-                return (r.key, Err(e));
+        let start = Instant::now();
+        let r = self.requests[index].as_mut().expect("a live request");
+        let (job, cache) = (&r.job, r.prompt_cache.as_ref().expect("kept to rescore"));
+        let rescorer = &mut r.rescoring.as_mut().expect("rescoring").1;
+        let passed = rescorer.pass(model, adapter.as_deref(), job, cache);
+        let done = rescorer.is_done();
+        self.timings.rescore += start.elapsed();
+        match passed {
+            Err(e) => self.remove(index).map(|r| (r.key, Err(e))),
+            Ok(()) if done => {
+                let (_, rescorer) = r.rescoring.take().expect("rescoring");
+                Some(self.leave(index, rescorer.sequences))
             }
+            Ok(()) => None,
         }
+    }
+
+    /// Request `index` leaves with `sequences` as its output.
+    fn leave(&mut self, index: usize, sequences: Vec<Generated>) -> Finished<K> {
+        let r = self.remove(index).expect("a live request");
         let output = SampleOutput {
             sequences,
             prompt_logprobs: r.prompt_logprobs,

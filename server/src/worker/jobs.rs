@@ -186,8 +186,11 @@ pub struct BatchReport {
     /// The requests it finished (a sampling request finishes in the batch whose decode
     /// step ended its last sequence, not in the one that admitted it).
     pub outcomes: Vec<Outcome>,
-    /// The sampling requests still decoding, with their sequences not yet ended.
+    /// The sampling requests still decoding, with their sequences not yet ended (0 for
+    /// one whose sequences all ended and whose tokens are being rescored).
     pub decoding: Vec<(String, usize)>,
+    /// The request whose tokens the next decode step rescores, with that pass's rows.
+    pub rescoring: Option<(String, usize)>,
 }
 
 impl From<Vec<Outcome>> for BatchReport {
@@ -196,6 +199,7 @@ impl From<Vec<Outcome>> for BatchReport {
         Self {
             outcomes,
             decoding: Vec::new(),
+            rescoring: None,
         }
     }
 }

@@ -154,6 +154,10 @@ impl Worker {
         BatchReport {
             outcomes,
             decoding: self.decoding_now(),
+            rescoring: self
+                .running
+                .rescore_next()
+                .map(|(k, rows)| (k.clone(), rows)),
         }
     }
 
