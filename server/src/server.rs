@@ -224,11 +224,10 @@ pub async fn start(
         )),
         text: Arc::new(text),
     };
-    // A request body that sends nothing for the stall limit fails its request (the
-    // connection then closes); the limit applies per frame, so a large upload over a
-    // slow link is not cut off.
-    let app = api::router(state).layer(tower_http::timeout::RequestBodyTimeoutLayer::new(
-        config.connections.stall_timeout,
+    // Request bodies keep a pace (api/paced_body.rs) or fail with 408.
+    let stall = config.connections.stall_timeout;
+    let app = api::router(state).layer(axum::middleware::map_request(
+        move |req: axum::extract::Request| async move { api::paced_body::pace(req, stall) },
     ));
     let listener = tokio::net::TcpListener::bind((config.host.as_str(), config.port))
         .await

@@ -58,7 +58,9 @@ impl FromRequest<AppState> for ForwardBackwardBody {
             .await
             .map_err(|r| match r.status() {
                 StatusCode::PAYLOAD_TOO_LARGE => ApiError::too_large(),
-                _ => ApiError::bad_request(format!("reading the body: {}", r.body_text())),
+                _ => ApiError::body_too_slow(&r).unwrap_or_else(|| {
+                    ApiError::bad_request(format!("reading the body: {}", r.body_text()))
+                }),
             })?;
         let limit = state.max_request_bytes;
         let slot = state.cpu_slot(&owner).await?;

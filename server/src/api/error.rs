@@ -108,8 +108,24 @@ impl From<EngineError> for ApiError {
     }
 }
 
+impl ApiError {
+    /// 408 `request_timeout`: the request body arrived too slowly (the SDKs retry it).
+    pub(super) fn body_too_slow(e: &(dyn std::error::Error + 'static)) -> Option<Self> {
+        super::paced_body::is_too_slow(e).then(|| {
+            Self::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "request_timeout",
+                format!("reading the body: {e}"),
+            )
+        })
+    }
+}
+
 impl From<JsonRejection> for ApiError {
     fn from(r: JsonRejection) -> Self {
+        if let Some(slow) = Self::body_too_slow(&r) {
+            return slow;
+        }
         match r.status() {
             StatusCode::PAYLOAD_TOO_LARGE => Self::too_large(),
             StatusCode::UNSUPPORTED_MEDIA_TYPE => Self::new(

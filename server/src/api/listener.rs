@@ -1,7 +1,7 @@
 //! Serving HTTP connections with limits that hold before any key is known: a bounded
-//! number of open connections, a deadline on each request's head (which also closes
-//! idle keep-alive connections), and a stall limit on request bodies and on responses a
-//! client does not take.
+//! number of open connections in all and from one remote address, a deadline on each
+//! request's head (which also closes idle keep-alive connections), a pace that request
+//! bodies must keep, and a stall limit on responses a client does not take.
 //!
 //! Without these, anyone who can reach the port (no key needed) could hold the server's
 //! memory and file descriptors: connections that send half a request head and wait
@@ -9,10 +9,12 @@
 //! read (each answer stays in memory until its connection ends). `axum::serve` sets none
 //! of these, so the accept loop is written here on hyper's HTTP/1 connection builder.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::io;
+use std::net::IpAddr;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -22,7 +24,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tokio::time::Sleep;
 
@@ -32,19 +34,25 @@ pub struct ConnectionLimits {
     /// Most connections open at once; past it new ones wait in the listen backlog until
     /// one closes.
     pub max_connections: usize,
+    /// Most connections open at once from one remote (non-loopback) address; past it
+    /// a new one is closed at once. Loopback peers (a reverse proxy on the same host,
+    /// local clients) count only towards `max_connections`.
+    pub max_connections_per_ip: usize,
     /// Longest wait for a request's head, from the end of the previous answer (or the
     /// connection's start): an idle keep-alive connection closes after it too.
     pub header_timeout: Duration,
-    /// Longest a request body may send nothing while the server reads it, and longest a
-    /// response may wait for the client to take any of it; past either the connection
-    /// closes.
+    /// Longest a request body may send nothing while the server reads it (after which
+    /// it must also keep an average of [`MIN_BODY_BYTES_PER_S`]), and longest a response
+    /// may wait for the client to take any of it; past either the request fails and
+    /// the connection closes.
     pub stall_timeout: Duration,
 }
 
 impl Default for ConnectionLimits {
     fn default() -> Self {
         Self {
-            max_connections: 512,
+            max_connections: 1024,
+            max_connections_per_ip: 256,
             header_timeout: Duration::from_secs(30),
             stall_timeout: Duration::from_secs(60),
         }
@@ -61,6 +69,7 @@ pub async fn serve(
     shutdown: impl Future<Output = ()>,
 ) {
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let per_ip = PerIp::new(limits.max_connections_per_ip);
     let graceful = GracefulShutdown::new();
     let mut builder = http1::Builder::new();
     builder
@@ -72,22 +81,26 @@ pub async fn serve(
             _ = &mut shutdown => break,
             slot = wait_for_slot(&slots, limits.max_connections) => slot,
         };
-        let stream = tokio::select! {
+        let (stream, peer) = tokio::select! {
             _ = &mut shutdown => break,
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
+                Ok(accepted) => accepted,
                 Err(e) => {
                     accept_failed(e).await;
                     continue;
                 }
             },
         };
-        let _ = stream.set_nodelay(true);
+        let Some(peer_slot) = per_ip.take(peer.ip()) else {
+            // Closed at once: its slot is free for others.
+            continue;
+        };
+        tune(&stream);
         let io = TokioIo::new(WriteStallGuard::new(stream, limits.stall_timeout));
         let connection =
             graceful.watch(builder.serve_connection(io, TowerToHyperService::new(app.clone())));
         tokio::spawn(async move {
-            let _slot = slot;
+            let _slots = (slot, peer_slot);
             if let Err(e) = connection.await {
                 tracing::debug!("connection ended: {e}");
             }
@@ -97,7 +110,7 @@ pub async fn serve(
     graceful.shutdown().await;
 }
 
-/// One connection's slot, waiting (and saying so once) while every slot is taken.
+/// One connection's slot, waiting (and saying so) while every slot is taken.
 async fn wait_for_slot(
     slots: &Arc<Semaphore>,
     max_connections: usize,
@@ -105,6 +118,7 @@ async fn wait_for_slot(
     if let Ok(slot) = slots.clone().try_acquire_owned() {
         return slot;
     }
+    // Once per wait: a slot goes to one connection, which the next wait follows.
     tracing::warn!(
         "{max_connections} connections are open (--max-connections): new connections wait \
          until one closes"
@@ -114,6 +128,89 @@ async fn wait_for_slot(
         .acquire_owned()
         .await
         .expect("the connection semaphore is never closed")
+}
+
+/// Open connections per remote address, bounded (loopback addresses excepted).
+#[derive(Clone)]
+struct PerIp {
+    max: usize,
+    open: Arc<Mutex<HashMap<IpAddr, usize>>>,
+}
+
+/// One connection's place in its address's count, given back when dropped.
+struct PeerSlot {
+    ip: Option<IpAddr>,
+    open: Arc<Mutex<HashMap<IpAddr, usize>>>,
+}
+
+impl PerIp {
+    fn new(max: usize) -> Self {
+        Self {
+            max: max.max(1),
+            open: Arc::default(),
+        }
+    }
+
+    /// A place for a connection from `ip`, or `None` when that address has `max` open.
+    fn take(&self, ip: IpAddr) -> Option<PeerSlot> {
+        let counted = !ip.is_loopback() && !ip.to_canonical().is_loopback();
+        if counted {
+            let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+            let n = open.entry(ip).or_insert(0);
+            if *n >= self.max {
+                tracing::warn!(
+                    "{ip} has {} connections open (--max-connections-per-ip): closing a new one",
+                    self.max
+                );
+                return None;
+            }
+            *n += 1;
+        }
+        Some(PeerSlot {
+            ip: counted.then_some(ip),
+            open: self.open.clone(),
+        })
+    }
+}
+
+impl Drop for PeerSlot {
+    fn drop(&mut self) {
+        let Some(ip) = self.ip else { return };
+        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = open.get_mut(&ip) {
+            *n -= 1;
+            if *n == 0 {
+                open.remove(&ip);
+            }
+        }
+    }
+}
+
+/// Bytes of unsent answer the kernel queues before a write waits (Linux's
+/// `TCP_NOTSENT_LOWAT`): a write that waits then resumes as the client takes bytes, so
+/// the stall limit measures the client's progress, and an unread answer holds at most
+/// this much kernel memory beyond what is in flight.
+#[cfg(target_os = "linux")]
+const NOT_SENT_LOW_WATER: i32 = 128 * 1024;
+
+/// Socket options of an accepted connection.
+fn tune(stream: &TcpStream) {
+    let _ = stream.set_nodelay(true);
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::fd::AsRawFd;
+        let value = NOT_SENT_LOW_WATER;
+        // SAFETY: a valid socket descriptor, an option value of the size given.
+        let _ = unsafe {
+            libc::setsockopt(
+                stream.as_raw_fd(),
+                libc::IPPROTO_TCP,
+                libc::TCP_NOTSENT_LOWAT,
+                (&value as *const i32).cast(),
+                std::mem::size_of::<i32>() as libc::socklen_t,
+            )
+        };
+    }
 }
 
 /// An accept error: a connection that failed before it was accepted is skipped; running
@@ -228,6 +325,28 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for WriteStallGuard<T> {
 mod tests {
     use super::*;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// Each remote address gets at most its share of connections, given back as they
+    /// close; loopback peers are not counted.
+    #[test]
+    fn one_address_gets_at_most_its_connections() {
+        let per_ip = PerIp::new(2);
+        let (a, b): (IpAddr, IpAddr) = ("192.0.2.1".parse().unwrap(), "192.0.2.2".parse().unwrap());
+        let first = per_ip.take(a).expect("first");
+        let _second = per_ip.take(a).expect("second");
+        assert!(per_ip.take(a).is_none(), "a third from the same address");
+        assert!(per_ip.take(b).is_some(), "another address is not affected");
+        drop(first);
+        assert!(
+            per_ip.take(a).is_some(),
+            "a closed connection frees its place"
+        );
+        let local: Vec<PeerSlot> = (0..5)
+            .map(|_| per_ip.take("127.0.0.1".parse().unwrap()).expect("loopback"))
+            .collect();
+        assert_eq!(local.len(), 5);
+        assert!(per_ip.take("::ffff:127.0.0.1".parse().unwrap()).is_some());
+    }
 
     /// A peer that reads nothing fails the writer after the stall limit, not before.
     #[tokio::test(start_paused = true)]

@@ -10,6 +10,7 @@ mod futures;
 pub mod listener;
 mod mint;
 pub mod openai;
+pub mod paced_body;
 mod reply;
 mod rest;
 mod sampling;

@@ -82,24 +82,34 @@ pub struct ServeArgs {
 #[command(next_help_heading = "Connections")]
 struct ConnectionArgs {
     /// Most connections open at once; past it new connections wait until one closes.
-    #[arg(long, default_value_t = ConnectionLimits::default().max_connections)]
-    max_connections: usize,
+    #[arg(long, default_value_t = ConnectionLimits::default().max_connections as u32,
+          value_parser = clap::value_parser!(u32).range(1..=1 << 20))]
+    max_connections: u32,
+    /// Most connections open at once from one remote address (loopback addresses,
+    /// such as a reverse proxy on this host, are exempt); past it a new one is closed.
+    #[arg(long, default_value_t = ConnectionLimits::default().max_connections_per_ip as u32,
+          value_parser = clap::value_parser!(u32).range(1..=1 << 20))]
+    max_connections_per_ip: u32,
     /// Seconds a client has to send a request's head; an idle keep-alive connection
     /// closes after as long.
-    #[arg(long, default_value_t = ConnectionLimits::default().header_timeout.as_secs())]
+    #[arg(long, default_value_t = ConnectionLimits::default().header_timeout.as_secs(),
+          value_parser = clap::value_parser!(u64).range(1..=86_400))]
     header_timeout: u64,
-    /// Seconds a request body may send nothing, or a response wait for the client to
-    /// take any of it, before the connection closes.
-    #[arg(long, default_value_t = ConnectionLimits::default().stall_timeout.as_secs())]
+    /// Seconds a request body may send nothing (after which it must also average 16
+    /// KiB/s), or a response wait for the client to take any of it, before the request
+    /// fails and its connection closes.
+    #[arg(long, default_value_t = ConnectionLimits::default().stall_timeout.as_secs(),
+          value_parser = clap::value_parser!(u64).range(1..=86_400))]
     stall_timeout: u64,
 }
 
 impl ConnectionArgs {
     fn limits(&self) -> ConnectionLimits {
         ConnectionLimits {
-            max_connections: self.max_connections.max(1),
-            header_timeout: Duration::from_secs(self.header_timeout.max(1)),
-            stall_timeout: Duration::from_secs(self.stall_timeout.max(1)),
+            max_connections: self.max_connections as usize,
+            max_connections_per_ip: self.max_connections_per_ip as usize,
+            header_timeout: Duration::from_secs(self.header_timeout),
+            stall_timeout: Duration::from_secs(self.stall_timeout),
         }
     }
 }
