@@ -199,8 +199,11 @@ pub async fn start(
              (--decode-mode exact)"
         );
     }
+    // A rescoring pass is one candidate of the batch budget: it must fit one.
+    let rescore_rows =
+        crate::train::pass_tokens(&model.transformer).min(config.engine.max_batch_tokens);
     let worker = worker::spawn(
-        Worker::new(model, decode_mode, store.clone()),
+        Worker::new(model, decode_mode, store.clone()).rescoring_in_passes_of(rescore_rows),
         handle.outcome_sink(),
     );
     let engine = Engine::new(

@@ -67,7 +67,9 @@ fn a_request_admitted_between_steps_joins_the_running_decode_and_leaves_first() 
         let mut outputs = std::collections::HashMap::new();
         let mut steps = 0;
         while !running.is_empty() {
-            for (key, out) in running.step(t, tok) {
+            let mut finished = running.step(t, tok);
+            finished.extend(running.rescore_all(t));
+            for (key, out) in finished {
                 order.push(key);
                 outputs.insert(key, out.unwrap());
             }
@@ -85,11 +87,9 @@ fn a_request_admitted_between_steps_joins_the_running_decode_and_leaves_first() 
             "a finished request ends its watch"
         );
         // 20 tokens in all: 5 steps before the join, the 15 after it (the last step picks
-        // the 20th token and runs no forward pass); fast decoding of the tiny f32 model
-        // picks tokens from 8-bit copies, whose tokens the trainer's weights then rescore
-        // in one more step (announced by the step before, so the engine can charge it).
-        let rescoring_steps = usize::from(matches!(mode, DecodeMode::Fast));
-        assert_eq!(steps, 15 + rescoring_steps, "{mode:?}");
+        // the 20th token and runs no forward pass; in fast mode, where the tiny f32
+        // model's tokens are picked from 8-bit copies, their rescoring takes one pass).
+        assert_eq!(steps, 15, "{mode:?}");
         // Each request's tokens and log-probabilities are those it gets decoded alone.
         for (key, j, adapters) in [("long", &long, vec![a.as_ref()]), ("short", &short, vec![])] {
             let alone = sample(t, tok, &adapters, std::slice::from_ref(j), mode).unwrap();
@@ -140,6 +140,7 @@ fn a_cancelled_request_leaves_the_decode_and_the_others_are_unchanged() {
     let mut finished = Vec::new();
     while !running.is_empty() {
         finished.extend(running.step(t, tok));
+        finished.extend(running.rescore_all(t));
     }
     assert_eq!(finished.len(), 1);
     let (key, out) = finished.pop().unwrap();
@@ -187,10 +188,10 @@ fn a_bad_request_fails_alone_at_admission() {
 }
 
 /// Sampled tokens rescored with the trainer's weights are scored one bounded pass per
-/// step, each reported beforehand (so the engine charges and interleaves it), while
-/// other requests go on decoding; the result equals rescoring in one pass.
+/// call, each listed with its rows beforehand (so the engine schedules and charges it),
+/// while other requests go on decoding; the result equals rescoring in one pass.
 #[test]
-fn rescoring_runs_one_bounded_pass_per_step_beside_the_decode() {
+fn rescoring_runs_in_bounded_passes_beside_the_decode() {
     use lathe_server::sample::{Admission, RunningDecode};
     let model = tiny(Arch::Llama);
     let (t, tok) = (&model.transformer, &model.tokenizer);
@@ -225,9 +226,11 @@ fn rescoring_runs_one_bounded_pass_per_step_beside_the_decode() {
         let (mut passes, mut rows) = (0, 0);
         let mut long_tokens_while_rescoring = 0;
         while !running.is_empty() {
-            let next = running.rescore_next().map(|(k, n)| (*k, n));
+            let listed: Vec<(&'static str, usize)> =
+                running.rescoring().map(|(k, n)| (*k, n)).collect();
             let streams_before = running.streams();
-            if let Some((key, n)) = next {
+            let mut finished = Vec::new();
+            for (key, n) in listed {
                 assert!(
                     n >= 1 && n <= pass_rows,
                     "{n} rows in passes of {pass_rows}"
@@ -237,8 +240,10 @@ fn rescoring_runs_one_bounded_pass_per_step_beside_the_decode() {
                     rows += n;
                     long_tokens_while_rescoring += streams_before;
                 }
+                finished.extend(running.rescore(t, &key));
             }
-            for (key, out) in running.step(t, tok) {
+            finished.extend(running.step(t, tok));
+            for (key, out) in finished {
                 outputs.insert(key, out.unwrap());
             }
         }
@@ -260,6 +265,7 @@ fn rescoring_runs_one_bounded_pass_per_step_beside_the_decode() {
         "the long request decoded through every pass"
     );
     for key in ["rescored", "long"] {
+        assert_eq!(pieces[key].sequences.len(), whole[key].sequences.len());
         for (x, y) in pieces[key].sequences.iter().zip(&whole[key].sequences) {
             assert_eq!(x.tokens, y.tokens, "{key}");
             for (p, q) in x.logprobs.iter().zip(&y.logprobs) {

@@ -352,7 +352,7 @@ fn report(
     crate::worker::BatchReport {
         outcomes,
         decoding: decoding.iter().map(|(r, n)| (r.to_string(), *n)).collect(),
-        rescoring: None,
+        rescoring: Vec::new(),
     }
 }
 
@@ -448,12 +448,11 @@ fn a_forward_request_waits_at_most_one_decode_step_behind_another_keys_sampling(
     );
 }
 
-/// A request whose tokens are being rescored decodes no sequence but still needs decode
-/// steps: each runs one announced pass of its rows, which takes the step's token budget
-/// and is charged to its key, so another key's pass alternates with the passes instead
-/// of waiting behind them all or sharing a batch the budget has no room for.
+/// A request whose tokens wait to be rescored decodes no sequence; each pass of it is a
+/// candidate of its key, charged like a training pass and taking its rows of the batch
+/// budget, so another key's pass (or a smaller rescoring) goes between its passes.
 #[test]
-fn rescoring_passes_are_charged_and_another_keys_pass_alternates_with_them() {
+fn rescoring_passes_are_charged_and_another_keys_work_goes_between_them() {
     use crate::worker::{Pass, RunOp};
     let (mut engine, sent) = engine();
     let run = live_run(&mut engine, &sent, "victim");
@@ -463,17 +462,21 @@ fn rescoring_passes_are_charged_and_another_keys_pass_alternates_with_them() {
         .request_id;
     pump_now(&mut engine);
     let pass = crate::train::PASS_TOKENS;
-    let rescoring = |engine: &mut super::Engine| {
+    let report_rescoring = |engine: &mut super::Engine, rescoring: &[(&str, usize)]| {
         let mut r = report(vec![], &[(&hog, 0)]);
-        r.rescoring = Some((hog.clone(), pass));
+        r.rescoring = rescoring
+            .iter()
+            .map(|(id, n)| (id.to_string(), *n))
+            .collect();
         engine.complete(r);
     };
-    rescoring(&mut engine);
+    report_rescoring(&mut engine, &[(&hog, pass)]);
     for _ in 0..3 {
         pump_now(&mut engine);
-        let step = sent.lock().unwrap().pop().unwrap();
-        assert!(step.decode_step, "a rescoring request gets decode steps");
-        rescoring(&mut engine);
+        let batch = sent.lock().unwrap().pop().unwrap();
+        assert_eq!(batch.rescore, vec![hog.clone()], "one pass of the hog's");
+        assert!(!batch.decode_step, "no sequence decodes");
+        report_rescoring(&mut engine, &[(&hog, pass)]);
     }
     let levels = engine.service.levels(&["hog", "victim"]);
     assert!(
@@ -490,13 +493,13 @@ fn rescoring_passes_are_charged_and_another_keys_pass_alternates_with_them() {
     let batch = sent.lock().unwrap().pop().unwrap();
     assert_eq!(batch.runs.len(), 1, "the victim's pass runs next");
     assert!(
-        !batch.decode_step,
-        "a full rescoring pass leaves no room beside it in the budget"
+        batch.rescore.is_empty(),
+        "a full rescoring pass has no room beside it in the budget"
     );
-    rescoring(&mut engine);
+    report_rescoring(&mut engine, &[(&hog, pass)]);
     pump_now(&mut engine);
     let batch = sent.lock().unwrap().pop().unwrap();
-    assert!(batch.decode_step, "then the hog's next pass");
+    assert_eq!(batch.rescore, vec![hog.clone()], "then the hog's next pass");
 }
 
 #[test]

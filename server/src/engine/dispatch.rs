@@ -99,18 +99,31 @@ impl Engine {
         let decode_key = base + self.samples.len();
         let mut decoders: Vec<(usize, usize)> = Vec::new();
         for (request_id, streams) in &self.decoding {
+            // A request with no live sequence is rescoring: its passes are candidates
+            // of their own, below.
+            if *streams == 0 {
+                continue;
+            }
             if let Some(inflight) = self.inflight.get(request_id) {
                 decoders.push((owner_index(&inflight.owner), *streams));
             }
         }
         let live_streams: usize = decoders.iter().map(|(_, n)| n).sum();
-        // A rescoring pass runs in the decode step: its rows take the step's budget and
-        // are charged to their key.
-        let rescoring = self.rescoring.as_ref().and_then(|(request_id, rows)| {
-            let inflight = self.inflight.get(request_id)?;
-            Some((owner_index(&inflight.owner), *rows))
-        });
-        let rescore_rows = rescoring.map_or(0, |(_, rows)| rows);
+        // Each request whose sampled tokens wait to be rescored: its next pass is a
+        // candidate of its key, charged and budgeted like a training pass, named by the
+        // request's arrival (so a pass the plan passed over can be reserved).
+        let mut rescores: Vec<String> = Vec::new();
+        for (request_id, rows) in &self.rescoring {
+            if let Some(inflight) = self.inflight.get(request_id) {
+                candidates.push(Candidate {
+                    key: decode_key + 1 + rescores.len(),
+                    arrival: inflight.arrival,
+                    owner: owner_index(&inflight.owner),
+                    kind: Kind::Rescore { rows: *rows },
+                });
+                rescores.push(request_id.clone());
+            }
+        }
         // Waiting only pays when another client may be about to submit too: a run or a
         // sampling client that submitted recently (a lone client never waits).
         self.sample_submits
@@ -131,7 +144,9 @@ impl Engine {
         let limits = Limits {
             max_batch_tokens: self.config.max_batch_tokens,
             max_sample_streams: self.config.max_sample_streams,
-            live_streams,
+            // A request waiting to rescore holds its prompt's cache and its samples: it
+            // takes a stream's room until it leaves.
+            live_streams: live_streams + rescores.len(),
         };
         let active: Vec<&str> = owners.iter().map(String::as_str).collect();
         let levels = self.service.levels(&active);
@@ -143,7 +158,6 @@ impl Engine {
                 owner,
                 kind: Kind::Decode {
                     streams: live_streams,
-                    rescore_rows,
                 },
             });
         }
@@ -264,6 +278,8 @@ impl Engine {
                 });
             } else if key < decode_key {
                 sample_keys.push(key - base);
+            } else if key > decode_key {
+                batch.rescore.push(rescores[key - decode_key - 1].clone());
             }
         }
         sample_keys.sort_unstable();
@@ -282,9 +298,6 @@ impl Engine {
         if batch.decode_step {
             for &(owner, streams) in &decoders {
                 self.service.charge(&owners[owner], streams as u64);
-            }
-            if let Some((owner, rows)) = rescoring {
-                self.service.charge(&owners[owner], rows as u64);
             }
         }
         for (request_id, failure) in refused {
@@ -307,6 +320,7 @@ impl Engine {
             forward_tokens = batch.runs.iter().map(|w| w.op.tokens()).sum::<usize>(),
             samples = batch.samples.len(),
             decode_step = batch.decode_step,
+            rescore_passes = batch.rescore.len(),
             live_streams,
             "dispatching a batch"
         );

@@ -140,6 +140,7 @@ impl Engine {
                 after: After::DropRunOnFailure,
                 owner: owner.to_string(),
                 sample_tokens: 0,
+                arrival: 0,
                 more_passes: false,
                 partial: None,
                 save: None,

@@ -215,6 +215,7 @@ impl Engine {
                 after: After::Nothing,
                 owner: owner.to_string(),
                 sample_tokens: job_tokens,
+                arrival,
                 more_passes: false,
                 partial: None,
                 save: None,

@@ -66,13 +66,15 @@ pub enum Kind {
         /// Sequences it decodes.
         streams: usize,
     },
-    /// One decode step of every live sequence (one token each), with one pass of the
-    /// rescoring of a request whose sequences ended.
+    /// One decode step of every live sequence (one token each).
     Decode {
         /// Live sequences.
         streams: usize,
-        /// Rows of the rescoring pass (0 when none waits).
-        rescore_rows: usize,
+    },
+    /// One pass of rescoring a finished sampling request's tokens.
+    Rescore {
+        /// Tokens scored.
+        rows: usize,
     },
 }
 
@@ -89,10 +91,8 @@ impl Kind {
                 (tokens as u64).max(MIN_CHARGE)
             }
             Kind::Other => MIN_CHARGE,
-            Kind::Decode {
-                streams,
-                rescore_rows,
-            } => (streams + rescore_rows) as u64,
+            Kind::Rescore { rows } => (rows as u64).max(MIN_CHARGE),
+            Kind::Decode { streams } => streams as u64,
         }
     }
 
@@ -102,10 +102,8 @@ impl Kind {
             Kind::Forward { tokens, .. } | Kind::Sample { tokens, .. } | Kind::Solo { tokens } => {
                 tokens
             }
-            Kind::Decode {
-                streams,
-                rescore_rows,
-            } => streams + rescore_rows,
+            Kind::Decode { streams } => streams,
+            Kind::Rescore { rows } => rows,
             Kind::Other => 0,
         }
     }
@@ -204,7 +202,7 @@ pub fn plan(
                     }
                     room
                 }
-                Kind::Decode { .. } | Kind::Solo { .. } => true,
+                Kind::Decode { .. } | Kind::Solo { .. } | Kind::Rescore { .. } => true,
                 Kind::Other => unreachable!("taken above"),
             };
         if take {
@@ -388,10 +386,7 @@ mod tests {
             key,
             arrival: 0,
             owner,
-            kind: Kind::Decode {
-                streams,
-                rescore_rows: 0,
-            },
+            kind: Kind::Decode { streams },
         }
     }
 

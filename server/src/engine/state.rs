@@ -176,6 +176,9 @@ pub(super) struct Inflight {
     pub owner: String,
     /// Sampling tokens it holds (0 for run operations).
     pub sample_tokens: usize,
+    /// A sampling request's arrival (0 for run operations): it names the request's
+    /// rescoring passes to the scheduler.
+    pub arrival: u64,
     /// A forward request whose next passes are still queued: the pass now in the worker
     /// is not its last.
     pub more_passes: bool,
@@ -206,9 +209,10 @@ pub struct Engine {
     /// The sampling requests the worker is decoding, with their live sequences, as of
     /// its last report.
     pub(super) decoding: Vec<(String, usize)>,
-    /// The request whose tokens the worker's next decode step rescores, with that
-    /// pass's rows (charged to its key like a training pass's tokens).
-    pub(super) rescoring: Option<(String, usize)>,
+    /// The sampling requests at the worker whose tokens wait to be rescored, with the
+    /// rows of each one's next pass (a candidate of its key, charged like a training
+    /// pass), as of its last report.
+    pub(super) rescoring: Vec<(String, usize)>,
     /// Sampling requests at the worker whose clients cancelled them, for the next batch.
     pub(super) cancels: Vec<String>,
     pub(super) drop_snapshots: Vec<String>,
@@ -262,7 +266,7 @@ impl Engine {
             sample_submits: HashMap::new(),
             inflight: HashMap::new(),
             decoding: Vec::new(),
-            rescoring: None,
+            rescoring: Vec::new(),
             cancels: Vec::new(),
             drop_snapshots: Vec::new(),
             unload: Vec::new(),
@@ -423,6 +427,7 @@ impl Engine {
                 after,
                 owner: owner.to_string(),
                 sample_tokens: 0,
+                arrival: 0,
                 more_passes: false,
                 partial: None,
                 save: None,
@@ -493,7 +498,7 @@ impl Engine {
         self.worker_gone = true;
         self.busy = false;
         self.decoding.clear();
-        self.rescoring = None;
+        self.rescoring.clear();
         let mut queued = self.take_queued();
         queued.extend(self.inflight.keys().cloned());
         for id in queued {

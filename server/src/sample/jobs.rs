@@ -203,6 +203,7 @@ fn sample_on_pool(
     keep(running.admit(model, admissions))?;
     while !running.is_empty() {
         keep(running.step(model, tokenizer))?;
+        keep(running.rescore_all(model))?;
     }
     let outputs = outputs
         .into_iter()

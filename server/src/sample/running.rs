@@ -68,9 +68,9 @@ struct Request<K> {
     /// The prompt's f32 KV cache, kept when the sampled tokens are rescored at the end.
     prompt_cache: Option<KvCache>,
     progress: Option<TokenProgress>,
-    /// Set once every sequence ended and the sampled tokens wait to be rescored: the
-    /// order it started in, and the rescoring, one pass per step.
-    rescoring: Option<(u64, Rescorer)>,
+    /// Set once every sequence ended and the sampled tokens wait to be rescored, a pass
+    /// at a time ([`RunningDecode::rescore`]).
+    rescoring: Option<Rescorer>,
 }
 
 /// One sequence being decoded.
@@ -106,8 +106,6 @@ pub struct RunningDecode<K> {
     /// Grouped by slot, so a step's batch has one segment per adapter.
     streams: Vec<Stream>,
     timings: SampleTimings,
-    /// Requests that started rescoring so far (orders them: the first rescores first).
-    rescores_started: u64,
     /// Most rows of one rescoring pass; `None`: the model's training pass size.
     rescore_pass_rows: Option<usize>,
 }
@@ -121,7 +119,6 @@ impl<K> RunningDecode<K> {
             requests: Vec::new(),
             streams: Vec::new(),
             timings: SampleTimings::default(),
-            rescores_started: 0,
             rescore_pass_rows: None,
         }
     }
@@ -129,8 +126,13 @@ impl<K> RunningDecode<K> {
     /// Rescores in passes of at most `rows` rows instead of the model's training pass
     /// size ([`crate::train::pass_tokens`]).
     pub fn with_rescore_pass_rows(mut self, rows: usize) -> Self {
-        self.rescore_pass_rows = Some(rows.max(1));
+        self.set_rescore_pass_rows(rows);
         self
+    }
+
+    /// As [`Self::with_rescore_pass_rows`], in place.
+    pub fn set_rescore_pass_rows(&mut self, rows: usize) {
+        self.rescore_pass_rows = Some(rows.max(1));
     }
 
     /// Whether no request is decoding.
@@ -148,22 +150,13 @@ impl<K> RunningDecode<K> {
         self.requests.iter().flatten().map(|r| (&r.key, r.live))
     }
 
-    /// The request whose sampled tokens the next step rescores, with the rows (tokens)
-    /// of that pass; the others rescoring wait behind it with no live sequences.
-    pub fn rescore_next(&self) -> Option<(&K, usize)> {
-        self.next_rescoring()
-            .and_then(|i| self.requests[i].as_ref())
-            .and_then(|r| Some((&r.key, r.rescoring.as_ref()?.1.next_rows())))
-    }
-
-    /// Index of the request that started rescoring first.
-    fn next_rescoring(&self) -> Option<usize> {
+    /// Each request whose sequences all ended and whose sampled tokens wait to be
+    /// rescored, with the rows (tokens) of its next pass.
+    pub fn rescoring(&self) -> impl Iterator<Item = (&K, usize)> {
         self.requests
             .iter()
-            .enumerate()
-            .filter_map(|(i, r)| Some((r.as_ref()?.rescoring.as_ref()?.0, i)))
-            .min()
-            .map(|(_, i)| i)
+            .flatten()
+            .filter_map(|r| Some((&r.key, r.rescoring.as_ref()?.next_rows())))
     }
 
     /// Time spent in each phase so far.
@@ -375,19 +368,11 @@ impl<K> RunningDecode<K> {
         }
     }
 
-    /// One iteration: the request rescoring first scores one pass of its tokens (the
-    /// pass [`Self::rescore_next`] announced; it leaves when it has scored them all);
-    /// every live sequence picks its next token; requests whose sequences have all
-    /// ended leave (returned) or, when their tokens are rescored, start rescoring at the
-    /// next step; the rest advance one forward step.
+    /// One iteration: every live sequence picks its next token; requests whose
+    /// sequences have all ended leave (returned) or, when their tokens are rescored,
+    /// start rescoring ([`Self::rescoring`], [`Self::rescore`]); the rest advance one
+    /// forward step.
     pub fn step(&mut self, model: &Transformer, tokenizer: &TextTokenizer) -> Vec<Finished<K>> {
-        let mut finished: Vec<Finished<K>> = self.rescore_step(model).into_iter().collect();
-        finished.extend(self.decode_step(model, tokenizer));
-        finished
-    }
-
-    /// The decoding part of [`Self::step`].
-    fn decode_step(&mut self, model: &Transformer, tokenizer: &TextTokenizer) -> Vec<Finished<K>> {
         let start = Instant::now();
         let mut finished = Vec::new();
         if self.streams.is_empty() {
@@ -445,11 +430,18 @@ impl<K> RunningDecode<K> {
         let forward = Instant::now();
         if !self.streams.is_empty() {
             if let Err(e) = self.forward(model) {
-                // The caches may be half written: every request in the step fails.
+                // The caches may be half written: every request in the step fails (those
+                // rescoring had no sequence in it).
                 tracing::warn!("a decode step failed; failing its requests: {e}");
                 self.streams.clear();
-                let all: Vec<usize> = (0..self.requests.len()).collect();
-                for index in all {
+                let stepped: Vec<usize> = (0..self.requests.len())
+                    .filter(|&i| {
+                        self.requests[i]
+                            .as_ref()
+                            .is_some_and(|r| r.rescoring.is_none())
+                    })
+                    .collect();
+                for index in stepped {
                     if let Some(r) = self.remove(index) {
                         finished.push((r.key, Err(copy(&e))));
                     }
@@ -617,8 +609,7 @@ impl<K> RunningDecode<K> {
                 .unwrap_or_else(|| crate::train::pass_tokens(model));
             let rescorer = Rescorer::new(sequences, rows);
             if !rescorer.is_done() {
-                r.rescoring = Some((self.rescores_started, rescorer));
-                self.rescores_started += 1;
+                r.rescoring = Some(rescorer);
                 return None;
             }
             return Some(self.leave(index, rescorer.sequences));
@@ -626,10 +617,17 @@ impl<K> RunningDecode<K> {
         Some(self.leave(index, sequences))
     }
 
-    /// One pass of the first rescoring request's tokens; it leaves once all are scored
-    /// (or if the pass fails).
-    fn rescore_step(&mut self, model: &Transformer) -> Option<Finished<K>> {
-        let index = self.next_rescoring()?;
+    /// One pass of rescoring request `key`'s tokens (the rows [`Self::rescoring`] gave);
+    /// it leaves once all are scored, or if the pass fails. Nothing for a key that is
+    /// not rescoring (cancelled meanwhile).
+    pub fn rescore(&mut self, model: &Transformer, key: &K) -> Option<Finished<K>>
+    where
+        K: PartialEq,
+    {
+        let index = self.requests.iter().position(|r| {
+            r.as_ref()
+                .is_some_and(|r| r.rescoring.is_some() && r.key == *key)
+        })?;
         let adapter = self.requests[index].as_ref().and_then(|r| r.slot).map(|s| {
             self.slots[s]
                 .as_ref()
@@ -640,18 +638,28 @@ impl<K> RunningDecode<K> {
         let start = Instant::now();
         let r = self.requests[index].as_mut().expect("a live request");
         let (job, cache) = (&r.job, r.prompt_cache.as_ref().expect("kept to rescore"));
-        let rescorer = &mut r.rescoring.as_mut().expect("rescoring").1;
+        let rescorer = r.rescoring.as_mut().expect("rescoring");
         let passed = rescorer.pass(model, adapter.as_deref(), job, cache);
         let done = rescorer.is_done();
         self.timings.rescore += start.elapsed();
         match passed {
             Err(e) => self.remove(index).map(|r| (r.key, Err(e))),
             Ok(()) if done => {
-                let (_, rescorer) = r.rescoring.take().expect("rescoring");
+                let rescorer = r.rescoring.take().expect("rescoring");
                 Some(self.leave(index, rescorer.sequences))
             }
             Ok(()) => None,
         }
+    }
+
+    /// One pass of every rescoring request's tokens (for a caller with nothing else to
+    /// interleave with them).
+    pub fn rescore_all(&mut self, model: &Transformer) -> Vec<Finished<K>>
+    where
+        K: Clone + PartialEq,
+    {
+        let keys: Vec<K> = self.rescoring().map(|(k, _)| k.clone()).collect();
+        keys.iter().filter_map(|k| self.rescore(model, k)).collect()
     }
 
     /// Request `index` leaves with `sequences` as its output.

@@ -153,6 +153,9 @@ pub struct Batch {
     /// Advance every live sequence by one token (a request whose sequences have all
     /// ended is answered).
     pub decode_step: bool,
+    /// Sampling requests whose sampled tokens get one rescoring pass each (the rows the
+    /// last report gave).
+    pub rescore: Vec<String>,
     /// Sampler snapshots to free (their sampling sessions expired).
     pub drop_snapshots: Vec<String>,
     /// Sampling requests whose clients gave up on them (`cancel_future`): their
@@ -176,6 +179,7 @@ impl Batch {
             && self.samples.is_empty()
             && self.drop_snapshots.is_empty()
             && self.cancel.is_empty()
+            && self.rescore.is_empty()
             && !self.decode_step
     }
 }
@@ -189,8 +193,9 @@ pub struct BatchReport {
     /// The sampling requests still decoding, with their sequences not yet ended (0 for
     /// one whose sequences all ended and whose tokens are being rescored).
     pub decoding: Vec<(String, usize)>,
-    /// The request whose tokens the next decode step rescores, with that pass's rows.
-    pub rescoring: Option<(String, usize)>,
+    /// The sampling requests whose sequences all ended and whose tokens wait to be
+    /// rescored, with the rows of each one's next pass.
+    pub rescoring: Vec<(String, usize)>,
 }
 
 impl From<Vec<Outcome>> for BatchReport {
@@ -199,7 +204,7 @@ impl From<Vec<Outcome>> for BatchReport {
         Self {
             outcomes,
             decoding: Vec::new(),
-            rescoring: None,
+            rescoring: Vec::new(),
         }
     }
 }

@@ -99,6 +99,13 @@ impl Worker {
         }
     }
 
+    /// Rescores sampled tokens in passes of at most `rows` rows (the engine's batch
+    /// budget) instead of the model's training pass size.
+    pub fn rescoring_in_passes_of(mut self, rows: usize) -> Self {
+        self.running.set_rescore_pass_rows(rows);
+        self
+    }
+
     /// Runs a batch: every run operation, with all forward passes fused into one
     /// multi-adapter pass, then new sampling requests join the running decode, then one
     /// decode step if the batch asks for it. A failing request fails alone.
@@ -144,6 +151,13 @@ impl Worker {
         if !batch.samples.is_empty() {
             outcomes.extend(self.admit(batch.samples));
         }
+        for request_id in &batch.rescore {
+            outcomes.extend(self.decoding(Vec::new(), |w| {
+                let t = &w.model.transformer;
+                let finished = on_pool(|| w.running.rescore(t, request_id));
+                sample_outcomes(finished.into_iter().collect())
+            }));
+        }
         if batch.decode_step {
             outcomes.extend(self.decoding(Vec::new(), |w| {
                 let m = &w.model;
@@ -156,8 +170,9 @@ impl Worker {
             decoding: self.decoding_now(),
             rescoring: self
                 .running
-                .rescore_next()
-                .map(|(k, rows)| (k.clone(), rows)),
+                .rescoring()
+                .map(|(k, rows)| (k.clone(), rows))
+                .collect(),
         }
     }
 
