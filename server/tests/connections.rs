@@ -38,6 +38,14 @@ fn read_until_closed(stream: &mut TcpStream, within: Duration) -> (String, Durat
 
 const HEALTHZ: &[u8] = b"GET /api/v1/healthz HTTP/1.1\r\nHost: lathe\r\nConnection: close\r\n\r\n";
 
+/// The server answers a whole request on a fresh connection.
+fn assert_served(server: &TestServer) {
+    let mut whole = connect(server);
+    whole.write_all(HEALTHZ).unwrap();
+    let (answer, _) = read_until_closed(&mut whole, Duration::from_secs(10));
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+}
+
 fn limits(tweak: impl FnOnce(&mut ConnectionLimits)) -> ConnectionLimits {
     let mut limits = ConnectionLimits::default();
     tweak(&mut limits);
@@ -61,10 +69,7 @@ fn a_request_head_sent_too_slowly_is_cut_off() {
         took >= Duration::from_millis(900),
         "closed after {took:?}, before the deadline"
     );
-    let mut whole = connect(&server);
-    whole.write_all(HEALTHZ).unwrap();
-    let (answer, _) = read_until_closed(&mut whole, Duration::from_secs(10));
-    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert_served(&server);
     let mut kept = connect(&server);
     kept.write_all(b"GET /api/v1/healthz HTTP/1.1\r\nHost: lathe\r\n\r\n")
         .unwrap();
@@ -105,10 +110,7 @@ fn a_request_body_that_stalls_is_cut_off() {
         answer.contains(r#""code":"request_timeout""#),
         "with a JSON body: {answer}"
     );
-    let mut whole = connect(&server);
-    whole.write_all(HEALTHZ).unwrap();
-    let (answer, _) = read_until_closed(&mut whole, Duration::from_secs(10));
-    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert_served(&server);
     server.stop();
     let _ = std::fs::remove_dir_all(dir);
 }
