@@ -235,8 +235,13 @@ struct Live {
 impl Live {
     /// Feeds the tokens past those already fed; returns the new visible text.
     fn feed(&mut self, tok: &TextTokenizer, tokens: &[u32]) -> Result<String, ApiError> {
+        self.feed_new(tok, tokens.get(self.fed..).unwrap_or(&[]))
+    }
+
+    /// Feeds `new`, the tokens that follow those already fed.
+    fn feed_new(&mut self, tok: &TextTokenizer, new: &[u32]) -> Result<String, ApiError> {
         let mut out = String::new();
-        for &id in tokens.iter().skip(self.fed) {
+        for &id in new {
             self.fed += 1;
             if in_answer(tok, id) {
                 out.push_str(&self.text.push(tok, id).map_err(tokenizer_error)?);
@@ -319,9 +324,21 @@ async fn follow_prompt(
                     watch = None;
                     continue;
                 };
-                let tokens = w.borrow_and_update().clone();
+                // Only each choice's new tokens are copied (the decode waits on the watch
+                // while it is borrowed).
+                let new: Vec<Vec<u32>> = {
+                    let all = w.borrow_and_update();
+                    live.iter()
+                        .enumerate()
+                        .map(|(i, l)| {
+                            all.get(i)
+                                .and_then(|t| t.get(l.fed..))
+                                .map_or_else(Vec::new, <[u32]>::to_vec)
+                        })
+                        .collect()
+                };
                 for (i, l) in live.iter_mut().enumerate() {
-                    let text = l.feed(tok, tokens.get(i).map_or(&[], Vec::as_slice))?;
+                    let text = l.feed_new(tok, &new[i])?;
                     if !text.is_empty()
                         && chunks.choice(index(i), text, false, None).await.is_err()
                     {

@@ -45,13 +45,16 @@ impl Detokenizer {
             self.prefix = self.read;
             self.read = self.ids.len();
             Ok(now[before.len()..].to_string())
-        } else if stuck && now == before {
-            // Tokens that decode to nothing (ids the tokenizer does not know, where the
-            // model's vocabulary is larger than its tokenizer's) are given up too: were
-            // they kept, every later token would re-decode a window growing with them.
+        } else if stuck {
+            // Given up: tokens that decode to nothing (ids the tokenizer does not know,
+            // where the model's vocabulary is larger than its tokenizer's), or text that
+            // no longer extends what was sent (a character completed by bytes after a
+            // lead byte already sent as a replacement character). Were the window kept,
+            // every later token would re-decode a window growing with them; the text
+            // past what was sent goes out.
             self.prefix = self.read;
             self.read = self.ids.len();
-            Ok(String::new())
+            Ok(past_common_prefix(&before, &now).to_string())
         } else {
             Ok(String::new())
         }
@@ -66,8 +69,20 @@ impl Detokenizer {
         let now = tok.decode(&self.ids[self.prefix..])?;
         self.prefix = self.read;
         self.read = self.ids.len();
-        Ok(now.strip_prefix(&before).unwrap_or(&now).to_string())
+        Ok(past_common_prefix(&before, &now).to_string())
     }
+}
+
+/// The part of `now` past the characters it shares with the start of `before` (all of
+/// `now` past `before` when it extends it).
+fn past_common_prefix<'a>(before: &str, now: &'a str) -> &'a str {
+    let shared = before
+        .char_indices()
+        .zip(now.chars())
+        .find(|((_, a), b)| a != b)
+        .map_or(before.len().min(now.len()), |((at, _), _)| at);
+    // `shared` is a character boundary of both: the characters before it are equal.
+    &now[shared..]
 }
 
 /// One choice's text as its tokens arrive: what may be shown so far, ended at the first
@@ -263,6 +278,31 @@ mod tests {
         shown.push_str(&c.finish(&tok).unwrap());
         assert_eq!(shown, c.visible());
         assert!(shown.chars().all(|ch| ch == '\u{FFFD}') && !shown.is_empty());
+    }
+
+    /// Invalid bytes given up as replacement characters, then a character completed by
+    /// bytes after them (its lead byte was given up too): the window moves on, so later
+    /// tokens are not decoded again and again, and nothing is sent twice.
+    #[test]
+    fn a_character_completed_after_given_up_bytes_does_not_pin_the_window() {
+        let tok = tiny_tokenizer().unwrap();
+        let mut ids: Vec<u32> = vec![0x80; 4];
+        ids.extend([0xE2, 0x82, 0xAC]);
+        ids.extend(std::iter::repeat_n(u32::from(b'a'), 300));
+        let mut c = ChoiceText::new(Vec::new());
+        let mut shown = String::new();
+        for &id in &ids {
+            shown.push_str(&c.push(&tok, id).unwrap());
+            assert!(
+                c.detok.ids.len() - c.detok.prefix <= 2 * (MAX_PENDING + 1),
+                "window of {} tokens",
+                c.detok.ids.len() - c.detok.prefix
+            );
+        }
+        shown.push_str(&c.finish(&tok).unwrap());
+        assert_eq!(shown, c.visible());
+        assert_eq!(shown.matches('a').count(), 300, "{shown:?}");
+        assert!(shown.ends_with(&"a".repeat(300)), "{shown:?}");
     }
 
     #[test]
