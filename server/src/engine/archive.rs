@@ -7,12 +7,14 @@
 //! Each stream also holds a thread of tokio's blocking pool while its client reads, and
 //! that pool runs every tenant's index and file work, so streams are capped server-wide
 //! and per key ([`ArchiveSlots`]); past a cap the download answers 429 with
-//! `Retry-After`. A download whose client takes no chunk for a minute is ended, so a
-//! stalled reader cannot hold its place.
+//! `Retry-After`. A download whose client takes no chunk for a minute, or averages under
+//! [`MIN_BYTES_PER_S`] after its first minute, is ended, so a stalled or trickling reader
+//! cannot hold its place for long.
 
 use std::collections::HashMap;
 use std::io::{self, Write};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures::Stream;
@@ -20,8 +22,8 @@ use tokio::sync::mpsc;
 
 use super::{EngineError, EngineHandle, LimitExceeded};
 
-/// Downloads streaming at once, server-wide.
-pub const ARCHIVE_STREAMS: usize = 4;
+/// Downloads streaming at once, server-wide (four keys at their own limit).
+pub const ARCHIVE_STREAMS: usize = 8;
 /// Downloads one key may stream at once.
 pub const ARCHIVE_STREAMS_PER_KEY: usize = 2;
 /// Bytes per chunk handed to the response.
@@ -29,7 +31,10 @@ const CHUNK: usize = 256 << 10;
 /// Chunks queued for the client beyond the one being written.
 const IN_FLIGHT: usize = 2;
 /// How long a download may go without the client taking a chunk before it is ended.
-const STALL: std::time::Duration = std::time::Duration::from_secs(60);
+const STALL: Duration = Duration::from_secs(60);
+/// The least average rate a download must keep after its first [`STALL`]: a gigabyte
+/// checkpoint takes under five hours at it.
+pub const MIN_BYTES_PER_S: u64 = 64 << 10;
 
 /// How many downloads stream now, in all and per key.
 #[derive(Debug, Default)]
@@ -84,41 +89,83 @@ impl Drop for Slot {
 }
 
 /// Hands what is written to it to a channel in chunks of [`CHUNK`] bytes, waiting while
-/// the channel is full; fails once the receiver is gone (the client left).
+/// the channel is full; fails once the receiver is gone (the client left), takes nothing
+/// for `stall`, or falls under `min_rate` bytes a second on average after the first
+/// `stall`.
 struct ChunkWriter {
     tx: mpsc::Sender<io::Result<Bytes>>,
     buf: Vec<u8>,
+    started: Instant,
+    /// Bytes the client has been handed.
+    sent: u64,
+    stall: Duration,
+    min_rate: u64,
 }
 
 impl ChunkWriter {
+    fn new(tx: mpsc::Sender<io::Result<Bytes>>) -> Self {
+        Self::paced(tx, STALL, MIN_BYTES_PER_S)
+    }
+
+    fn paced(tx: mpsc::Sender<io::Result<Bytes>>, stall: Duration, min_rate: u64) -> Self {
+        Self {
+            tx,
+            buf: Vec::with_capacity(CHUNK),
+            started: Instant::now(),
+            sent: 0,
+            stall,
+            min_rate,
+        }
+    }
+
+    /// Whether the client has taken too little on average (the first `stall` is free).
+    fn trickling(&self) -> bool {
+        let paced = self.started.elapsed().saturating_sub(self.stall);
+        (self.sent as f64) < paced.as_secs_f64() * self.min_rate as f64
+    }
+
     fn send(&mut self) -> io::Result<()> {
         if self.buf.is_empty() {
             return Ok(());
         }
+        let len = self.buf.len() as u64;
         let mut chunk = Ok(Bytes::from(std::mem::replace(
             &mut self.buf,
             Vec::with_capacity(CHUNK),
         )));
-        // A client that stops reading must not keep its slot (and a blocking thread)
-        // forever: the download ends once no chunk has left for `STALL`.
-        let start = std::time::Instant::now();
+        // A client that stops reading, or reads a trickle, must not keep its slot (and a
+        // blocking thread) for long: the download ends once no chunk has left for the
+        // stall limit, or the average falls under the minimum rate.
+        let start = Instant::now();
         loop {
+            if self.trickling() {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!(
+                        "the client read under {} KiB/s on average",
+                        self.min_rate >> 10
+                    ),
+                ));
+            }
             match self.tx.try_send(chunk) {
-                Ok(()) => return Ok(()),
+                Ok(()) => {
+                    self.sent += len;
+                    return Ok(());
+                }
                 Err(mpsc::error::TrySendError::Closed(_)) => {
                     return Err(io::Error::new(
                         io::ErrorKind::BrokenPipe,
                         "the download was closed",
                     ))
                 }
-                Err(mpsc::error::TrySendError::Full(c)) if start.elapsed() < STALL => {
+                Err(mpsc::error::TrySendError::Full(c)) if start.elapsed() < self.stall => {
                     chunk = c;
-                    std::thread::sleep(std::time::Duration::from_millis(20));
+                    std::thread::sleep(Duration::from_millis(20));
                 }
                 Err(mpsc::error::TrySendError::Full(_)) => {
                     return Err(io::Error::new(
                         io::ErrorKind::TimedOut,
-                        "the client read nothing for a minute",
+                        format!("the client read nothing for {:?}", self.stall),
                     ))
                 }
             }
@@ -168,10 +215,7 @@ impl EngineHandle {
         let (tx, rx) = mpsc::channel(IN_FLIGHT);
         tokio::task::spawn_blocking(move || {
             let _slot = slot;
-            let mut out = ChunkWriter {
-                tx: tx.clone(),
-                buf: Vec::with_capacity(CHUNK),
-            };
+            let mut out = ChunkWriter::new(tx.clone());
             if let Err(e) = crate::store::checkpoints::archive_into(&dir, &mut out) {
                 tracing::warn!(dir = %dir.display(), error = %e, "checkpoint download failed");
                 let _ = tx.blocking_send(Err(io::Error::other(e.to_string())));
@@ -214,10 +258,7 @@ mod tests {
     #[test]
     fn the_writer_chunks_and_fails_once_the_reader_is_gone() {
         let (tx, mut rx) = mpsc::channel(8);
-        let mut w = ChunkWriter {
-            tx,
-            buf: Vec::new(),
-        };
+        let mut w = ChunkWriter::new(tx);
         let data = vec![7u8; CHUNK + 10];
         w.write_all(&data).unwrap();
         w.flush().unwrap();
@@ -228,5 +269,35 @@ mod tests {
         drop(rx);
         w.write_all(&[1]).unwrap();
         assert_eq!(w.flush().unwrap_err().kind(), io::ErrorKind::BrokenPipe);
+    }
+
+    /// A reader that keeps up is served whole; one taking a chunk now and then, each
+    /// pause under the stall limit, is ended once its average falls under the minimum.
+    #[test]
+    fn a_trickling_reader_is_ended_and_a_steady_one_served() {
+        let run = |pause: Duration| {
+            let (tx, mut rx) = mpsc::channel::<io::Result<Bytes>>(1);
+            let reader = std::thread::spawn(move || {
+                let mut got = 0;
+                while let Some(chunk) = rx.blocking_recv() {
+                    got += chunk.unwrap().len();
+                    std::thread::sleep(pause);
+                }
+                got
+            });
+            // Chunks of 256 KiB against 1 MiB/s after a free first second.
+            let mut w = ChunkWriter::paced(tx, Duration::from_secs(1), 1 << 20);
+            let written = w.write_all(&vec![0u8; 16 * CHUNK]).and_then(|()| w.flush());
+            drop(w);
+            (written, reader.join().unwrap())
+        };
+        let (steady, got) = run(Duration::from_millis(20));
+        assert!(steady.is_ok(), "{steady:?}");
+        assert_eq!(got, 16 * CHUNK);
+        let (trickle, got) = run(Duration::from_millis(400));
+        let err = trickle.expect_err("0.6 MiB/s, each pause under the stall limit");
+        // (On a machine so loaded that a pause passes the stall limit, that ends it.)
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut, "{err}");
+        assert!(got < 16 * CHUNK);
     }
 }
