@@ -214,11 +214,13 @@ impl EngineHandle {
             .await?;
         let (tx, rx) = mpsc::channel(IN_FLIGHT);
         tokio::task::spawn_blocking(move || {
-            let _slot = slot;
             let mut out = ChunkWriter::new(tx.clone());
             if let Err(e) = crate::store::checkpoints::archive_into(&dir, &mut out) {
                 tracing::warn!(dir = %dir.display(), error = %e, "checkpoint download failed");
-                let _ = tx.blocking_send(Err(io::Error::other(e.to_string())));
+                // The slot and this thread go at once: a client too slow to take the
+                // error (its channel full) gets a body shorter than its length instead.
+                drop((slot, out));
+                let _ = tx.try_send(Err(io::Error::other(e.to_string())));
             }
         });
         let chunks = futures::stream::unfold(rx, |mut rx| async move {
