@@ -70,6 +70,7 @@ pub async fn serve(
 ) {
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
     let per_ip = PerIp::new(limits.max_connections_per_ip);
+    let full = Throttle::default();
     let graceful = GracefulShutdown::new();
     let mut builder = http1::Builder::new();
     builder
@@ -79,7 +80,7 @@ pub async fn serve(
     loop {
         let slot = tokio::select! {
             _ = &mut shutdown => break,
-            slot = wait_for_slot(&slots, limits.max_connections) => slot,
+            slot = wait_for_slot(&slots, limits.max_connections, &full) => slot,
         };
         let (stream, peer) = tokio::select! {
             _ = &mut shutdown => break,
@@ -110,19 +111,22 @@ pub async fn serve(
     graceful.shutdown().await;
 }
 
-/// One connection's slot, waiting (and saying so) while every slot is taken.
+/// One connection's slot, waiting (and saying so, now and then) while every slot is
+/// taken.
 async fn wait_for_slot(
     slots: &Arc<Semaphore>,
     max_connections: usize,
+    full: &Throttle,
 ) -> tokio::sync::OwnedSemaphorePermit {
     if let Ok(slot) = slots.clone().try_acquire_owned() {
         return slot;
     }
-    // Once per wait: a slot goes to one connection, which the next wait follows.
-    tracing::warn!(
-        "{max_connections} connections are open (--max-connections): new connections wait \
-         until one closes"
-    );
+    if full.ready() {
+        tracing::warn!(
+            "{max_connections} connections are open (--max-connections): new connections \
+             wait until one closes"
+        );
+    }
     slots
         .clone()
         .acquire_owned()
@@ -130,11 +134,33 @@ async fn wait_for_slot(
         .expect("the connection semaphore is never closed")
 }
 
+/// At most one `true` per [`Throttle::EVERY`]: a warning repeated under a flood of
+/// connections is logged now and then, not once per connection.
+#[derive(Default)]
+struct Throttle {
+    last: Mutex<Option<std::time::Instant>>,
+}
+
+impl Throttle {
+    const EVERY: Duration = Duration::from_secs(10);
+
+    fn ready(&self) -> bool {
+        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        let now = std::time::Instant::now();
+        if last.is_some_and(|t| now.duration_since(t) < Self::EVERY) {
+            return false;
+        }
+        *last = Some(now);
+        true
+    }
+}
+
 /// Open connections per remote address, bounded (loopback addresses excepted).
 #[derive(Clone)]
 struct PerIp {
     max: usize,
     open: Arc<Mutex<HashMap<IpAddr, usize>>>,
+    refused: Arc<Throttle>,
 }
 
 /// One connection's place in its address's count, given back when dropped.
@@ -148,6 +174,7 @@ impl PerIp {
         Self {
             max: max.max(1),
             open: Arc::default(),
+            refused: Arc::default(),
         }
     }
 
@@ -158,10 +185,13 @@ impl PerIp {
             let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
             let n = open.entry(ip).or_insert(0);
             if *n >= self.max {
-                tracing::warn!(
-                    "{ip} has {} connections open (--max-connections-per-ip): closing a new one",
-                    self.max
-                );
+                if self.refused.ready() {
+                    tracing::warn!(
+                        "{ip} has {} connections open (--max-connections-per-ip): closing \
+                         new ones",
+                        self.max
+                    );
+                }
                 return None;
             }
             *n += 1;
