@@ -46,10 +46,18 @@ fn assert_served(server: &TestServer) {
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
 }
 
-fn limits(tweak: impl FnOnce(&mut ConnectionLimits)) -> ConnectionLimits {
-    let mut limits = ConnectionLimits::default();
-    tweak(&mut limits);
-    limits
+/// A server (data dir tagged `tag`) with the default connection limits changed by
+/// `tweak`.
+fn serve_with(tag: &str, tweak: impl FnOnce(&mut ConnectionLimits)) -> TestServer {
+    let dir = temp_dir(tag);
+    TestServer::start(&dir, |c| tweak(&mut c.connections))
+}
+
+/// Stops `server` and removes its data dir.
+fn finish(server: TestServer) {
+    let dir = server.data_dir.clone();
+    server.stop();
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// Half a request head, then silence (slowloris): the connection is closed once the
@@ -57,10 +65,7 @@ fn limits(tweak: impl FnOnce(&mut ConnectionLimits)) -> ConnectionLimits {
 /// keep-alive connection left idle after its answer closes after as long.
 #[test]
 fn a_request_head_sent_too_slowly_is_cut_off() {
-    let dir = temp_dir("conn-head");
-    let server = TestServer::start(&dir, |c| {
-        c.connections = limits(|l| l.header_timeout = Duration::from_secs(1));
-    });
+    let server = serve_with("conn-head", |l| l.header_timeout = Duration::from_secs(1));
     let mut slow = connect(&server);
     slow.write_all(b"GET /api/v1/healthz HTTP/1.1\r\nHo")
         .unwrap();
@@ -79,18 +84,14 @@ fn a_request_head_sent_too_slowly_is_cut_off() {
         idle >= Duration::from_millis(900),
         "the idle connection closed after {idle:?}"
     );
-    server.stop();
-    let _ = std::fs::remove_dir_all(dir);
+    finish(server);
 }
 
 /// A request body that stops arriving fails its request once the stall limit passes;
 /// the server is not held.
 #[test]
 fn a_request_body_that_stalls_is_cut_off() {
-    let dir = temp_dir("conn-body");
-    let server = TestServer::start(&dir, |c| {
-        c.connections = limits(|l| l.stall_timeout = Duration::from_secs(1));
-    });
+    let server = serve_with("conn-body", |l| l.stall_timeout = Duration::from_secs(1));
     let mut stalled = connect(&server);
     let head = format!(
         "POST /api/v1/create_session HTTP/1.1\r\nHost: lathe\r\nX-API-Key: {KEY_A}\r\n\
@@ -111,18 +112,14 @@ fn a_request_body_that_stalls_is_cut_off() {
         "with a JSON body: {answer}"
     );
     assert_served(&server);
-    server.stop();
-    let _ = std::fs::remove_dir_all(dir);
+    finish(server);
 }
 
 /// With every connection slot taken, a new connection waits (its request unanswered)
 /// until one closes, then is served.
 #[test]
 fn connections_past_the_limit_wait_for_a_free_slot() {
-    let dir = temp_dir("conn-limit");
-    let server = TestServer::start(&dir, |c| {
-        c.connections = limits(|l| l.max_connections = 2);
-    });
+    let server = serve_with("conn-limit", |l| l.max_connections = 2);
     let first = connect(&server);
     let _second = connect(&server);
     // Let the server take both before the third arrives.
@@ -140,6 +137,5 @@ fn connections_past_the_limit_wait_for_a_free_slot() {
     drop(first);
     let (answer, _) = read_until_closed(&mut third, Duration::from_secs(10));
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
-    server.stop();
-    let _ = std::fs::remove_dir_all(dir);
+    finish(server);
 }

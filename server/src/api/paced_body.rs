@@ -17,7 +17,7 @@ use http_body::{Frame, SizeHint};
 use tokio::time::{Instant, Sleep};
 
 /// The least average rate a request body must keep once its first stall limit has
-/// passed: an upload of the largest default body (256 MiB) takes under five hours at it.
+/// passed.
 pub const MIN_BODY_BYTES_PER_S: u64 = 16 * 1024;
 
 /// Why a paced body failed.

@@ -32,8 +32,7 @@ const CHUNK: usize = 256 << 10;
 const IN_FLIGHT: usize = 2;
 /// How long a download may go without the client taking a chunk before it is ended.
 const STALL: Duration = Duration::from_secs(60);
-/// The least average rate a download must keep after its first [`STALL`]: a gigabyte
-/// checkpoint takes under five hours at it.
+/// The least average rate a download must keep after its first [`STALL`].
 pub const MIN_BYTES_PER_S: u64 = 64 << 10;
 
 /// How many downloads stream now, in all and per key.

@@ -410,9 +410,25 @@ fn a_sampling_request_joins_a_running_decode_at_its_next_step() {
     );
 }
 
+/// The victim submits a 100-token `forward_backward` on `run` (its first operation);
+/// returns the batch the engine sends next.
+fn victims_small_pass(
+    engine: &mut super::Engine,
+    sent: &std::sync::Mutex<Vec<crate::worker::Batch>>,
+    run: &str,
+) -> crate::worker::Batch {
+    let small = crate::worker::RunOp::Forward {
+        data: vec![datum(100)],
+        with_grad: true,
+        pass: crate::worker::Pass::WHOLE,
+    };
+    engine.submit("victim", run, Some(1), small).unwrap();
+    pump_now(engine);
+    sent.lock().unwrap().pop().unwrap()
+}
+
 #[test]
 fn a_forward_request_waits_at_most_one_decode_step_behind_another_keys_sampling() {
-    use crate::worker::{Pass, RunOp};
     let (mut engine, sent) = engine();
     let run = live_run(&mut engine, &sent, "victim");
     let mut big = job();
@@ -429,14 +445,7 @@ fn a_forward_request_waits_at_most_one_decode_step_behind_another_keys_sampling(
         pump_now(&mut engine);
         engine.complete(report(vec![], &[(&hog, 16)]));
     }
-    let small = RunOp::Forward {
-        data: vec![datum(100)],
-        with_grad: true,
-        pass: Pass::WHOLE,
-    };
-    engine.submit("victim", &run, Some(1), small).unwrap();
-    pump_now(&mut engine);
-    let batch = sent.lock().unwrap().pop().unwrap();
+    let batch = victims_small_pass(&mut engine, &sent, &run);
     assert_eq!(
         batch.runs.len(),
         1,
@@ -453,7 +462,6 @@ fn a_forward_request_waits_at_most_one_decode_step_behind_another_keys_sampling(
 /// budget, so another key's pass (or a smaller rescoring) goes between its passes.
 #[test]
 fn rescoring_passes_are_charged_and_another_keys_work_goes_between_them() {
-    use crate::worker::{Pass, RunOp};
     let (mut engine, sent) = engine();
     let run = live_run(&mut engine, &sent, "victim");
     let hog = engine
@@ -483,14 +491,7 @@ fn rescoring_passes_are_charged_and_another_keys_work_goes_between_them() {
         levels[0] >= 3 * pass as u64,
         "three passes of {pass} rows charged to the hog: {levels:?}"
     );
-    let small = RunOp::Forward {
-        data: vec![datum(100)],
-        with_grad: true,
-        pass: Pass::WHOLE,
-    };
-    engine.submit("victim", &run, Some(1), small).unwrap();
-    pump_now(&mut engine);
-    let batch = sent.lock().unwrap().pop().unwrap();
+    let batch = victims_small_pass(&mut engine, &sent, &run);
     assert_eq!(batch.runs.len(), 1, "the victim's pass runs next");
     assert!(
         batch.rescore.is_empty(),

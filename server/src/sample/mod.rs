@@ -3,6 +3,7 @@
 
 pub mod jobs;
 pub mod logits;
+mod prefill;
 pub mod progress;
 mod rescore;
 pub mod running;
