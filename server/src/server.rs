@@ -46,6 +46,8 @@ pub struct ServerConfig {
     pub zstd_forward_backward: bool,
     /// Limits on HTTP connections (open at once, request heads, stalled transfers).
     pub connections: ConnectionLimits,
+    /// Answer bytes each key's clients may have yet to read (429 beyond).
+    pub max_answer_bytes: usize,
 }
 
 impl Default for ServerConfig {
@@ -61,6 +63,7 @@ impl Default for ServerConfig {
             decode_mode: DecodeMode::Fast,
             zstd_forward_backward: false,
             connections: ConnectionLimits::default(),
+            max_answer_bytes: api::DEFAULT_MAX_ANSWER_BYTES,
         }
     }
 }
@@ -226,6 +229,7 @@ pub async fn start(
             std::thread::available_parallelism().map_or(1, |n| n.get()),
         )),
         text: Arc::new(text),
+        answer_budget: api::AnswerBudget::new(config.max_answer_bytes),
     };
     // Request bodies keep a pace (api/paced_body.rs) or fail with 408.
     let stall = config.connections.stall_timeout;

@@ -139,3 +139,72 @@ fn connections_past_the_limit_wait_for_a_free_slot() {
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     finish(server);
 }
+
+/// An answer its client does not read holds its key's budget (`--max-answer-bytes`):
+/// the key's next request is refused with a 429 naming the limit, another key is
+/// served, and once the answer has been read the key is served again.
+#[test]
+fn an_unread_answer_holds_its_keys_budget_until_it_is_read() {
+    let dir = temp_dir("conn-answers");
+    let server = TestServer::start(&dir, |c| c.max_answer_bytes = 1 << 20);
+    let a = server.client(KEY_A);
+    let session = a.session();
+    let model = a.create_model(&session, 0, 4, 1);
+    // Per-token outputs of 400 sequences: a few MB of JSON.
+    let tokens: Vec<i64> = (0..255).map(|i| i % 200).collect();
+    let data = (0..400)
+        .map(|_| ce_datum(&tokens[..254], &tokens[1..]))
+        .collect();
+    let id = a.ok("/api/v1/forward", &forward_body(&model, 1, data))["request_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    // Finished and read once; it stays retrievable for a minute.
+    let whole = a.wait(&id).unwrap();
+    let size = serde_json::to_vec(&whole).unwrap().len();
+    assert!(
+        size > 3 << 20,
+        "an answer of {size} bytes is too small to test"
+    );
+    let body = serde_json::json!({ "request_id": id }).to_string();
+    let mut unread = connect(&server);
+    write!(
+        unread,
+        "POST /api/v1/retrieve_future HTTP/1.1\r\nHost: lathe\r\nX-API-Key: {KEY_A}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let capabilities = "/api/v1/get_server_capabilities";
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (status, v) = a.get(capabilities);
+        if status == 429 {
+            assert_eq!(v["limit"], "max_answer_bytes", "{v}");
+            break;
+        }
+        assert_eq!(status, 200, "{v}");
+        assert!(
+            Instant::now() < deadline,
+            "the unread answer never held the budget"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(server.client(KEY_B).get(capabilities).0, 200, "another key");
+    let (answer, _) = read_until_closed(&mut unread, Duration::from_secs(60));
+    assert!(
+        answer.starts_with("HTTP/1.1 200"),
+        "{}",
+        &answer[..answer.len().min(200)]
+    );
+    assert!(answer.len() > size, "the whole answer arrives");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while a.get(capabilities).0 != 200 {
+        assert!(
+            Instant::now() < deadline,
+            "the read answer still holds the budget"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    finish(server);
+}

@@ -34,6 +34,15 @@ impl ApiError {
         }
     }
 
+    /// 429 `rate_limited` naming `limit` (a `lathe serve` flag's name), with
+    /// `Retry-After: retry_after_s`.
+    pub fn limited(limit: &'static str, message: impl Into<String>, retry_after_s: u64) -> Self {
+        Self {
+            limit: Some((limit, retry_after_s)),
+            ..Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limited", message)
+        }
+    }
+
     /// 400 `invalid_request`.
     pub fn bad_request(message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, "invalid_request", message)
@@ -100,10 +109,7 @@ impl From<EngineError> for ApiError {
                 Self::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", m)
             }
             EngineError::Internal(m) => Self::internal(m),
-            EngineError::Limit(l) => Self {
-                limit: Some((l.limit, l.retry_after_s)),
-                ..Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limited", l.message)
-            },
+            EngineError::Limit(l) => Self::limited(l.limit, l.message, l.retry_after_s),
         }
     }
 }

@@ -2,6 +2,7 @@
 //! Handlers parse requests into checked types (`validate`), call the engine, and map
 //! errors through one table (`error`).
 
+mod answer_budget;
 pub mod auth;
 mod body;
 mod custom_loss;
@@ -26,6 +27,7 @@ use axum::routing::{get, post, put};
 use axum::Router;
 
 use crate::engine::{EngineHandle, KeyLimits, ModelInfo};
+pub use answer_budget::{AnswerBudget, DEFAULT_MAX_ANSWER_BYTES};
 pub use auth::{Auth, Owner};
 pub use error::ApiError;
 
@@ -51,6 +53,8 @@ pub struct AppState {
     pub cpu_slots: Arc<CpuSlots>,
     /// The tokenizer and chat template, for the OpenAI-compatible endpoints.
     pub text: Arc<openai::TextModel>,
+    /// Answer bytes each key's clients have yet to read.
+    pub answer_budget: Arc<AnswerBudget>,
 }
 
 impl AppState {
@@ -270,6 +274,11 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/models", get(openai::models))
+        // Inside the key check, which names the owner.
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            answer_budget::hold_answers,
+        ))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             auth::require_auth,

@@ -72,6 +72,10 @@ pub struct ServeArgs {
     /// oldest are dropped (their futures answer 404).
     #[arg(long, default_value_t = 1 << 30, help_heading = "Limits")]
     max_result_bytes: usize,
+    /// Bytes of answers each key's clients may have yet to read (an answer waits in
+    /// memory for its client); past it the key's requests are refused with 429.
+    #[arg(long, default_value_t = lathe_server::api::DEFAULT_MAX_ANSWER_BYTES, help_heading = "Per-key limits")]
+    max_answer_bytes: usize,
     /// Limits on HTTP connections, which hold before any key is checked.
     #[command(flatten)]
     connections: ConnectionArgs,
@@ -207,6 +211,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         max_request_bytes: args.max_request_bytes,
         zstd_forward_backward: args.zstd_forward_backward,
         connections: args.connections.limits(),
+        max_answer_bytes: args.max_answer_bytes.max(1),
         decode_mode: match args.decode_mode {
             Mode::Fast => DecodeMode::Fast,
             Mode::Exact => DecodeMode::Exact,

@@ -1,0 +1,309 @@
+//! A per-key budget of answer bytes not yet taken by the key's clients.
+//!
+//! An answer built in memory (a retrieved result, a whole OpenAI completion with `echo`
+//! and `logprobs`) leaves every engine budget once it is handed to its connection, and
+//! stays in memory until the client has read it: a key whose clients read slowly, over
+//! many connections, could hold gigabytes, and one finished result retrieved over many
+//! connections at once would be encoded once per connection.
+//!
+//! Each answer of a known size holds its bytes of its key's budget until its body ends.
+//! The body hands its bytes to the connection [`FRAME`] bytes at a time, and hyper asks
+//! for the next frame only once its write buffer has room, so the body ends (and gives
+//! its bytes back) when all but about a write buffer of it has gone to the socket.
+//!
+//! The budget is checked at two points, so that no work is lost to it:
+//! - before the handler runs: a key already at its budget is refused (429) before any
+//!   work is done for it;
+//! - when the answer is ready: an answer that stays retrievable (`retrieve_future`: a
+//!   result is kept for a minute after it is first taken, and the SDKs retry the 429) is
+//!   refused if it would take the key past its budget, unless the key holds nothing else
+//!   (an answer larger than the whole budget could never pass otherwise). Any other
+//!   answer is the product of work already done, so it is held even past the budget: the
+//!   excess is bounded by the key's requests in progress, which its other limits bound.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+
+use axum::body::{Body, Bytes};
+use axum::extract::Request;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use http_body::{Body as _, Frame, SizeHint};
+
+use super::{ApiError, AppState, Owner};
+
+/// Answer bytes each key's clients may have yet to read, by default.
+pub const DEFAULT_MAX_ANSWER_BYTES: usize = 256 << 20;
+
+/// Largest piece of an answer handed to the connection at once.
+const FRAME: usize = 64 << 10;
+
+/// Paths whose answers stay retrievable when refused.
+const RETRIEVABLE: &[&str] = &["/api/v1/retrieve_future"];
+
+/// Answer bytes held per key.
+#[derive(Debug)]
+pub struct AnswerBudget {
+    max: usize,
+    held: Mutex<HashMap<String, usize>>,
+}
+
+/// One answer's bytes of its key's budget, given back when dropped.
+#[derive(Debug)]
+pub struct Held {
+    budget: Arc<AnswerBudget>,
+    owner: String,
+    bytes: usize,
+}
+
+impl AnswerBudget {
+    /// A budget of `max` bytes per key.
+    pub fn new(max: usize) -> Arc<Self> {
+        Arc::new(Self {
+            max,
+            held: Mutex::default(),
+        })
+    }
+
+    fn held_by(&self, owner: &str) -> usize {
+        let held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        held.get(owner).copied().unwrap_or(0)
+    }
+
+    fn refusal(&self, mine: usize) -> ApiError {
+        ApiError::limited(
+            "max_answer_bytes",
+            format!(
+                "this key's clients have {mine} bytes of answers still to read \
+                 (--max-answer-bytes {}); read them, or retry later",
+                self.max
+            ),
+            1,
+        )
+    }
+
+    /// Whether `owner` may start a request: the 429 when its answers already fill its
+    /// budget.
+    pub fn admit(&self, owner: &str) -> Result<(), ApiError> {
+        let mine = self.held_by(owner);
+        if mine >= self.max {
+            return Err(self.refusal(mine));
+        }
+        Ok(())
+    }
+
+    /// `bytes` of `owner`'s budget. With `refusable`, the 429 instead when they would
+    /// take a key that holds anything past its budget; otherwise held in any case.
+    pub fn take(
+        self: &Arc<Self>,
+        owner: &str,
+        bytes: usize,
+        refusable: bool,
+    ) -> Result<Held, ApiError> {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        let mine = held.get(owner).copied().unwrap_or(0);
+        if refusable && mine > 0 && mine.saturating_add(bytes) > self.max {
+            return Err(self.refusal(mine));
+        }
+        let entry = held.entry(owner.to_string()).or_default();
+        *entry = entry.saturating_add(bytes);
+        Ok(Held {
+            budget: self.clone(),
+            owner: owner.to_string(),
+            bytes,
+        })
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let mut held = self.budget.held.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = held.get_mut(&self.owner) {
+            *n = n.saturating_sub(self.bytes);
+            if *n == 0 {
+                held.remove(&self.owner);
+            }
+        }
+    }
+}
+
+/// Middleware: a key at its budget is refused before its request runs, and an answer of
+/// a known size holds its bytes of its key's budget until its body ends (see the module
+/// documentation for which answers past the budget are refused).
+pub async fn hold_answers(
+    axum::extract::State(s): axum::extract::State<AppState>,
+    req: Request,
+    next: Next,
+) -> Response {
+    let Some(owner) = req.extensions().get::<Owner>().map(|o| o.0.clone()) else {
+        return next.run(req).await;
+    };
+    if let Err(e) = s.answer_budget.admit(&owner) {
+        return e.into_response();
+    }
+    let refusable = RETRIEVABLE.contains(&req.uri().path());
+    let resp = next.run(req).await;
+    hold(&s.answer_budget, &owner, resp, refusable)
+}
+
+/// `resp` holding its bytes of `owner`'s budget, or the 429 that replaces it.
+fn hold(budget: &Arc<AnswerBudget>, owner: &str, resp: Response, refusable: bool) -> Response {
+    let Some(bytes) = resp.body().size_hint().exact() else {
+        // Streamed answers are bounded where they are produced.
+        return resp;
+    };
+    let bytes = usize::try_from(bytes).unwrap_or(usize::MAX);
+    match budget.take(owner, bytes, refusable) {
+        Ok(held) => resp.map(|body| {
+            Body::new(HeldBody {
+                body,
+                rest: Bytes::new(),
+                _held: held,
+            })
+        }),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// A body handed out at most [`FRAME`] bytes at a time, holding its bytes of a budget
+/// until it is dropped (the connection drops it after its last frame).
+struct HeldBody {
+    body: Body,
+    /// What is left of the inner body's current frame.
+    rest: Bytes,
+    _held: Held,
+}
+
+impl HeldBody {
+    /// The next piece of `data`, keeping the rest for the next poll.
+    fn piece(&mut self, mut data: Bytes) -> Frame<Bytes> {
+        if data.len() > FRAME {
+            self.rest = data.split_off(FRAME);
+        }
+        Frame::data(data)
+    }
+}
+
+impl http_body::Body for HeldBody {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        let this = self.get_mut();
+        if !this.rest.is_empty() {
+            let rest = std::mem::take(&mut this.rest);
+            return Poll::Ready(Some(Ok(this.piece(rest))));
+        }
+        match Pin::new(&mut this.body).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                Ok(data) => Poll::Ready(Some(Ok(this.piece(data)))),
+                Err(other) => Poll::Ready(Some(Ok(other))),
+            },
+            other => other,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.rest.is_empty() && self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        let inner = self.body.size_hint();
+        let rest = self.rest.len() as u64;
+        let mut hint = SizeHint::new();
+        hint.set_lower(inner.lower().saturating_add(rest));
+        if let Some(upper) = inner.upper() {
+            hint.set_upper(upper.saturating_add(rest));
+        }
+        hint
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answer(bytes: usize) -> Response {
+        Body::from(vec![b'x'; bytes]).into_response()
+    }
+
+    fn held(budget: &AnswerBudget, owner: &str) -> usize {
+        budget.held_by(owner)
+    }
+
+    /// A key's answers hold its budget until their bodies end; a key at its budget is
+    /// refused before its request runs; past it a retrievable answer is refused with a
+    /// 429 naming the limit, another answer is held anyway; another key is not affected;
+    /// one retrievable answer larger than the whole budget still passes alone.
+    #[tokio::test]
+    async fn answers_hold_their_keys_budget_until_their_bodies_end() {
+        let budget = AnswerBudget::new(1500);
+        let first = hold(&budget, "a", answer(1000), true);
+        assert_eq!(first.status(), 200);
+        assert!(budget.admit("a").is_ok(), "1000 of 1500 held");
+        let refused = hold(&budget, "a", answer(1000), true);
+        assert_eq!(refused.status(), 429);
+        let body = axum::body::to_bytes(refused.into_body(), 1 << 20)
+            .await
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["limit"], "max_answer_bytes", "{v}");
+        let done_work = hold(&budget, "a", answer(1000), false);
+        assert_eq!(done_work.status(), 200, "work already done is held anyway");
+        assert_eq!(held(&budget, "a"), 2000);
+        let at_budget = budget.admit("a").unwrap_err().into_response();
+        assert_eq!(at_budget.status(), 429);
+        assert!(at_budget.headers().contains_key("retry-after"));
+        assert_eq!(
+            hold(&budget, "b", answer(1000), true).status(),
+            200,
+            "another key"
+        );
+        // Reading an answer to its end and dropping it gives its bytes back.
+        let read = axum::body::to_bytes(first.into_body(), 1 << 20)
+            .await
+            .unwrap();
+        assert_eq!(read.len(), 1000);
+        drop(done_work);
+        assert_eq!(held(&budget, "a"), 0);
+        let too_large = hold(&budget, "a", answer(5000), true);
+        assert_eq!(too_large.status(), 200, "alone, too large");
+        drop(too_large);
+        assert!(budget.held.lock().unwrap().is_empty());
+    }
+
+    /// A large answer goes out in pieces of at most [`FRAME`] bytes, announces its whole
+    /// length, and holds its bytes until its last piece has been taken.
+    #[tokio::test]
+    async fn a_large_answer_goes_out_in_pieces_and_holds_its_bytes_until_the_last() {
+        let budget = AnswerBudget::new(1 << 30);
+        let len = 5 * FRAME + 123;
+        let data: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+        let resp = hold(&budget, "a", Body::from(data.clone()).into_response(), true);
+        let mut body = resp.into_body();
+        assert_eq!(body.size_hint().exact(), Some(len as u64));
+        let mut got = Vec::new();
+        let mut pieces = 0;
+        while let Some(frame) = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await
+        {
+            let piece = frame.unwrap().into_data().unwrap();
+            assert!(piece.len() <= FRAME, "a piece of {}", piece.len());
+            got.extend_from_slice(&piece);
+            pieces += 1;
+            if got.len() < len {
+                assert_eq!(held(&budget, "a"), len, "held while pieces remain");
+                assert_eq!(body.size_hint().exact(), Some((len - got.len()) as u64));
+            }
+        }
+        assert_eq!(pieces, 6);
+        assert_eq!(got, data);
+        assert!(body.is_end_stream());
+        drop(body);
+        assert_eq!(held(&budget, "a"), 0);
+    }
+}
