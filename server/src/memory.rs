@@ -29,3 +29,36 @@ pub fn keep_freed_memory() {
     // SAFETY: setting an option is thread-safe and valid at any time.
     unsafe { libmimalloc_sys::mi_option_set(PURGE_DELAY, -1) }
 }
+
+/// The machine's physical memory in bytes (`MemTotal` of `/proc/meminfo`), where it can
+/// be read.
+pub fn physical_bytes() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    mem_total(&info)
+}
+
+/// `MemTotal` of a `/proc/meminfo` text, in bytes.
+fn mem_total(info: &str) -> Option<u64> {
+    let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line
+        .trim_start_matches("MemTotal:")
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    kib.checked_mul(1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mem_total_is_read_in_bytes() {
+        let info = "MemTotal:       24571372 kB\nMemFree:         1000 kB\n";
+        assert_eq!(mem_total(info), Some(24_571_372 * 1024));
+        assert_eq!(mem_total("MemFree: 1 kB\n"), None);
+        assert_eq!(mem_total("MemTotal: lots kB\n"), None);
+    }
+}

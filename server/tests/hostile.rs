@@ -453,3 +453,51 @@ fn rejections_before_a_handler_are_json() {
     server.stop();
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Adapter state held in memory is bounded per key (`--max-adapter-bytes`) and in all
+/// (`--max-total-adapter-bytes`): a run (four times its adapter: weights, gradient, two
+/// AdamW moments) or a sampler snapshot (one copy) that would pass either limit is
+/// refused with a 429 naming it, and the refused key's other work goes on.
+#[test]
+fn adapter_state_in_memory_is_bounded_per_key_and_in_all() {
+    use lathe_server::engine::LoraWidths;
+    use lathe_server::model::{tiny::tiny_config, Arch};
+    let w = LoraWidths::of(&tiny_config(Arch::Llama));
+    // The rank-4 adapter on every part that `Trainer` creates.
+    let unit = ((w.attn + w.mlp + w.unembed) * 4 * 4) as u64;
+    let dir = temp_dir("hostile-adapter-bytes");
+    let server = TestServer::start(&dir, |c| {
+        c.engine.limits.adapter_bytes = 5 * unit;
+        c.engine.max_adapter_bytes = 9 * unit;
+    });
+    let (a, b) = (server.client(KEY_A), server.client(KEY_B));
+    let snapshot = |c: &Client, model_id: &str, seq: u64| {
+        c.post(
+            "/api/v1/save_weights_for_sampler",
+            &json!({"model_id": model_id, "seq_id": seq}),
+        )
+    };
+    let session = a.session();
+    let mut t = Trainer::new(&a, &session, 0, 1);
+    let (status, v) = snapshot(&a, &t.model_id, 1);
+    assert_eq!(status, 200, "a run and one snapshot: {v}");
+    a.wait(v["request_id"].as_str().unwrap()).unwrap();
+    let (status, v) = snapshot(&a, &t.model_id, 2);
+    assert_limited(status, &v, "max_adapter_bytes");
+    let (status, v) = a.post(
+        "/api/v1/create_model",
+        &json!({"session_id": session, "model_seq_id": 1, "base_model": a.base_model(),
+                "lora_config": {"rank": 4}}),
+    );
+    assert_limited(status, &v, "max_adapter_bytes");
+    // The refused snapshot kept its seq_id; the run goes on past it.
+    t.seq = 1;
+    assert!(t.step(data(2), 1e-3).is_finite());
+    // B's run fits the server's limit exactly; its snapshot would pass it.
+    let b_session = b.session();
+    let u = Trainer::new(&b, &b_session, 0, 2);
+    let (status, v) = snapshot(&b, &u.model_id, 1);
+    assert_limited(status, &v, "max_total_adapter_bytes");
+    server.stop();
+    let _ = std::fs::remove_dir_all(dir);
+}

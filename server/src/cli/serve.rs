@@ -72,6 +72,10 @@ pub struct ServeArgs {
     /// oldest are dropped (their futures answer 404).
     #[arg(long, default_value_t = 1 << 30, help_heading = "Limits")]
     max_result_bytes: usize,
+    /// Bytes of adapter state all loaded runs may hold in memory, counted as for
+    /// --max-adapter-bytes (429 past it). Default: half of this machine's memory.
+    #[arg(long, default_value_t = default_total_adapter_bytes(), help_heading = "Limits")]
+    max_total_adapter_bytes: u64,
     /// Bytes of answers each key's clients may have yet to read (an answer waits in
     /// memory for its client); past it the key's requests are refused with 429.
     #[arg(long, default_value_t = lathe_server::api::DEFAULT_MAX_ANSWER_BYTES, help_heading = "Per-key limits")]
@@ -79,6 +83,12 @@ pub struct ServeArgs {
     /// Limits on HTTP connections, which hold before any key is checked.
     #[command(flatten)]
     connections: ConnectionArgs,
+}
+
+/// Half of the machine's memory (the engine's default where it cannot be read).
+fn default_total_adapter_bytes() -> u64 {
+    lathe_server::memory::physical_bytes()
+        .map_or(EngineConfig::default().max_adapter_bytes, |b| b / 2)
 }
 
 /// Limits on HTTP connections.
@@ -154,6 +164,11 @@ struct LimitArgs {
     /// Sampling sessions one key may have open (429).
     #[arg(long, default_value_t = KeyLimits::default().samplers)]
     max_samplers: usize,
+    /// Bytes of adapter state one key's loaded runs may hold in memory: per run four
+    /// times its adapter's f32 size (weights, gradient, AdamW moments), plus a copy per
+    /// sampler snapshot (429).
+    #[arg(long, default_value_t = KeyLimits::default().adapter_bytes)]
+    max_adapter_bytes: u64,
 }
 
 impl LimitArgs {
@@ -169,6 +184,7 @@ impl LimitArgs {
             checkpoint_bytes: self.max_checkpoint_bytes,
             sessions: self.max_sessions_per_key.max(1),
             samplers: self.max_samplers.max(1),
+            adapter_bytes: self.max_adapter_bytes,
         }
     }
 }
@@ -206,6 +222,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             session_timeout: Duration::from_secs(args.session_timeout.max(1)),
             limits: args.limits.limits(),
             max_result_bytes: args.max_result_bytes,
+            max_adapter_bytes: args.max_total_adapter_bytes,
             ..Default::default()
         },
         max_request_bytes: args.max_request_bytes,

@@ -40,7 +40,8 @@ pub struct LoraWidths {
 }
 
 impl LoraWidths {
-    fn of(cfg: &ModelConfig) -> Self {
+    /// The widths of `cfg`'s adapted matrices.
+    pub fn of(cfg: &ModelConfig) -> Self {
         let sum = |spec: LoraSpec| -> usize {
             spec.targets(cfg)
                 .into_iter()

@@ -31,6 +31,9 @@ pub struct KeyLimits {
     pub sessions: usize,
     /// Open sampling sessions (each may hold an adapter snapshot in memory).
     pub samplers: usize,
+    /// Bytes of adapter state its loaded runs hold in memory (see
+    /// [`Engine::adapter_memory`]).
+    pub adapter_bytes: u64,
 }
 
 impl Default for KeyLimits {
@@ -46,6 +49,7 @@ impl Default for KeyLimits {
             checkpoint_bytes: 20 << 30,
             sessions: 64,
             samplers: 256,
+            adapter_bytes: 8 << 30,
         }
     }
 }
@@ -105,6 +109,55 @@ impl Engine {
     }
 
     /// Refuses a new run when `owner` has `live_runs` loaded.
+    /// Bytes of adapter state that the loaded runs of `owner` (of every key with `None`)
+    /// hold in the worker: per run its adapter, gradient and two AdamW moments (four
+    /// times the adapter's f32 size), and a copy per sampler snapshot taken from it.
+    pub(super) fn adapter_memory(&self, owner: Option<&str>) -> u64 {
+        self.runs
+            .values()
+            .filter(|r| owner.is_none_or(|o| r.owner == o))
+            .map(|r| {
+                let copies = 4 + r.snapshots.len() as u64;
+                self.model
+                    .lora_widths
+                    .adapter_bytes(&r.spec)
+                    .saturating_mul(copies)
+            })
+            .fold(0u64, u64::saturating_add)
+    }
+
+    /// Refuses `extra` more bytes of adapter state for `owner` past its
+    /// `--max-adapter-bytes`, or past the server's `--max-total-adapter-bytes`.
+    pub(super) fn check_adapter_memory(&self, owner: &str, extra: u64) -> Result<(), EngineError> {
+        let mine = self.adapter_memory(Some(owner));
+        let max = self.config.limits.adapter_bytes;
+        if mine.saturating_add(extra) > max {
+            return Err(exceeded(
+                "max_adapter_bytes",
+                30,
+                format!(
+                    "this key's loaded runs hold {mine} bytes of adapter state and this needs \
+                     {extra} more, past its limit (--max-adapter-bytes {max}); unload a run \
+                     or use a smaller rank"
+                ),
+            ));
+        }
+        let all = self.adapter_memory(None);
+        let max = self.config.max_adapter_bytes;
+        if all.saturating_add(extra) > max {
+            return Err(exceeded(
+                "max_total_adapter_bytes",
+                30,
+                format!(
+                    "the server's loaded runs hold {all} bytes of adapter state and this \
+                     needs {extra} more, past its limit (--max-total-adapter-bytes {max}); \
+                     try again when runs have been unloaded"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     pub(super) fn check_live_runs(&self, owner: &str) -> Result<(), EngineError> {
         let live = self.runs.values().filter(|r| r.owner == owner).count();
         let max = self.config.limits.live_runs;

@@ -93,6 +93,12 @@ impl Engine {
         }
         self.check_capacity()?;
         self.check_live_runs(owner)?;
+        let state = self
+            .model
+            .lora_widths
+            .adapter_bytes(&spec)
+            .saturating_mul(4);
+        self.check_adapter_memory(owner, state)?;
         self.check_queue(owner)?;
         self.session_mut(owner, session_id)?
             .runs
@@ -317,8 +323,20 @@ impl Engine {
         if let Some(first) = self.repeated(owner, run_id, seq_id) {
             return Ok(first);
         }
-        let session_id = self.loaded_run(owner, run_id)?.session_id.clone();
+        let run = self.loaded_run(owner, run_id)?;
+        let (session_id, spec, replaces) = (
+            run.session_id.clone(),
+            run.spec,
+            run.snapshots.len() >= MAX_SNAPSHOTS_PER_RUN,
+        );
+        // A snapshot past the run's last few replaces the oldest.
+        let copy = if replaces {
+            0
+        } else {
+            self.model.lora_widths.adapter_bytes(&spec)
+        };
         self.check_samplers(owner)?;
+        self.check_adapter_memory(owner, copy)?;
         let seq = match sampling_session_seq_id {
             Some(s) => s,
             None => self.next_arrival() + 1_000_000_000,

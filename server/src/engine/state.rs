@@ -45,6 +45,8 @@ pub struct EngineConfig {
     pub limits: KeyLimits,
     /// Memory finished results may hold until retrieved; past it, the oldest go first.
     pub max_result_bytes: usize,
+    /// Bytes of adapter state all loaded runs may hold (see [`Engine::adapter_memory`]).
+    pub max_adapter_bytes: u64,
 }
 
 impl Default for EngineConfig {
@@ -59,6 +61,7 @@ impl Default for EngineConfig {
             batch_window: Duration::from_millis(5),
             limits: KeyLimits::default(),
             max_result_bytes: 1 << 30,
+            max_adapter_bytes: 32 << 30,
         }
     }
 }

@@ -53,6 +53,9 @@ pub struct CheckpointRow {
     pub public: bool,
 }
 
+/// Runs without a checkpoint that the index keeps per owner (the newest).
+pub const RECORDED_RUNS: usize = 1000;
+
 /// The open database.
 pub struct Db {
     conn: Connection,
@@ -166,9 +169,13 @@ impl Db {
         Ok(Self { conn })
     }
 
-    /// Records a new run.
-    pub fn insert_run(&self, run: &RunRow) -> Result<(), StoreError> {
-        self.conn.execute(
+    /// Records a new run, and forgets its owner's oldest runs without a checkpoint past
+    /// the newest [`RECORDED_RUNS`] of them: each row holds up to 16 KiB of metadata, and
+    /// a key creating runs in a loop would otherwise fill the disk every key shares (runs
+    /// with checkpoints are bounded by the key's checkpoint limit).
+    pub fn insert_run(&mut self, run: &RunRow) -> Result<(), StoreError> {
+        let tx = self.conn.transaction()?;
+        tx.execute(
             &format!("INSERT OR REPLACE INTO runs ({RUN_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)"),
             params![
                 run.id,
@@ -184,6 +191,14 @@ impl Db {
                 serde_json::to_string(&run.user_metadata).expect("map serialises"),
             ],
         )?;
+        tx.execute(
+            "DELETE FROM runs WHERE id IN (
+                SELECT id FROM runs r WHERE owner = ?1
+                    AND NOT EXISTS (SELECT 1 FROM checkpoints c WHERE c.run_id = r.id)
+                ORDER BY created_at DESC, id DESC LIMIT -1 OFFSET ?2)",
+            params![run.owner, RECORDED_RUNS as i64],
+        )?;
+        tx.commit()?;
         Ok(())
     }
 
@@ -415,6 +430,41 @@ mod tests {
             created_at,
             ..CheckpointMeta::for_test(run, "training", name, "alice")
         }
+    }
+
+    /// A key's runs without checkpoints are kept up to [`RECORDED_RUNS`], the newest;
+    /// a run with a checkpoint and another key's runs are kept whatever their age.
+    #[test]
+    fn a_keys_runs_without_checkpoints_are_bounded() {
+        let mut db = Db::in_memory().unwrap();
+        let run = |id: &str, owner: &str, at: i64| RunRow {
+            id: id.into(),
+            owner: owner.into(),
+            session_id: "s".into(),
+            base_model: "m".into(),
+            rank: 8,
+            train_attn: true,
+            train_mlp: true,
+            train_unembed: false,
+            created_at: at,
+            last_request_at: at,
+            user_metadata: BTreeMap::new(),
+        };
+        db.insert_run(&run("kept", "alice", 0)).unwrap();
+        db.switch_checkpoint(&meta("kept", "a", 1), "v-1", 100)
+            .unwrap();
+        db.insert_run(&run("bob's", "bob", 0)).unwrap();
+        for i in 1..=RECORDED_RUNS + 5 {
+            db.insert_run(&run(&format!("r{i}"), "alice", i as i64))
+                .unwrap();
+        }
+        assert_eq!(db.runs_of("alice", 0, 10).unwrap().1, RECORDED_RUNS + 1);
+        assert!(db.run("kept").unwrap().is_some());
+        assert!(db.run("bob's").unwrap().is_some());
+        for gone in 1..=5 {
+            assert!(db.run(&format!("r{gone}")).unwrap().is_none(), "r{gone}");
+        }
+        assert!(db.run("r6").unwrap().is_some());
     }
 
     #[test]
