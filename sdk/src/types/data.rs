@@ -240,7 +240,9 @@ impl ModelInput {
         Some(out)
     }
 
-    /// Number of positions (token chunks only; images count their expected tokens).
+    /// Number of positions (token chunks only; images count their expected tokens),
+    /// saturating: `expected_tokens` comes from the wire, and a sum that would overflow
+    /// is too long for any model anyway.
     pub fn length(&self) -> usize {
         self.chunks
             .iter()
@@ -251,9 +253,9 @@ impl ModelInput {
                 }
                 | ModelInputChunk::ImageAssetPointer {
                     expected_tokens, ..
-                } => expected_tokens.unwrap_or(0).max(0) as usize,
+                } => usize::try_from(expected_tokens.unwrap_or(0).max(0)).unwrap_or(usize::MAX),
             })
-            .sum()
+            .fold(0usize, usize::saturating_add)
     }
 }
 
@@ -492,6 +494,32 @@ pub struct SampledSequence {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Image chunks' declared sizes from the wire saturate instead of overflowing.
+    #[test]
+    fn a_model_inputs_length_saturates() {
+        let image = |n: i64| ModelInputChunk::ImageAssetPointer {
+            location: "x".into(),
+            format: "png".into(),
+            expected_tokens: Some(n),
+        };
+        let input = ModelInput {
+            chunks: vec![
+                ModelInputChunk::EncodedText { tokens: vec![1, 2] },
+                image(i64::MAX),
+                image(i64::MAX),
+                image(-5),
+            ],
+        };
+        assert_eq!(input.length(), usize::MAX);
+        let small = ModelInput {
+            chunks: vec![
+                ModelInputChunk::EncodedText { tokens: vec![1, 2] },
+                image(3),
+            ],
+        };
+        assert_eq!(small.length(), 5);
+    }
 
     #[test]
     fn sparse_tensor_expands_to_dense() {

@@ -653,10 +653,20 @@ fn saves_still_queued_count_against_the_checkpoint_quota() {
         Err(super::EngineError::Limit(l)) => assert_eq!(l.limit, "max_checkpoints"),
         other => panic!("{other:?}"),
     }
-    // Bytes too: a 1-byte budget is full with what is in flight.
+    // Bytes too, the new save's own included: room for half of one more save is not
+    // room for it.
     engine.config.limits.checkpoints = 100;
-    engine.config.limits.checkpoint_bytes = 1;
-    match save(&mut engine, 4, "four") {
+    let each = engine.model.lora_widths.checkpoint_bytes(
+        &crate::model::LoraSpec {
+            rank: 4,
+            train_attn: true,
+            train_mlp: false,
+            train_unembed: false,
+        },
+        true,
+    );
+    engine.config.limits.checkpoint_bytes = 2 * each + each / 2;
+    match save(&mut engine, 3, "three") {
         Err(super::EngineError::Limit(l)) => assert_eq!(l.limit, "max_checkpoint_bytes"),
         other => panic!("{other:?}"),
     }

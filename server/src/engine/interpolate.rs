@@ -14,7 +14,7 @@ use lathe_sdk::types::{CheckpointKind, CheckpointUri, UntypedApiFuture};
 use super::actor::EngineHandle;
 use super::state::now_unix;
 use super::{Engine, EngineError};
-use crate::model::lora::MAX_RANK;
+use crate::model::lora::{LoraSpec, MAX_RANK};
 use crate::store::checkpoints::CheckpointMeta;
 use crate::store::db::CheckpointRow;
 use crate::worker::Reply;
@@ -87,7 +87,14 @@ impl Engine {
         if self.catalog.exists(&uri) {
             return bad(format!("checkpoint {uri} already exists"));
         }
-        self.check_checkpoint_quota(owner, true)?;
+        let spec = LoraSpec {
+            rank,
+            train_attn: first.meta.train_attn,
+            train_mlp: first.meta.train_mlp,
+            train_unembed: first.meta.train_unembed,
+        };
+        let bytes = self.model.lora_widths.checkpoint_bytes(&spec, false);
+        self.check_checkpoint_quota(owner, true, bytes)?;
         let meta = CheckpointMeta {
             run_id: uri.run_id.clone(),
             kind: CheckpointKind::Sampler.type_name().to_string(),
@@ -97,9 +104,9 @@ impl Engine {
             created_at: now_unix(),
             expires_at: None,
             rank,
-            train_attn: first.meta.train_attn,
-            train_mlp: first.meta.train_mlp,
-            train_unembed: first.meta.train_unembed,
+            train_attn: spec.train_attn,
+            train_mlp: spec.train_mlp,
+            train_unembed: spec.train_unembed,
         };
         Ok(InterpolatePlan {
             sources: resolved.into_iter().map(|(_, dir, c)| (dir, c)).collect(),

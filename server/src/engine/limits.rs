@@ -243,15 +243,17 @@ impl Engine {
         Ok(())
     }
 
-    /// Refuses a save when `owner` would store more than `checkpoints` (for a new name)
-    /// or `checkpoint_bytes`, counting its saves queued or being written as stored (those
-    /// that add a name as names; each at its adapter's f32 bytes, three times that with
-    /// the optimizer state of a training checkpoint). Checked only against what is
-    /// written, the quota would admit every save sent before the first one is.
+    /// Refuses a save of about `new_bytes` when `owner` would store more than
+    /// `checkpoints` (for a new name) or `checkpoint_bytes`, counting its saves queued or
+    /// being written as stored (those that add a name as names; each at its adapter's f32
+    /// bytes, three times that with the optimizer state of a training checkpoint).
+    /// Checked only against what is written, the quota would admit every save sent
+    /// before the first one is. An overwrite adds no bytes once written (pass 0).
     pub(super) fn check_checkpoint_quota(
         &self,
         owner: &str,
         new_name: bool,
+        new_bytes: u64,
     ) -> Result<(), EngineError> {
         let (stored, stored_bytes) = self.catalog.usage_of(owner);
         let (queued, queued_bytes) = self.queued_saves(owner);
@@ -268,14 +270,14 @@ impl Engine {
                 ),
             ));
         }
-        if bytes >= limits.checkpoint_bytes {
+        if bytes.saturating_add(new_bytes) > limits.checkpoint_bytes {
             return Err(exceeded(
                 "max_checkpoint_bytes",
                 60,
                 format!(
                     "this key stores {stored_bytes} bytes of checkpoints and has saves of \
-                     about {queued_bytes} more queued, its limit (--max-checkpoint-bytes \
-                     {}); delete some first",
+                     about {queued_bytes} more queued; this one of about {new_bytes} would \
+                     pass its limit (--max-checkpoint-bytes {}); delete some first",
                     limits.checkpoint_bytes
                 ),
             ));

@@ -239,7 +239,9 @@ impl Engine {
                 "checkpoint {uri} already exists (pass overwrite to replace it)"
             )));
         }
-        self.check_checkpoint_quota(owner, !exists)?;
+        let training = req.kind == CheckpointKind::Training;
+        let bytes = self.model.lora_widths.checkpoint_bytes(&spec, training);
+        self.check_checkpoint_quota(owner, !exists, if exists { 0 } else { bytes })?;
         let now = now_unix();
         let meta = CheckpointMeta {
             run_id: run_id.to_string(),
@@ -254,8 +256,6 @@ impl Engine {
             train_mlp: spec.train_mlp,
             train_unembed: spec.train_unembed,
         };
-        let training = req.kind == CheckpointKind::Training;
-        let bytes = self.model.lora_widths.checkpoint_bytes(&spec, training);
         let op = RunOp::Save {
             meta,
             overwrite: req.overwrite,
