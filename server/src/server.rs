@@ -230,6 +230,7 @@ pub async fn start(
         )),
         text: Arc::new(text),
         answer_budget: api::AnswerBudget::new(config.max_answer_bytes),
+        tokenizer_answer: Arc::default(),
     };
     // Request bodies keep a pace (api/paced_body.rs) or fail with 408.
     let stall = config.connections.stall_timeout;

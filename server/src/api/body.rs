@@ -12,7 +12,7 @@ use axum::http::StatusCode;
 use lathe_sdk::proto;
 use lathe_sdk::types::ForwardBackwardRequest;
 
-use super::{ApiError, ApiJson, AppState};
+use super::{ApiError, AppState};
 
 /// A decoded `forward_backward` submission.
 pub struct ForwardBackwardBody {
@@ -27,17 +27,12 @@ impl FromRequest<AppState> for ForwardBackwardBody {
 
     async fn from_request(req: Request, state: &AppState) -> Result<Self, ApiError> {
         let media = media_type(&req, CONTENT_TYPE);
-        if media.as_deref() != Some(proto::CONTENT_TYPE) {
-            // JSON, or a clear 415 naming both encodings.
-            if media.is_some() && media.as_deref() != Some("application/json") {
-                return Err(unsupported_media());
-            }
-            let ApiJson(request) = ApiJson::from_request(req, state).await?;
-            return Ok(Self {
-                request,
-                forward_only: false,
-            });
-        }
+        let json = match media.as_deref() {
+            Some(proto::CONTENT_TYPE) => false,
+            Some("application/json") => true,
+            // A clear 415 naming both encodings.
+            _ => return Err(unsupported_media()),
+        };
         let zstd = match media_type(&req, CONTENT_ENCODING).as_deref() {
             None | Some("identity") => false,
             Some("zstd") => true,
@@ -73,6 +68,14 @@ impl FromRequest<AppState> for ForwardBackwardBody {
             } else {
                 std::borrow::Cow::Borrowed(&body[..])
             };
+            if json {
+                return serde_json::from_slice(&raw)
+                    .map(|request| proto::ForwardBackwardProto {
+                        request,
+                        forward_only: false,
+                    })
+                    .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")));
+            }
             proto::decode_forward_backward(&raw)
                 .map_err(|e| ApiError::bad_request(format!("forward_backward: {e}")))
         })

@@ -55,6 +55,8 @@ pub struct AppState {
     pub text: Arc<openai::TextModel>,
     /// Answer bytes each key's clients have yet to read.
     pub answer_budget: Arc<AnswerBudget>,
+    /// The `lathe/tokenizer` answer, written on first use and shared.
+    pub tokenizer_answer: Arc<std::sync::OnceLock<Result<axum::body::Bytes, String>>>,
 }
 
 impl AppState {

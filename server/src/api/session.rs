@@ -3,8 +3,10 @@
 
 use std::time::Duration;
 
+use axum::body::Bytes;
 use axum::extract::{Query, State};
-use axum::http::StatusCode;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use lathe_sdk::types::{
     AuthTokenResponse, ClientConfigResponse, ClientDynamicConfigResponse, CreateSessionResponse,
@@ -109,22 +111,38 @@ pub struct TokenizerQuery {
     base_model: Option<String>,
 }
 
+/// `lathe/tokenizer`: the same answer for every caller, written once (on the first
+/// request) and shared: `tokenizer.json` is megabytes, and parsing and writing it again
+/// for each request cost every caller tens of MB and the async threads' time.
 pub async fn tokenizer(
     State(s): State<AppState>,
     Query(q): Query<TokenizerQuery>,
-) -> Result<Json<TokenizerResponse>, ApiError> {
+) -> Result<Response, ApiError> {
     if let Some(name) = &q.base_model {
         validate::base_model(&s.model, name)?;
     }
-    let tokenizer: Value = serde_json::from_str(&s.model.tokenizer_json)
-        .map_err(|e| ApiError::internal(format!("tokenizer.json: {e}")))?;
-    Ok(Json(TokenizerResponse {
-        base_model: s.model.name.clone(),
+    let answer = s
+        .tokenizer_answer
+        .get_or_init(|| tokenizer_answer(&s.model))
+        .clone()
+        .map_err(ApiError::internal)?;
+    Ok(([(header::CONTENT_TYPE, "application/json")], answer).into_response())
+}
+
+/// The tokenizer answer of `model`, serialized.
+fn tokenizer_answer(model: &crate::engine::ModelInfo) -> Result<Bytes, String> {
+    let tokenizer: Value =
+        serde_json::from_str(&model.tokenizer_json).map_err(|e| format!("tokenizer.json: {e}"))?;
+    let answer = TokenizerResponse {
+        base_model: model.name.clone(),
         tokenizer,
-        chat_template: s.model.chat_template.clone(),
-        eos_token: s.model.eos_token.clone(),
-        bos_token: s.model.bos_token.clone(),
-    }))
+        chat_template: model.chat_template.clone(),
+        eos_token: model.eos_token.clone(),
+        bos_token: model.bos_token.clone(),
+    };
+    serde_json::to_vec(&answer)
+        .map(Bytes::from)
+        .map_err(|e| format!("tokenizer answer: {e}"))
 }
 
 /// A response object with the `type` discriminator the Python SDK echoes.
