@@ -402,7 +402,8 @@ impl Worker {
     fn forward_group(&mut self, group: &[&RunWork], with_grad: bool) -> Vec<Outcome> {
         match self.try_forward(group, with_grad) {
             Ok(outcomes) => outcomes,
-            // One bad request must not fail the others: run each alone.
+            // One bad request (an error, or a panic in the fused pass) must not fail the
+            // others: run each alone.
             Err(_) if group.len() > 1 => group
                 .iter()
                 .flat_map(|w| self.forward_group(std::slice::from_ref(w), with_grad))
@@ -436,14 +437,20 @@ impl Worker {
             .iter()
             .map(|w| &self.runs[&w.run_id].adapter)
             .collect();
-        let trained = train::forward_backward_in_passes(
-            &self.model.transformer,
-            &adapters,
-            &jobs,
-            with_grad,
-            train::pass_tokens(&self.model.transformer),
-        )
-        .map_err(train_failure)?;
+        // A panic in the pass leaves every run as it was (gradients merge below, after
+        // it), so each request can run again alone.
+        let trained = contained(|| {
+            #[cfg(test)]
+            tests::failpoint(group);
+            train::forward_backward_in_passes(
+                &self.model.transformer,
+                &adapters,
+                &jobs,
+                with_grad,
+                train::pass_tokens(&self.model.transformer),
+            )
+        })
+        .and_then(|r| r.map_err(train_failure))?;
         let mut outcomes = Vec::with_capacity(group.len());
         let results = &trained.results;
         for (((work, span), grad), failed) in group
@@ -611,3 +618,7 @@ fn forward_output(results: &[DatumResult], data: &[train::DatumJob]) -> ForwardR
             .collect(),
     }
 }
+
+#[cfg(test)]
+#[path = "runner_tests.rs"]
+mod tests;
