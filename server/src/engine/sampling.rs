@@ -206,7 +206,7 @@ impl Engine {
         });
         self.futures.insert(request_id.clone(), owner);
         if let Some(target) = target {
-            self.futures.completions.watch(&request_id, target);
+            self.futures.completions.watch(&request_id, target, owner);
         }
         self.inflight.insert(
             request_id.clone(),
