@@ -671,3 +671,47 @@ fn saves_still_queued_count_against_the_checkpoint_quota() {
         other => panic!("{other:?}"),
     }
 }
+
+/// The last eighth of `--max-sessions` is kept for keys without a loaded run: a key
+/// with runs stops short of it, another key still gets its first run there, and a full
+/// server refuses everyone.
+#[test]
+fn the_last_run_slots_are_kept_for_keys_without_a_run() {
+    let (mut engine, sent) = engine();
+    engine.config.max_sessions = 8;
+    engine.config.limits.live_runs = 100;
+    let create = |engine: &mut super::Engine, owner: &str| {
+        let session = engine.create_session(owner).unwrap();
+        engine.create_model(
+            owner,
+            super::NewRun {
+                session_id: session,
+                model_seq_id: 0,
+                spec: crate::model::LoraSpec {
+                    rank: 4,
+                    train_attn: true,
+                    train_mlp: false,
+                    train_unembed: false,
+                },
+                seed: 1,
+                user_metadata: Default::default(),
+            },
+        )
+    };
+    for _ in 0..7 {
+        create(&mut engine, "hog").unwrap();
+    }
+    let refused = create(&mut engine, "hog").unwrap_err();
+    assert!(
+        matches!(refused, super::EngineError::Capacity(_)),
+        "{refused:?}"
+    );
+    assert!(
+        refused.to_string().contains("kept for keys without"),
+        "{refused}"
+    );
+    create(&mut engine, "newcomer").unwrap();
+    let full = create(&mut engine, "third").unwrap_err();
+    assert!(full.to_string().contains("at its limit"), "{full}");
+    drop(sent);
+}

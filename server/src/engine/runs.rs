@@ -53,12 +53,25 @@ pub struct SaveRequest {
 }
 
 impl Engine {
-    fn check_capacity(&self) -> Result<(), EngineError> {
-        if self.runs.len() >= self.config.max_sessions {
+    /// Refuses a new run when the server holds `--max-sessions`, or when `owner` already
+    /// has a run and only the reserved eighth of the slots is left: those are kept for
+    /// keys without one, so that a few keys at their `--max-live-runs` cannot shut every
+    /// other key out.
+    fn check_capacity(&self, owner: &str) -> Result<(), EngineError> {
+        let max = self.config.max_sessions;
+        let loaded = self.runs.len();
+        if loaded >= max {
             return Err(EngineError::Capacity(format!(
-                "the server is at its limit of {} training sessions (--max-sessions); \
-                 unload one or try again later",
-                self.config.max_sessions
+                "the server is at its limit of {max} training sessions (--max-sessions); \
+                 unload one or try again later"
+            )));
+        }
+        let reserved = max / 8;
+        if loaded + reserved >= max && self.runs.values().any(|r| r.owner == owner) {
+            return Err(EngineError::Capacity(format!(
+                "the server holds {loaded} of its {max} training sessions (--max-sessions), \
+                 and the last {reserved} are kept for keys without a loaded run; unload \
+                 one of this key's runs or try again later"
             )));
         }
         Ok(())
@@ -91,7 +104,7 @@ impl Engine {
                 "training run {run_id} already exists"
             )));
         }
-        self.check_capacity()?;
+        self.check_capacity(owner)?;
         self.check_live_runs(owner)?;
         let state = self
             .model
