@@ -30,11 +30,16 @@ pub fn keep_freed_memory() {
     unsafe { libmimalloc_sys::mi_option_set(PURGE_DELAY, -1) }
 }
 
-/// The machine's physical memory in bytes (`MemTotal` of `/proc/meminfo`), where it can
-/// be read.
+/// The memory this process may use, in bytes, where it can be read: the machine's
+/// (`MemTotal` of `/proc/meminfo`), or its cgroup's limit (`memory.max`, cgroup v2) when
+/// that is lower, as in a container.
 pub fn physical_bytes() -> Option<u64> {
     let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    mem_total(&info)
+    let total = mem_total(&info)?;
+    let limit = std::fs::read_to_string("/sys/fs/cgroup/memory.max")
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok());
+    Some(limit.map_or(total, |l| l.min(total)))
 }
 
 /// `MemTotal` of a `/proc/meminfo` text, in bytes.

@@ -141,8 +141,9 @@ fn connections_past_the_limit_wait_for_a_free_slot() {
 }
 
 /// An answer its client does not read holds its key's budget (`--max-answer-bytes`):
-/// the key's next request is refused with a 429 naming the limit, another key is
-/// served, and once the answer has been read the key is served again.
+/// the key's next retrieval is refused with a 429 naming the limit (the result stays
+/// retrievable), its control calls and another key are served, and once the answer has
+/// been read the key retrieves again.
 #[test]
 fn an_unread_answer_holds_its_keys_budget_until_it_is_read() {
     let dir = temp_dir("conn-answers");
@@ -175,10 +176,17 @@ fn an_unread_answer_holds_its_keys_budget_until_it_is_read() {
         body.len()
     )
     .unwrap();
-    let capabilities = "/api/v1/get_server_capabilities";
+    // Its answer is written and handed to the connection before anything else is sent.
+    std::thread::sleep(Duration::from_millis(500));
+    let retrieve = |c: &Client| {
+        c.post(
+            "/api/v1/retrieve_future",
+            &serde_json::json!({"request_id": id}),
+        )
+    };
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let (status, v) = a.get(capabilities);
+        let (status, v) = retrieve(&a);
         if status == 429 {
             assert_eq!(v["limit"], "max_answer_bytes", "{v}");
             break;
@@ -190,7 +198,19 @@ fn an_unread_answer_holds_its_keys_budget_until_it_is_read() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    assert_eq!(server.client(KEY_B).get(capabilities).0, 200, "another key");
+    let (status, v) = a.post(
+        "/api/v1/session_heartbeat",
+        &serde_json::json!({"session_id": session}),
+    );
+    assert_eq!(status, 200, "a control call: {v}");
+    assert_eq!(
+        server
+            .client(KEY_B)
+            .get("/api/v1/get_server_capabilities")
+            .0,
+        200,
+        "another key"
+    );
     let (answer, _) = read_until_closed(&mut unread, Duration::from_secs(60));
     assert!(
         answer.starts_with("HTTP/1.1 200"),
@@ -199,7 +219,12 @@ fn an_unread_answer_holds_its_keys_budget_until_it_is_read() {
     );
     assert!(answer.len() > size, "the whole answer arrives");
     let deadline = Instant::now() + Duration::from_secs(10);
-    while a.get(capabilities).0 != 200 {
+    loop {
+        let (status, v) = retrieve(&a);
+        if status == 200 {
+            assert_eq!(v, whole, "the refused result is still there");
+            break;
+        }
         assert!(
             Instant::now() < deadline,
             "the read answer still holds the budget"

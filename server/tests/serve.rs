@@ -194,7 +194,7 @@ fn whole_flow_over_http() {
     assert_eq!(status, 200);
     assert!(tok["tokenizer"]["model"].is_object());
     assert!(tok["base_model"].is_string(), "{}", tok["base_model"]);
-    // Written once and shared: the next caller gets the same answer.
+    // The next caller gets the same answer.
     assert_eq!(c.get("/api/v1/lathe/tokenizer"), (200, tok));
     srv.stop();
 }

@@ -85,7 +85,7 @@ pub fn validate_data(data: &[Datum]) -> Result<()> {
 /// [`MAX_CHUNK_BYTES`] bytes.
 fn chunks(data: &[Datum]) -> Vec<&[Datum]> {
     let size = |d: &Datum| -> usize {
-        d.model_input.length() * 8
+        d.model_input.length().saturating_mul(8)
             + d.loss_fn_inputs
                 .values()
                 .map(|t| t.data.len() * 12)

@@ -11,15 +11,18 @@
 //! for the next frame only once its write buffer has room, so the body ends (and gives
 //! its bytes back) when all but about a write buffer of it has gone to the socket.
 //!
-//! The budget is checked at two points, so that no work is lost to it:
-//! - before the handler runs: a key already at its budget is refused (429) before any
-//!   work is done for it;
-//! - when the answer is ready: an answer that stays retrievable (`retrieve_future`: a
-//!   result is kept for a minute after it is first taken, and the SDKs retry the 429) is
-//!   refused if it would take the key past its budget, unless the key holds nothing else
-//!   (an answer larger than the whole budget could never pass otherwise). Any other
-//!   answer is the product of work already done, so it is held even past the budget: the
-//!   excess is bounded by the key's requests in progress, which its other limits bound.
+//! The budget is checked where an answer can be large, so that no work is lost to it:
+//! - `retrieve_future` (which answers almost every large result) checks it before it
+//!   takes a result from the table, and again once the answer is written: an answer that
+//!   would take a key holding anything past its budget is refused (429) and the result
+//!   stays retrievable as if never polled (the SDKs retry). An answer larger than the
+//!   whole budget passes when the key holds nothing else; it could never pass otherwise.
+//! - the OpenAI completion endpoints are refused (429) before they run while the key is
+//!   at its budget; their answers are the product of work already done, so they are held
+//!   even past it: the excess is bounded by the key's requests in progress.
+//! - every other answer of a known size is held without a check: they are small, and
+//!   refusing them would shut a key out of its control calls (heartbeats, cancels,
+//!   unloads) while a large answer of its own downloads.
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -40,8 +43,13 @@ pub const DEFAULT_MAX_ANSWER_BYTES: usize = 256 << 20;
 /// Largest piece of an answer handed to the connection at once.
 const FRAME: usize = 64 << 10;
 
-/// Paths whose answers stay retrievable when refused.
-const RETRIEVABLE: &[&str] = &["/api/v1/retrieve_future"];
+/// Paths refused before they run while their key is at its budget (besides
+/// `retrieve_future`, which checks for itself).
+const ADMITTED: &[&str] = &["/v1/completions", "/v1/chat/completions"];
+
+/// Marks an answer whose handler already holds its bytes.
+#[derive(Debug, Clone, Copy)]
+struct AnswerHeld;
 
 /// Answer bytes held per key.
 #[derive(Debug)]
@@ -129,9 +137,28 @@ impl Drop for Held {
     }
 }
 
-/// Middleware: a key at its budget is refused before its request runs, and an answer of
-/// a known size holds its bytes of its key's budget until its body ends (see the module
-/// documentation for which answers past the budget are refused).
+impl AnswerBudget {
+    /// `resp`, an answer that stays retrievable if refused, holding its bytes of
+    /// `owner`'s budget; or the 429 when they would take a key that holds anything past
+    /// its budget.
+    pub fn hold_retrievable(
+        self: &Arc<Self>,
+        owner: &str,
+        resp: Response,
+    ) -> Result<Response, ApiError> {
+        let Some(bytes) = exact_size(&resp) else {
+            return Ok(resp);
+        };
+        let held = self.take(owner, bytes, true)?;
+        let mut resp = holding(resp, held);
+        resp.extensions_mut().insert(AnswerHeld);
+        Ok(resp)
+    }
+}
+
+/// Middleware: the OpenAI completions of a key at its budget are refused before they
+/// run, and every answer of a known size that its handler does not hold already holds
+/// its bytes of its key's budget until its body ends.
 pub async fn hold_answers(
     axum::extract::State(s): axum::extract::State<AppState>,
     req: Request,
@@ -140,31 +167,45 @@ pub async fn hold_answers(
     let Some(owner) = req.extensions().get::<Owner>().map(|o| o.0.clone()) else {
         return next.run(req).await;
     };
-    if let Err(e) = s.answer_budget.admit(&owner) {
-        return e.into_response();
+    if ADMITTED.contains(&req.uri().path()) {
+        if let Err(e) = s.answer_budget.admit(&owner) {
+            return e.into_response();
+        }
     }
-    let refusable = RETRIEVABLE.contains(&req.uri().path());
     let resp = next.run(req).await;
-    hold(&s.answer_budget, &owner, resp, refusable)
+    if resp.extensions().get::<AnswerHeld>().is_some() {
+        return resp;
+    }
+    hold(&s.answer_budget, &owner, resp)
 }
 
-/// `resp` holding its bytes of `owner`'s budget, or the 429 that replaces it.
-fn hold(budget: &Arc<AnswerBudget>, owner: &str, resp: Response, refusable: bool) -> Response {
-    let Some(bytes) = resp.body().size_hint().exact() else {
+/// `resp` holding its bytes of `owner`'s budget, whatever the key holds.
+fn hold(budget: &Arc<AnswerBudget>, owner: &str, resp: Response) -> Response {
+    let Some(bytes) = exact_size(&resp) else {
         // Streamed answers are bounded where they are produced.
         return resp;
     };
-    let bytes = usize::try_from(bytes).unwrap_or(usize::MAX);
-    match budget.take(owner, bytes, refusable) {
-        Ok(held) => resp.map(|body| {
-            Body::new(HeldBody {
-                body,
-                rest: Bytes::new(),
-                _held: held,
-            })
-        }),
+    match budget.take(owner, bytes, false) {
+        Ok(held) => holding(resp, held),
         Err(e) => e.into_response(),
     }
+}
+
+/// The size of `resp`'s body when it is known.
+fn exact_size(resp: &Response) -> Option<usize> {
+    let bytes = resp.body().size_hint().exact()?;
+    Some(usize::try_from(bytes).unwrap_or(usize::MAX))
+}
+
+/// `resp` with its body handed out in pieces and holding `held` until it ends.
+fn holding(resp: Response, held: Held) -> Response {
+    resp.map(|body| {
+        Body::new(HeldBody {
+            body,
+            rest: Bytes::new(),
+            _held: held,
+        })
+    })
 }
 
 /// A body handed out at most [`FRAME`] bytes at a time, holding its bytes of a budget
@@ -237,31 +278,34 @@ mod tests {
     }
 
     /// A key's answers hold its budget until their bodies end; a key at its budget is
-    /// refused before its request runs; past it a retrievable answer is refused with a
-    /// 429 naming the limit, another answer is held anyway; another key is not affected;
-    /// one retrievable answer larger than the whole budget still passes alone.
+    /// not admitted; past it a retrievable answer is refused with a 429 naming the
+    /// limit, another answer is held anyway; another key is not affected; one
+    /// retrievable answer larger than the whole budget still passes alone.
     #[tokio::test]
     async fn answers_hold_their_keys_budget_until_their_bodies_end() {
         let budget = AnswerBudget::new(1500);
-        let first = hold(&budget, "a", answer(1000), true);
+        let first = budget.hold_retrievable("a", answer(1000)).unwrap();
         assert_eq!(first.status(), 200);
+        assert!(first.extensions().get::<AnswerHeld>().is_some());
         assert!(budget.admit("a").is_ok(), "1000 of 1500 held");
-        let refused = hold(&budget, "a", answer(1000), true);
+        let refused = budget
+            .hold_retrievable("a", answer(1000))
+            .unwrap_err()
+            .into_response();
         assert_eq!(refused.status(), 429);
         let body = axum::body::to_bytes(refused.into_body(), 1 << 20)
             .await
             .unwrap();
         let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(v["limit"], "max_answer_bytes", "{v}");
-        let done_work = hold(&budget, "a", answer(1000), false);
+        let done_work = hold(&budget, "a", answer(1000));
         assert_eq!(done_work.status(), 200, "work already done is held anyway");
         assert_eq!(held(&budget, "a"), 2000);
         let at_budget = budget.admit("a").unwrap_err().into_response();
         assert_eq!(at_budget.status(), 429);
         assert!(at_budget.headers().contains_key("retry-after"));
-        assert_eq!(
-            hold(&budget, "b", answer(1000), true).status(),
-            200,
+        assert!(
+            budget.hold_retrievable("b", answer(1000)).is_ok(),
             "another key"
         );
         // Reading an answer to its end and dropping it gives its bytes back.
@@ -271,7 +315,7 @@ mod tests {
         assert_eq!(read.len(), 1000);
         drop(done_work);
         assert_eq!(held(&budget, "a"), 0);
-        let too_large = hold(&budget, "a", answer(5000), true);
+        let too_large = budget.hold_retrievable("a", answer(5000)).unwrap();
         assert_eq!(too_large.status(), 200, "alone, too large");
         drop(too_large);
         assert!(budget.held.lock().unwrap().is_empty());
@@ -284,7 +328,7 @@ mod tests {
         let budget = AnswerBudget::new(1 << 30);
         let len = 5 * FRAME + 123;
         let data: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
-        let resp = hold(&budget, "a", Body::from(data.clone()).into_response(), true);
+        let resp = hold(&budget, "a", Body::from(data.clone()).into_response());
         let mut body = resp.into_body();
         assert_eq!(body.size_hint().exact(), Some(len as u64));
         let mut got = Vec::new();

@@ -29,7 +29,7 @@ impl FromRequest<AppState> for ForwardBackwardBody {
         let media = media_type(&req, CONTENT_TYPE);
         let json = match media.as_deref() {
             Some(proto::CONTENT_TYPE) => false,
-            Some("application/json") => true,
+            Some(m) if m == "application/json" || m.ends_with("+json") => true,
             // A clear 415 naming both encodings.
             _ => return Err(unsupported_media()),
         };

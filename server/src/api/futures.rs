@@ -16,32 +16,67 @@ use super::{ApiError, ApiJson, AppState, Owner};
 /// `forward_backward` and `sample` results when `Accept` asks for it), a failed one
 /// `{"error", "category"}` — all with HTTP 200, as the SDK expects. `try_again` and
 /// failures are JSON whatever the `Accept`, as the SDK reads them.
+///
+/// A result's answer holds its bytes of the key's `--max-answer-bytes` until its client
+/// has taken it ([`super::answer_budget`]). A key whose clients already have that much to
+/// read gets 429 before anything is taken from the table, and a result whose answer would
+/// pass the budget is refused with 429 and stays retrievable as if never polled: no
+/// result is lost to the budget. Results are written in one of the key's CPU slots, so a
+/// key retrieving over many connections at once writes one or two at a time, each
+/// checked against the budget.
 pub async fn retrieve_future(
     State(s): State<AppState>,
     Extension(owner): Extension<Owner>,
     headers: HeaderMap,
     ApiJson(req): ApiJson<RetrieveFutureRequest>,
 ) -> Result<Response, ApiError> {
+    s.answer_budget.admit(&owner.0)?;
     let result = s
         .engine
-        .retrieve(owner.0, req.request_id.clone(), s.poll_timeout)
+        .retrieve(owner.0.clone(), req.request_id.clone(), s.poll_timeout)
         .await?;
-    Ok(match result {
-        None => Json(TryAgainResponse {
+    let Some(result) = result else {
+        return Ok(Json(TryAgainResponse {
             kind: "try_again".into(),
             request_id: req.request_id,
             queue_state: "active".into(),
         })
-        .into_response(),
-        Some(r) => match r.as_ref() {
-            Ok(reply) => respond(reply, Encoding::accepted(&headers))?,
-            Err(f) => Json(RequestFailedResponse {
-                error: f.message.clone(),
-                category: f.category().into(),
-            })
-            .into_response(),
-        },
+        .into_response());
+    };
+    if let Err(f) = result.as_ref() {
+        return Ok(Json(RequestFailedResponse {
+            error: f.message.clone(),
+            category: f.category().into(),
+        })
+        .into_response());
+    }
+    let answer = written(&s, &owner.0, result, Encoding::accepted(&headers)).await;
+    let held = answer.and_then(|resp| s.answer_budget.hold_retrievable(&owner.0, resp));
+    if held.is_err() {
+        // Nothing was sent: the result stays as it was before this poll.
+        let _ = s.engine.unretrieve_future(owner.0, req.request_id).await;
+    }
+    held
+}
+
+/// A finished result's answer, written off the async threads in one of `owner`'s CPU
+/// slots (tens of MB of JSON for a large `forward_backward`).
+async fn written(
+    s: &AppState,
+    owner: &str,
+    result: crate::engine::FutureResult,
+    encoding: Encoding,
+) -> Result<Response, ApiError> {
+    let slot = s.cpu_slot(owner).await?;
+    tokio::task::spawn_blocking(move || {
+        let _slot = slot;
+        match result.as_ref() {
+            Ok(reply) => respond(reply, encoding),
+            Err(_) => Err(ApiError::internal("a failed result has no answer to write")),
+        }
     })
+    .await
+    .map_err(|e| ApiError::internal(format!("writing the result: {e}")))?
 }
 
 /// Cancels a sampling request the client gave up on (queued: fails at once; decoding:

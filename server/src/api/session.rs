@@ -112,8 +112,8 @@ pub struct TokenizerQuery {
 }
 
 /// `lathe/tokenizer`: the same answer for every caller, written once (on the first
-/// request) and shared: `tokenizer.json` is megabytes, and parsing and writing it again
-/// for each request cost every caller tens of MB and the async threads' time.
+/// request) and shared: `tokenizer.json` is large, and parsing and writing it again for
+/// each request cost memory and the async threads' time.
 pub async fn tokenizer(
     State(s): State<AppState>,
     Query(q): Query<TokenizerQuery>,

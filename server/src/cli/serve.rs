@@ -73,7 +73,8 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 1 << 30, help_heading = "Limits")]
     max_result_bytes: usize,
     /// Bytes of adapter state all loaded runs may hold in memory, counted as for
-    /// --max-adapter-bytes (429 past it). Default: half of this machine's memory.
+    /// --max-adapter-bytes (429 past it). Default: half of this machine's memory (or of
+    /// its cgroup's limit).
     #[arg(long, default_value_t = default_total_adapter_bytes(), help_heading = "Limits")]
     max_total_adapter_bytes: u64,
     /// Bytes of answers each key's clients may have yet to read (an answer waits in
@@ -85,7 +86,8 @@ pub struct ServeArgs {
     connections: ConnectionArgs,
 }
 
-/// Half of the machine's memory (the engine's default where it cannot be read).
+/// Half of the memory this process may use (the engine's default where it cannot be
+/// read).
 fn default_total_adapter_bytes() -> u64 {
     lathe_server::memory::physical_bytes()
         .map_or(EngineConfig::default().max_adapter_bytes, |b| b / 2)

@@ -210,6 +210,9 @@ commands! {
     /// A future's state, for its owner.
     pub(super) fn poll_future => PollFuture(owner: String, request_id: String) -> Option<Poll>
         = |e| e.futures.poll(&request_id, &owner);
+    /// A finished future whose answer was refused counts as not retrieved.
+    pub fn unretrieve_future => UnretrieveFuture(owner: String, request_id: String) -> ()
+        = |e| e.futures.unretrieve(&request_id, &owner);
     /// Queues MinT's reverse-KL step on a run.
     pub fn reverse_kl => ReverseKl(
         owner: String,

@@ -197,6 +197,21 @@ impl Futures {
         })
     }
 
+    /// Undoes the retrieval a poll of `owner`'s finished `request_id` recorded, when its
+    /// answer was refused after all: the result then stays until retrieved (or the TTL),
+    /// as if never polled.
+    pub fn unretrieve(&mut self, request_id: &str, owner: &str) {
+        if let Some(Entry {
+            owner: o,
+            state: State::Done { retrieved, .. },
+        }) = self.map.get_mut(request_id)
+        {
+            if o == owner {
+                *retrieved = None;
+            }
+        }
+    }
+
     /// Forgets finished futures retrieved more than [`RETRIEVED_GRACE`] ago, or finished
     /// more than `ttl` ago.
     pub fn expire(&mut self, now: Instant, ttl: Duration) {
@@ -285,6 +300,24 @@ mod tests {
         assert!(f.poll("b", "alice").is_none());
         assert!(f.poll("c", "alice").is_some() && f.poll("e", "alice").is_some());
         assert!(f.done_bytes() <= 3 * reply().approx_bytes());
+    }
+
+    /// A poll whose answer was refused is undone: the result stays past the grace, as
+    /// if never polled; another key cannot undo it.
+    #[test]
+    fn an_unretrieved_result_stays_past_the_grace() {
+        let mut f = Futures::default();
+        for id in ["kept", "taken"] {
+            f.insert(id.into(), "alice");
+            f.resolve(id, Ok(reply()));
+            assert!(matches!(f.poll(id, "alice"), Some(Poll::Ready(_))));
+        }
+        f.unretrieve("kept", "alice");
+        f.unretrieve("taken", "mallory");
+        let later = Instant::now() + RETRIEVED_GRACE + Duration::from_secs(1);
+        f.expire(later, Duration::from_secs(3600));
+        assert!(f.poll("kept", "alice").is_some());
+        assert!(f.poll("taken", "alice").is_none());
     }
 
     #[test]

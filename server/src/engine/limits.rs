@@ -108,7 +108,6 @@ impl Engine {
         Ok(())
     }
 
-    /// Refuses a new run when `owner` has `live_runs` loaded.
     /// Bytes of adapter state that the loaded runs of `owner` (of every key with `None`)
     /// hold in the worker: per run its adapter, gradient and two AdamW moments (four
     /// times the adapter's f32 size), and a copy per sampler snapshot taken from it.
@@ -158,6 +157,7 @@ impl Engine {
         Ok(())
     }
 
+    /// Refuses a new run when `owner` has `live_runs` loaded.
     pub(super) fn check_live_runs(&self, owner: &str) -> Result<(), EngineError> {
         let live = self.runs.values().filter(|r| r.owner == owner).count();
         let max = self.config.limits.live_runs;

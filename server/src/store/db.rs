@@ -169,10 +169,11 @@ impl Db {
         Ok(Self { conn })
     }
 
-    /// Records a new run, and forgets its owner's oldest runs without a checkpoint past
-    /// the newest [`RECORDED_RUNS`] of them: each row holds up to 16 KiB of metadata, and
-    /// a key creating runs in a loop would otherwise fill the disk every key shares (runs
-    /// with checkpoints are bounded by the key's checkpoint limit).
+    /// Records a new run, and forgets its owner's runs without a checkpoint past the
+    /// [`RECORDED_RUNS`] most recently active (by last request, then by insertion): each
+    /// row holds up to 16 KiB of metadata, and a key creating runs in a loop would
+    /// otherwise fill the disk every key shares (runs with checkpoints are bounded by the
+    /// key's checkpoint limit). A run still in use requests often, and stays.
     pub fn insert_run(&mut self, run: &RunRow) -> Result<(), StoreError> {
         let tx = self.conn.transaction()?;
         tx.execute(
@@ -195,7 +196,7 @@ impl Db {
             "DELETE FROM runs WHERE id IN (
                 SELECT id FROM runs r WHERE owner = ?1
                     AND NOT EXISTS (SELECT 1 FROM checkpoints c WHERE c.run_id = r.id)
-                ORDER BY created_at DESC, id DESC LIMIT -1 OFFSET ?2)",
+                ORDER BY last_request_at DESC, rowid DESC LIMIT -1 OFFSET ?2)",
             params![run.owner, RECORDED_RUNS as i64],
         )?;
         tx.commit()?;

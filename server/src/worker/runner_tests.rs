@@ -81,7 +81,8 @@ fn a_panic_in_a_fused_pass_fails_only_the_request_that_causes_it() {
     assert!(result("good").is_ok(), "{:?}", result("good").err());
     let failure = result("bad").expect_err("the panicking request fails");
     assert_eq!(failure.blame, Blame::Server, "{}", failure.message);
-    // The good run's gradient counted once: an optimizer step runs on it.
+    // The good run's gradient was kept: an optimizer step (which fails on a run with no
+    // gradient) runs on it.
     let report = worker.run_batch(Batch {
         runs: vec![work(
             "step",
