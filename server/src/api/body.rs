@@ -11,6 +11,7 @@ use axum::http::header::{CONTENT_ENCODING, CONTENT_TYPE};
 use axum::http::StatusCode;
 use lathe_sdk::proto;
 use lathe_sdk::types::ForwardBackwardRequest;
+use serde::de::DeserializeOwned;
 
 use super::{ApiError, AppState};
 
@@ -29,7 +30,7 @@ impl FromRequest<AppState> for ForwardBackwardBody {
         let media = media_type(&req, CONTENT_TYPE);
         let json = match media.as_deref() {
             Some(proto::CONTENT_TYPE) => false,
-            Some(m) if m == "application/json" || m.ends_with("+json") => true,
+            Some(m) if is_json(m) => true,
             // A clear 415 naming both encodings.
             _ => return Err(unsupported_media()),
         };
@@ -44,19 +45,7 @@ impl FromRequest<AppState> for ForwardBackwardBody {
                 ))
             }
         };
-        let owner = req
-            .extensions()
-            .get::<super::auth::Owner>()
-            .map(|o| o.0.clone())
-            .unwrap_or_default();
-        let body = Bytes::from_request(req, state)
-            .await
-            .map_err(|r| match r.status() {
-                StatusCode::PAYLOAD_TOO_LARGE => ApiError::too_large(),
-                _ => ApiError::body_too_slow(&r).unwrap_or_else(|| {
-                    ApiError::bad_request(format!("reading the body: {}", r.body_text()))
-                }),
-            })?;
+        let (owner, body) = read(req, state).await?;
         let limit = state.max_request_bytes;
         let slot = state.cpu_slot(&owner).await?;
         // Decompressing and decoding tens of megabytes is CPU work: off the async threads,
@@ -86,6 +75,58 @@ impl FromRequest<AppState> for ForwardBackwardBody {
             forward_only: decoded.forward_only,
         })
     }
+}
+
+/// A JSON body decoded as `forward_backward`'s is: off the async threads, in one of its
+/// key's CPU slots. For the requests whose bodies can be tens of megabytes (`forward`,
+/// `sample`, MinT's reverse KL); small ones take [`ApiJson`](super::ApiJson).
+pub struct LargeJson<T>(pub T);
+
+impl<T: DeserializeOwned + Send + 'static> FromRequest<AppState> for LargeJson<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &AppState) -> Result<Self, ApiError> {
+        if !media_type(&req, CONTENT_TYPE).is_some_and(|m| is_json(&m)) {
+            return Err(ApiError::new(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "unsupported_media_type",
+                "expected Content-Type: application/json",
+            ));
+        }
+        let (owner, body) = read(req, state).await?;
+        let slot = state.cpu_slot(&owner).await?;
+        tokio::task::spawn_blocking(move || {
+            let _slot = slot;
+            serde_json::from_slice(&body)
+                .map(LargeJson)
+                .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
+        })
+        .await
+        .map_err(|e| ApiError::internal(format!("decoding the body: {e}")))?
+    }
+}
+
+/// The request's key and its whole body (bounded by the server's body limit and pace).
+async fn read(req: Request, state: &AppState) -> Result<(String, Bytes), ApiError> {
+    let owner = req
+        .extensions()
+        .get::<super::auth::Owner>()
+        .map(|o| o.0.clone())
+        .unwrap_or_default();
+    let body = Bytes::from_request(req, state)
+        .await
+        .map_err(|r| match r.status() {
+            StatusCode::PAYLOAD_TOO_LARGE => ApiError::too_large(),
+            _ => ApiError::body_too_slow(&r).unwrap_or_else(|| {
+                ApiError::bad_request(format!("reading the body: {}", r.body_text()))
+            }),
+        })?;
+    Ok((owner, body))
+}
+
+/// `application/json`, or a `+json` type.
+fn is_json(media: &str) -> bool {
+    media == "application/json" || media.ends_with("+json")
 }
 
 /// A header's media type, lower-cased, without parameters.

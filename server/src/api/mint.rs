@@ -7,6 +7,7 @@ use lathe_sdk::types::mint::{
 };
 use lathe_sdk::types::UntypedApiFuture;
 
+use super::body::LargeJson;
 use super::training::{ordered, parse_uri};
 use super::validate::{self, dense_values, floats, to_token_ids};
 use super::{ApiError, ApiJson, AppState, Owner};
@@ -66,7 +67,7 @@ pub async fn interpolate(
 pub async fn forward_backward_reverse_kl(
     State(s): State<AppState>,
     Extension(owner): Extension<Owner>,
-    ApiJson(req): ApiJson<ForwardBackwardReverseKlRequest>,
+    LargeJson(req): LargeJson<ForwardBackwardReverseKlRequest>,
 ) -> Result<Json<UntypedApiFuture>, ApiError> {
     let order = (s.clone(), owner.clone(), req.model_id.clone(), req.seq_id);
     ordered(order, reverse_kl_inner(s, owner, req).await).await

@@ -11,6 +11,7 @@ use lathe_sdk::types::{
 };
 use serde_json::Value;
 
+use super::body::LargeJson;
 use super::session::with_type;
 use super::training::parse_uri;
 use super::{validate, ApiError, ApiJson, AppState, Owner};
@@ -46,7 +47,7 @@ pub async fn create_sampling_session(
 pub async fn asample(
     State(s): State<AppState>,
     Extension(owner): Extension<Owner>,
-    ApiJson(req): ApiJson<SampleRequest>,
+    LargeJson(req): LargeJson<SampleRequest>,
 ) -> Result<Json<UntypedApiFuture>, ApiError> {
     let job = validate::sample_job(&s.model, &req, &s.limits)?;
     let sampler = match (req.sampling_session_id, req.model_path, req.base_model) {

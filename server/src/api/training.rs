@@ -10,7 +10,7 @@ use lathe_sdk::types::{
 };
 use serde_json::Value;
 
-use super::body::ForwardBackwardBody;
+use super::body::{ForwardBackwardBody, LargeJson};
 use super::custom_loss;
 use super::session::with_type;
 use super::{validate, ApiError, ApiJson, AppState, Owner};
@@ -125,7 +125,7 @@ async fn forward_backward_inner(
 pub async fn forward(
     State(s): State<AppState>,
     Extension(owner): Extension<Owner>,
-    ApiJson(req): ApiJson<ForwardRequest>,
+    LargeJson(req): LargeJson<ForwardRequest>,
 ) -> Result<Json<UntypedApiFuture>, ApiError> {
     let order = (s.clone(), owner.clone(), req.model_id.clone(), req.seq_id);
     ordered(order, forward_inner(s, owner, req).await).await
