@@ -31,15 +31,47 @@ pub fn keep_freed_memory() {
 }
 
 /// The memory this process may use, in bytes, where it can be read: the machine's
-/// (`MemTotal` of `/proc/meminfo`), or its cgroup's limit (`memory.max`, cgroup v2) when
-/// that is lower, as in a container.
+/// (`MemTotal` of `/proc/meminfo`), or the lowest memory limit of its cgroup and the
+/// cgroups above it when that is lower, as in a container or a systemd unit (cgroup v2's
+/// `memory.max`, v1's `memory.limit_in_bytes`).
 pub fn physical_bytes() -> Option<u64> {
     let info = std::fs::read_to_string("/proc/meminfo").ok()?;
     let total = mem_total(&info)?;
-    let limit = std::fs::read_to_string("/sys/fs/cgroup/memory.max")
-        .ok()
-        .and_then(|s| s.trim().parse::<u64>().ok());
+    let cgroup = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    let v2 = cgroup_dirs(&cgroup, "0::", "/sys/fs/cgroup")
+        .into_iter()
+        .map(|d| d.join("memory.max"));
+    let v1 = cgroup_dirs(&cgroup, ":memory:", "/sys/fs/cgroup/memory")
+        .into_iter()
+        .map(|d| d.join("memory.limit_in_bytes"));
+    let limit = v2
+        .chain(v1)
+        .filter_map(|file| std::fs::read_to_string(file).ok())
+        .filter_map(|s| s.trim().parse::<u64>().ok())
+        .min();
     Some(limit.map_or(total, |l| l.min(total)))
+}
+
+/// The directories under `root` of the cgroup that a `/proc/self/cgroup` text names on
+/// its line holding `marker` (`0::` for v2, `:memory:` for v1), from the process's own
+/// up to `root` (none without such a line).
+fn cgroup_dirs(cgroup: &str, marker: &str, root: &str) -> Vec<std::path::PathBuf> {
+    let root = std::path::Path::new(root);
+    let Some(path) = cgroup
+        .lines()
+        .find_map(|l| l.find(marker).map(|i| &l[i + marker.len()..]))
+    else {
+        return Vec::new();
+    };
+    let mut dir = root.join(path.trim().trim_start_matches('/'));
+    let mut dirs = Vec::new();
+    while dir.starts_with(root) {
+        dirs.push(dir.clone());
+        if !dir.pop() {
+            break;
+        }
+    }
+    dirs
 }
 
 /// `MemTotal` of a `/proc/meminfo` text, in bytes.
@@ -58,6 +90,29 @@ fn mem_total(info: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_cgroups_directories_run_up_to_the_root() {
+        let dirs = cgroup_dirs("0::/system.slice/lathe.service\n", "0::", "/sys/fs/cgroup");
+        let names: Vec<_> = dirs.iter().map(|d| d.display().to_string()).collect();
+        assert_eq!(
+            names,
+            [
+                "/sys/fs/cgroup/system.slice/lathe.service",
+                "/sys/fs/cgroup/system.slice",
+                "/sys/fs/cgroup"
+            ]
+        );
+        assert_eq!(cgroup_dirs("0::/\n", "0::", "/sys/fs/cgroup").len(), 1);
+        let v1 = "4:memory:/process_api/x\n0::/\n";
+        let dirs = cgroup_dirs(v1, ":memory:", "/sys/fs/cgroup/memory");
+        assert_eq!(
+            dirs[0].display().to_string(),
+            "/sys/fs/cgroup/memory/process_api/x"
+        );
+        assert_eq!(dirs.len(), 3);
+        assert!(cgroup_dirs("", "0::", "/sys/fs/cgroup").is_empty());
+    }
 
     #[test]
     fn mem_total_is_read_in_bytes() {

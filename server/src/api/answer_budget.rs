@@ -13,16 +13,19 @@
 //!
 //! The budget is checked where an answer can be large, so that no work is lost to it:
 //! - `retrieve_future` (which answers almost every large result) checks it before it
-//!   takes a result from the table, and again once the answer is written: an answer that
-//!   would take a key holding anything past its budget is refused (429) and the result
-//!   stays retrievable as if never polled (the SDKs retry). An answer larger than the
-//!   whole budget passes when the key holds nothing else; it could never pass otherwise.
+//!   takes a result from the table, and reserves the result's estimated size before
+//!   writing it: a result that would take a key holding anything past its budget is
+//!   refused (429) and stays retrievable (the SDKs retry). A result larger than the whole
+//!   budget passes when the key holds nothing else; it could never pass otherwise.
+//! - a `GET` (listings, a run's or a checkpoint's details: pages of up to 1000 rows) can
+//!   be asked again, so it is refused before it runs while the key is at its budget, and
+//!   after it ran when its answer would take the key past it, as a result is.
 //! - the OpenAI completion endpoints are refused (429) before they run while the key is
 //!   at its budget; their answers are the product of work already done, so they are held
 //!   even past it: the excess is bounded by the key's requests in progress.
-//! - every other answer of a known size is held without a check: they are small, and
-//!   refusing them would shut a key out of its control calls (heartbeats, cancels,
-//!   unloads) while a large answer of its own downloads.
+//! - every other answer is held without a check: they are small, and refusing them would
+//!   shut a key out of its control calls (heartbeats, cancels, unloads) while a large
+//!   answer of its own downloads.
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -43,8 +46,8 @@ pub const DEFAULT_MAX_ANSWER_BYTES: usize = 256 << 20;
 /// Largest piece of an answer handed to the connection at once.
 const FRAME: usize = 64 << 10;
 
-/// Paths refused before they run while their key is at its budget (besides
-/// `retrieve_future`, which checks for itself).
+/// Paths besides `GET`s refused before they run while their key is at its budget
+/// (`retrieve_future` checks for itself).
 const ADMITTED: &[&str] = &["/v1/completions", "/v1/chat/completions"];
 
 /// Marks an answer whose handler already holds its bytes.
@@ -125,6 +128,16 @@ impl AnswerBudget {
     }
 }
 
+impl Held {
+    /// Holds `bytes` instead.
+    fn resize(&mut self, bytes: usize) {
+        let mut held = self.budget.held.lock().unwrap_or_else(|p| p.into_inner());
+        let n = held.entry(self.owner.clone()).or_default();
+        *n = n.saturating_sub(self.bytes).saturating_add(bytes);
+        self.bytes = bytes;
+    }
+}
+
 impl Drop for Held {
     fn drop(&mut self) {
         let mut held = self.budget.held.lock().unwrap_or_else(|p| p.into_inner());
@@ -138,27 +151,30 @@ impl Drop for Held {
 }
 
 impl AnswerBudget {
-    /// `resp`, an answer that stays retrievable if refused, holding its bytes of
-    /// `owner`'s budget; or the 429 when they would take a key that holds anything past
-    /// its budget.
-    pub fn hold_retrievable(
-        self: &Arc<Self>,
-        owner: &str,
-        resp: Response,
-    ) -> Result<Response, ApiError> {
+    /// `bytes` of `owner`'s budget for an answer about to be written that stays
+    /// retrievable if refused; the 429 when they would take a key that holds anything
+    /// past its budget.
+    pub fn reserve(self: &Arc<Self>, owner: &str, bytes: usize) -> Result<Held, ApiError> {
+        self.take(owner, bytes, true)
+    }
+
+    /// `resp`, the answer `held` was reserved for, holding its exact size instead of the
+    /// estimate (whatever the key holds: it is written) until its body ends.
+    pub fn hold_reserved(&self, resp: Response, mut held: Held) -> Response {
         let Some(bytes) = exact_size(&resp) else {
-            return Ok(resp);
+            return resp;
         };
-        let held = self.take(owner, bytes, true)?;
+        held.resize(bytes);
         let mut resp = holding(resp, held);
         resp.extensions_mut().insert(AnswerHeld);
-        Ok(resp)
+        resp
     }
 }
 
-/// Middleware: the OpenAI completions of a key at its budget are refused before they
-/// run, and every answer of a known size that its handler does not hold already holds
-/// its bytes of its key's budget until its body ends.
+/// Middleware: `GET`s and the OpenAI completions of a key at its budget are refused
+/// before they run, and every answer of a known size that its handler does not hold
+/// already holds its bytes of its key's budget until its body ends (a `GET`'s is refused
+/// instead when it would take the key past its budget).
 pub async fn hold_answers(
     axum::extract::State(s): axum::extract::State<AppState>,
     req: Request,
@@ -167,7 +183,8 @@ pub async fn hold_answers(
     let Some(owner) = req.extensions().get::<Owner>().map(|o| o.0.clone()) else {
         return next.run(req).await;
     };
-    if ADMITTED.contains(&req.uri().path()) {
+    let again = req.method() == axum::http::Method::GET;
+    if again || ADMITTED.contains(&req.uri().path()) {
         if let Err(e) = s.answer_budget.admit(&owner) {
             return e.into_response();
         }
@@ -176,16 +193,17 @@ pub async fn hold_answers(
     if resp.extensions().get::<AnswerHeld>().is_some() {
         return resp;
     }
-    hold(&s.answer_budget, &owner, resp)
+    hold(&s.answer_budget, &owner, resp, again)
 }
 
-/// `resp` holding its bytes of `owner`'s budget, whatever the key holds.
-fn hold(budget: &Arc<AnswerBudget>, owner: &str, resp: Response) -> Response {
+/// `resp` holding its bytes of `owner`'s budget; with `refusable`, the 429 instead when
+/// they would take a key that holds anything past its budget.
+fn hold(budget: &Arc<AnswerBudget>, owner: &str, resp: Response, refusable: bool) -> Response {
     let Some(bytes) = exact_size(&resp) else {
         // Streamed answers are bounded where they are produced.
         return resp;
     };
-    match budget.take(owner, bytes, false) {
+    match budget.take(owner, bytes, refusable) {
         Ok(held) => holding(resp, held),
         Err(e) => e.into_response(),
     }
@@ -284,30 +302,31 @@ mod tests {
     #[tokio::test]
     async fn answers_hold_their_keys_budget_until_their_bodies_end() {
         let budget = AnswerBudget::new(1500);
-        let first = budget.hold_retrievable("a", answer(1000)).unwrap();
-        assert_eq!(first.status(), 200);
+        let estimate = budget.reserve("a", 900).unwrap();
+        assert_eq!(held(&budget, "a"), 900);
+        let first = budget.hold_reserved(answer(1000), estimate);
+        assert_eq!(held(&budget, "a"), 1000, "the estimate becomes the size");
         assert!(first.extensions().get::<AnswerHeld>().is_some());
         assert!(budget.admit("a").is_ok(), "1000 of 1500 held");
-        let refused = budget
-            .hold_retrievable("a", answer(1000))
-            .unwrap_err()
-            .into_response();
+        let refused = budget.reserve("a", 1000).unwrap_err().into_response();
         assert_eq!(refused.status(), 429);
         let body = axum::body::to_bytes(refused.into_body(), 1 << 20)
             .await
             .unwrap();
         let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(v["limit"], "max_answer_bytes", "{v}");
-        let done_work = hold(&budget, "a", answer(1000));
+        assert_eq!(
+            hold(&budget, "a", answer(1000), true).status(),
+            429,
+            "a GET"
+        );
+        let done_work = hold(&budget, "a", answer(1000), false);
         assert_eq!(done_work.status(), 200, "work already done is held anyway");
         assert_eq!(held(&budget, "a"), 2000);
         let at_budget = budget.admit("a").unwrap_err().into_response();
         assert_eq!(at_budget.status(), 429);
         assert!(at_budget.headers().contains_key("retry-after"));
-        assert!(
-            budget.hold_retrievable("b", answer(1000)).is_ok(),
-            "another key"
-        );
+        assert!(budget.reserve("b", 1000).is_ok(), "another key");
         // Reading an answer to its end and dropping it gives its bytes back.
         let read = axum::body::to_bytes(first.into_body(), 1 << 20)
             .await
@@ -315,8 +334,8 @@ mod tests {
         assert_eq!(read.len(), 1000);
         drop(done_work);
         assert_eq!(held(&budget, "a"), 0);
-        let too_large = budget.hold_retrievable("a", answer(5000)).unwrap();
-        assert_eq!(too_large.status(), 200, "alone, too large");
+        let too_large = budget.reserve("a", 5000).unwrap();
+        assert_eq!(held(&budget, "a"), 5000, "alone, too large");
         drop(too_large);
         assert!(budget.held.lock().unwrap().is_empty());
     }
@@ -328,7 +347,12 @@ mod tests {
         let budget = AnswerBudget::new(1 << 30);
         let len = 5 * FRAME + 123;
         let data: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
-        let resp = hold(&budget, "a", Body::from(data.clone()).into_response());
+        let resp = hold(
+            &budget,
+            "a",
+            Body::from(data.clone()).into_response(),
+            false,
+        );
         let mut body = resp.into_body();
         assert_eq!(body.size_hint().exact(), Some(len as u64));
         let mut got = Vec::new();

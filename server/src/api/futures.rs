@@ -20,10 +20,12 @@ use super::{ApiError, ApiJson, AppState, Owner};
 /// A result's answer holds its bytes of the key's `--max-answer-bytes` until its client
 /// has taken it ([`super::answer_budget`]). A key whose clients already have that much to
 /// read gets 429 before anything is taken from the table, and a result whose answer would
-/// pass the budget is refused with 429 and stays retrievable as if never polled: no
-/// result is lost to the budget. Results are written in one of the key's CPU slots, so a
-/// key retrieving over many connections at once writes one or two at a time, each
-/// checked against the budget.
+/// pass the budget is refused with 429 before it is written. A result counts as
+/// retrieved (and goes a minute later) only once its answer is handed to the connection,
+/// so none is lost to the budget or to a client that gave up waiting. Results are
+/// written off the async threads in one of the key's CPU slots, and each reserves its
+/// estimated size of the budget first, so a key retrieving over many connections at
+/// once writes no more copies than its budget holds.
 pub async fn retrieve_future(
     State(s): State<AppState>,
     Extension(owner): Extension<Owner>,
@@ -33,7 +35,12 @@ pub async fn retrieve_future(
     s.answer_budget.admit(&owner.0)?;
     let result = s
         .engine
-        .retrieve(owner.0.clone(), req.request_id.clone(), s.poll_timeout)
+        .retrieve_marking(
+            owner.0.clone(),
+            req.request_id.clone(),
+            s.poll_timeout,
+            false,
+        )
         .await?;
     let Some(result) = result else {
         return Ok(Json(TryAgainResponse {
@@ -43,20 +50,21 @@ pub async fn retrieve_future(
         })
         .into_response());
     };
-    if let Err(f) = result.as_ref() {
-        return Ok(Json(RequestFailedResponse {
+    let answer = match result.as_ref() {
+        Err(f) => Json(RequestFailedResponse {
             error: f.message.clone(),
             category: f.category().into(),
         })
-        .into_response());
-    }
-    let answer = written(&s, &owner.0, result, Encoding::accepted(&headers)).await;
-    let held = answer.and_then(|resp| s.answer_budget.hold_retrievable(&owner.0, resp));
-    if held.is_err() {
-        // Nothing was sent: the result stays as it was before this poll.
-        let _ = s.engine.unretrieve_future(owner.0, req.request_id).await;
-    }
-    held
+        .into_response(),
+        Ok(reply) => {
+            // The estimate first, so that copies being written count; then the size.
+            let reserved = s.answer_budget.reserve(&owner.0, reply.approx_bytes())?;
+            let resp = written(&s, &owner.0, result.clone(), Encoding::accepted(&headers)).await?;
+            s.answer_budget.hold_reserved(resp, reserved)
+        }
+    };
+    s.engine.mark_retrieved(owner.0, req.request_id).await?;
+    Ok(answer)
 }
 
 /// A finished result's answer, written off the async threads in one of `owner`'s CPU

@@ -78,7 +78,8 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = default_total_adapter_bytes(), help_heading = "Limits")]
     max_total_adapter_bytes: u64,
     /// Bytes of answers each key's clients may have yet to read (an answer waits in
-    /// memory for its client); past it the key's requests are refused with 429.
+    /// memory for its client); past it the key's result retrievals, GETs and OpenAI
+    /// completions are refused with 429 (control calls never are).
     #[arg(long, default_value_t = lathe_server::api::DEFAULT_MAX_ANSWER_BYTES, help_heading = "Per-key limits")]
     max_answer_bytes: usize,
     /// Limits on HTTP connections, which hold before any key is checked.

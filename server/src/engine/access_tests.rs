@@ -39,7 +39,7 @@ fn published(kind: CheckpointKind) -> (CheckpointRow, CheckpointUri) {
 }
 
 fn failure_of(engine: &mut Engine, request_id: &str, owner: &str) -> Option<String> {
-    match engine.futures.poll(request_id, owner) {
+    match engine.futures.poll(request_id, owner, true) {
         Some(Poll::Ready(r)) => r.as_ref().as_ref().err().map(|f| f.message.clone()),
         _ => None,
     }

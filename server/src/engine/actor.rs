@@ -81,15 +81,29 @@ impl EngineHandle {
         })
     }
 
-    /// Waits up to `timeout` for a future's result; `Ok(None)` means still pending.
+    /// Waits up to `timeout` for a future's result; `Ok(None)` means still pending. The
+    /// result counts as retrieved (it goes a minute later).
     pub async fn retrieve(
         &self,
         owner: String,
         request_id: String,
         timeout: Duration,
     ) -> Result<Option<FutureResult>, EngineError> {
+        self.retrieve_marking(owner, request_id, timeout, true)
+            .await
+    }
+
+    /// [`EngineHandle::retrieve`], with the result counting as retrieved only once
+    /// [`EngineHandle::mark_retrieved`] says it was handed over (with `mark` false).
+    pub async fn retrieve_marking(
+        &self,
+        owner: String,
+        request_id: String,
+        timeout: Duration,
+        mark: bool,
+    ) -> Result<Option<FutureResult>, EngineError> {
         let poll = self
-            .poll_future(owner, request_id.clone())
+            .poll_future(owner, request_id.clone(), mark)
             .await?
             .ok_or_else(|| {
                 EngineError::NotFound(format!(

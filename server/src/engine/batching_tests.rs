@@ -63,7 +63,7 @@ fn a_dead_worker_fails_everything_pending_and_the_engine_reports_it() {
     alive.store(false, Ordering::SeqCst);
     engine.tick(std::time::Instant::now());
     for (id, owner) in [(&running, "alice"), (&queued, "bob")] {
-        match engine.futures.poll(id, owner) {
+        match engine.futures.poll(id, owner, true) {
             Some(super::futures::Poll::Ready(r)) => {
                 let failure = r.as_ref().as_ref().unwrap_err();
                 assert!(
@@ -230,7 +230,7 @@ fn a_small_request_waits_at_most_one_pass_behind_another_keys_backlog() {
         pass_result(&victim_req, 1, 0.5),
         pass_result(&hog_req, 1, 1.0),
     ]);
-    let victim_done = match engine.futures.poll(&victim_req, "victim") {
+    let victim_done = match engine.futures.poll(&victim_req, "victim", true) {
         Some(super::futures::Poll::Ready(r)) => r.as_ref().clone().unwrap(),
         _ => panic!("the victim's request is done after one pass"),
     };
@@ -253,7 +253,7 @@ fn a_small_request_waits_at_most_one_pass_behind_another_keys_backlog() {
         );
         engine.complete(vec![pass_result(&hog_req, 1, 1.0)]);
     }
-    match engine.futures.poll(&hog_req, "hog") {
+    match engine.futures.poll(&hog_req, "hog", true) {
         Some(super::futures::Poll::Ready(r)) => {
             let body = r.as_ref().clone().unwrap().into_forward().unwrap();
             assert_eq!(body.datums.len(), 6);
@@ -284,7 +284,7 @@ fn a_failed_pass_fails_its_request_and_drops_the_rest() {
         result: Err(crate::worker::Failure::server("boom")),
     }]);
     assert!(matches!(
-        engine.futures.poll(&req, "a"),
+        engine.futures.poll(&req, "a", true),
         Some(super::futures::Poll::Ready(r)) if r.is_err()
     ));
     // The run moves on to its next operation.
@@ -317,7 +317,7 @@ fn a_snapshot_evicted_before_it_was_taken_is_never_taken() {
         })
         .collect();
     assert!(taken.iter().all(|s| !s.ends_with(":sample:1")), "{taken:?}");
-    match engine.futures.poll(&ids[0], "a") {
+    match engine.futures.poll(&ids[0], "a", true) {
         Some(super::futures::Poll::Ready(r)) => {
             let failure = r.as_ref().as_ref().unwrap_err();
             assert!(
@@ -397,7 +397,7 @@ fn a_sampling_request_joins_a_running_decode_at_its_next_step() {
     // Bob's short request leaves first; alice's goes on.
     engine.complete(report(vec![done(&b)], &[(&a, 1)]));
     assert!(matches!(
-        engine.futures.poll(&b, "bob"),
+        engine.futures.poll(&b, "bob", true),
         Some(super::futures::Poll::Ready(_))
     ));
     engine.pump();
@@ -587,7 +587,8 @@ fn cancelled_samples_leave_the_queue_or_the_decode_and_training_is_not_cancelled
         "another key's request"
     );
     engine.cancel_future("alice", &b).unwrap();
-    let failed = |engine: &mut super::Engine, id: &str| match engine.futures.poll(id, "alice") {
+    let failed = |engine: &mut super::Engine, id: &str| match engine.futures.poll(id, "alice", true)
+    {
         Some(super::futures::Poll::Ready(r)) => r.as_ref().clone().err().map(|f| f.message),
         _ => None,
     };

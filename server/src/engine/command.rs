@@ -208,11 +208,12 @@ commands! {
         -> Result<PathBuf, EngineError>
         = |e| e.checkpoint_dir(&owner, &uri);
     /// A future's state, for its owner.
-    pub(super) fn poll_future => PollFuture(owner: String, request_id: String) -> Option<Poll>
-        = |e| e.futures.poll(&request_id, &owner);
-    /// A finished future whose answer was refused counts as not retrieved.
-    pub fn unretrieve_future => UnretrieveFuture(owner: String, request_id: String) -> ()
-        = |e| e.futures.unretrieve(&request_id, &owner);
+    pub(super) fn poll_future => PollFuture(owner: String, request_id: String, mark: bool)
+        -> Option<Poll>
+        = |e| e.futures.poll(&request_id, &owner, mark);
+    /// A finished future's answer was handed to its client.
+    pub fn mark_retrieved => MarkRetrieved(owner: String, request_id: String) -> ()
+        = |e| e.futures.mark_retrieved(&request_id, &owner);
     /// Queues MinT's reverse-KL step on a run.
     pub fn reverse_kl => ReverseKl(
         owner: String,

@@ -26,7 +26,8 @@ pub enum Poll {
 }
 
 enum State {
-    Pending(Vec<oneshot::Sender<FutureResult>>),
+    /// Waiters, each with whether its delivery counts as a retrieval.
+    Pending(Vec<(oneshot::Sender<FutureResult>, bool)>),
     Done {
         result: FutureResult,
         at: Instant,
@@ -103,8 +104,8 @@ impl Futures {
         self.completions.record(request_id, result.is_err());
         let result = Arc::new(result);
         let mut delivered = false;
-        for w in waiters.drain(..) {
-            delivered |= w.send(result.clone()).is_ok();
+        for (w, marks) in waiters.drain(..) {
+            delivered |= w.send(result.clone()).is_ok() && marks;
         }
         let now = Instant::now();
         entry.state = State::Done {
@@ -175,8 +176,10 @@ impl Futures {
         Some(matches!(entry.state, State::Pending(_)))
     }
 
-    /// Polls a future owned by `owner`; `None` when unknown (or someone else's).
-    pub fn poll(&mut self, request_id: &str, owner: &str) -> Option<Poll> {
+    /// `owner`'s future `request_id`: finished, or a receiver for its result. With
+    /// `mark`, a finished result (or one delivered to this receiver) counts as retrieved
+    /// at once; without, only when [`Futures::mark_retrieved`] says it was handed over.
+    pub fn poll(&mut self, request_id: &str, owner: &str, mark: bool) -> Option<Poll> {
         let entry = self.map.get_mut(request_id)?;
         if entry.owner != owner {
             return None;
@@ -185,29 +188,30 @@ impl Futures {
             State::Done {
                 result, retrieved, ..
             } => {
-                retrieved.get_or_insert_with(Instant::now);
+                if mark {
+                    retrieved.get_or_insert_with(Instant::now);
+                }
                 Poll::Ready(result.clone())
             }
             State::Pending(waiters) => {
                 let (tx, rx) = oneshot::channel();
-                waiters.retain(|w| !w.is_closed());
-                waiters.push(tx);
+                waiters.retain(|(w, _)| !w.is_closed());
+                waiters.push((tx, mark));
                 Poll::Wait(rx)
             }
         })
     }
 
-    /// Undoes the retrieval a poll of `owner`'s finished `request_id` recorded, when its
-    /// answer was refused after all: the result then stays until retrieved (or the TTL),
-    /// as if never polled.
-    pub fn unretrieve(&mut self, request_id: &str, owner: &str) {
+    /// `owner`'s finished `request_id` was handed to its client: it goes
+    /// [`RETRIEVED_GRACE`] from now (or from an earlier hand-over).
+    pub fn mark_retrieved(&mut self, request_id: &str, owner: &str) {
         if let Some(Entry {
             owner: o,
             state: State::Done { retrieved, .. },
         }) = self.map.get_mut(request_id)
         {
             if o == owner {
-                *retrieved = None;
+                retrieved.get_or_insert_with(Instant::now);
             }
         }
     }
@@ -265,18 +269,21 @@ mod tests {
     fn waiters_are_woken_and_results_stay_retrievable() {
         let mut f = Futures::default();
         f.insert("r1".into(), "alice");
-        let Some(Poll::Wait(mut rx)) = f.poll("r1", "alice") else {
+        let Some(Poll::Wait(mut rx)) = f.poll("r1", "alice", true) else {
             panic!("pending")
         };
-        assert!(f.poll("r1", "bob").is_none(), "other owners see nothing");
+        assert!(
+            f.poll("r1", "bob", true).is_none(),
+            "other owners see nothing"
+        );
         f.resolve("r1", Ok(reply()));
         assert_eq!(*rx.try_recv().unwrap(), Ok(reply()));
-        assert!(matches!(f.poll("r1", "alice"), Some(Poll::Ready(_))));
+        assert!(matches!(f.poll("r1", "alice", true), Some(Poll::Ready(_))));
         f.expire(
             Instant::now() + Duration::from_secs(10),
             Duration::from_secs(5),
         );
-        assert!(f.poll("r1", "alice").is_none());
+        assert!(f.poll("r1", "alice", true).is_none());
         assert_eq!(f.done_bytes(), 0);
     }
 
@@ -287,37 +294,51 @@ mod tests {
             f.insert(id.into(), "alice");
             f.resolve(id, Ok(reply()));
         }
-        assert!(matches!(f.poll("a", "alice"), Some(Poll::Ready(_))));
+        assert!(matches!(f.poll("a", "alice", true), Some(Poll::Ready(_))));
         let later = Instant::now() + RETRIEVED_GRACE + Duration::from_secs(1);
         f.expire(later, Duration::from_secs(3600));
-        assert!(f.poll("a", "alice").is_none(), "retrieved, then freed");
-        assert!(f.poll("b", "alice").is_some(), "not retrieved: kept");
+        assert!(
+            f.poll("a", "alice", true).is_none(),
+            "retrieved, then freed"
+        );
+        assert!(f.poll("b", "alice", true).is_some(), "not retrieved: kept");
         // Two more results exceed the budget: the oldest unretrieved one goes.
         for id in ["d", "e"] {
             f.insert(id.into(), "alice");
             f.resolve(id, Ok(reply()));
         }
-        assert!(f.poll("b", "alice").is_none());
-        assert!(f.poll("c", "alice").is_some() && f.poll("e", "alice").is_some());
+        assert!(f.poll("b", "alice", true).is_none());
+        assert!(f.poll("c", "alice", true).is_some() && f.poll("e", "alice", true).is_some());
         assert!(f.done_bytes() <= 3 * reply().approx_bytes());
     }
 
-    /// A poll whose answer was refused is undone: the result stays past the grace, as
-    /// if never polled; another key cannot undo it.
+    /// A poll that does not mark leaves a result as if never polled, past the grace;
+    /// a hand-over marks it; another key cannot mark it.
     #[test]
-    fn an_unretrieved_result_stays_past_the_grace() {
+    fn only_a_handed_over_result_goes_after_the_grace() {
         let mut f = Futures::default();
-        for id in ["kept", "taken"] {
+        for id in ["kept", "taken", "waited"] {
             f.insert(id.into(), "alice");
-            f.resolve(id, Ok(reply()));
-            assert!(matches!(f.poll(id, "alice"), Some(Poll::Ready(_))));
         }
-        f.unretrieve("kept", "alice");
-        f.unretrieve("taken", "mallory");
+        let Some(Poll::Wait(_rx)) = f.poll("waited", "alice", false) else {
+            panic!("pending")
+        };
+        for id in ["kept", "taken", "waited"] {
+            f.resolve(id, Ok(reply()));
+        }
+        for id in ["kept", "taken"] {
+            assert!(matches!(f.poll(id, "alice", false), Some(Poll::Ready(_))));
+        }
+        f.mark_retrieved("kept", "mallory");
+        f.mark_retrieved("taken", "alice");
         let later = Instant::now() + RETRIEVED_GRACE + Duration::from_secs(1);
         f.expire(later, Duration::from_secs(3600));
-        assert!(f.poll("kept", "alice").is_some());
-        assert!(f.poll("taken", "alice").is_none());
+        assert!(f.poll("kept", "alice", true).is_some());
+        assert!(
+            f.poll("waited", "alice", true).is_some(),
+            "delivered, not handed over"
+        );
+        assert!(f.poll("taken", "alice", true).is_none());
     }
 
     #[test]
@@ -334,12 +355,12 @@ mod tests {
         }
         assert!(f.done_bytes() <= 4 * one);
         assert!(
-            matches!(f.poll("victim-1", "victim"), Some(Poll::Ready(_))),
+            matches!(f.poll("victim-1", "victim", true), Some(Poll::Ready(_))),
             "the older result of the key holding less survives"
         );
         // The hog keeps its newest three.
-        assert!(f.poll("hog-16", "hog").is_none());
-        assert!((17..20).all(|i| f.poll(&format!("hog-{i}"), "hog").is_some()));
+        assert!(f.poll("hog-16", "hog", true).is_none());
+        assert!((17..20).all(|i| f.poll(&format!("hog-{i}"), "hog", true).is_some()));
         // Expiry keeps the per-key counts right: everything retrieved, then freed.
         let later = Instant::now() + RETRIEVED_GRACE + Duration::from_secs(1);
         f.expire(later, Duration::from_secs(3600));

@@ -76,6 +76,7 @@ CREATE TABLE IF NOT EXISTS runs (
     user_metadata TEXT NOT NULL DEFAULT '{}'
 );
 CREATE INDEX IF NOT EXISTS runs_owner ON runs(owner, created_at);
+CREATE INDEX IF NOT EXISTS runs_owner_active ON runs(owner, last_request_at);
 CREATE TABLE IF NOT EXISTS checkpoints (
     run_id TEXT NOT NULL,
     kind TEXT NOT NULL,
