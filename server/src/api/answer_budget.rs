@@ -13,13 +13,14 @@
 //!
 //! The budget is checked where an answer can be large, so that no work is lost to it:
 //! - `retrieve_future` (which answers almost every large result) checks it before it
-//!   takes a result from the table, and reserves the result's estimated size before
-//!   writing it: a result that would take a key holding anything past its budget is
-//!   refused (429) and stays retrievable (the SDKs retry). A result larger than the whole
-//!   budget passes when the key holds nothing else; it could never pass otherwise.
-//! - a `GET` (listings, a run's or a checkpoint's details: pages of up to 1000 rows) can
-//!   be asked again, so it is refused before it runs while the key is at its budget, and
-//!   after it ran when its answer would take the key past it, as a result is.
+//!   takes a result from the table, reserves the result's estimated size before writing
+//!   it, and takes its exact size once written: a result that would take a key holding
+//!   anything past its budget is refused (429) and stays retrievable (the SDKs retry). A
+//!   result larger than the whole budget passes when the key holds nothing else; it
+//!   could never pass otherwise.
+//! - a listing (runs, checkpoints, sessions: pages of up to 1000 rows) can be asked
+//!   again, so it is refused before it runs while the key is at its budget, and after it
+//!   ran when its answer would take the key past it, as a result is.
 //! - the OpenAI completion endpoints are refused (429) before they run while the key is
 //!   at its budget; their answers are the product of work already done, so they are held
 //!   even past it: the excess is bounded by the key's requests in progress.
@@ -46,9 +47,18 @@ pub const DEFAULT_MAX_ANSWER_BYTES: usize = 256 << 20;
 /// Largest piece of an answer handed to the connection at once.
 const FRAME: usize = 64 << 10;
 
-/// Paths besides `GET`s refused before they run while their key is at its budget
-/// (`retrieve_future` checks for itself).
+/// Paths refused before they run while their key is at its budget (`retrieve_future`
+/// checks for itself).
 const ADMITTED: &[&str] = &["/v1/completions", "/v1/chat/completions"];
+
+/// Whether `path` is a listing (pages of up to 1000 rows, each run with up to 16 KiB of
+/// metadata): asked again after a refusal, so refused like a result.
+fn is_listing(path: &str) -> bool {
+    matches!(
+        path,
+        "/api/v1/training_runs" | "/api/v1/checkpoints" | "/api/v1/sessions"
+    ) || (path.starts_with("/api/v1/training_runs/") && path.ends_with("/checkpoints"))
+}
 
 /// Marks an answer whose handler already holds its bytes.
 #[derive(Debug, Clone, Copy)]
@@ -128,16 +138,6 @@ impl AnswerBudget {
     }
 }
 
-impl Held {
-    /// Holds `bytes` instead.
-    fn resize(&mut self, bytes: usize) {
-        let mut held = self.budget.held.lock().unwrap_or_else(|p| p.into_inner());
-        let n = held.entry(self.owner.clone()).or_default();
-        *n = n.saturating_sub(self.bytes).saturating_add(bytes);
-        self.bytes = bytes;
-    }
-}
-
 impl Drop for Held {
     fn drop(&mut self) {
         let mut held = self.budget.held.lock().unwrap_or_else(|p| p.into_inner());
@@ -159,22 +159,33 @@ impl AnswerBudget {
     }
 
     /// `resp`, the answer `held` was reserved for, holding its exact size instead of the
-    /// estimate (whatever the key holds: it is written) until its body ends.
-    pub fn hold_reserved(&self, resp: Response, mut held: Held) -> Response {
+    /// estimate until its body ends; the 429 when its size past the estimate would take a
+    /// key that holds anything else past its budget (a JSON answer is several times the
+    /// estimate, which counts the values' bytes).
+    pub fn hold_reserved(&self, resp: Response, mut held: Held) -> Result<Response, ApiError> {
         let Some(bytes) = exact_size(&resp) else {
-            return resp;
+            return Ok(resp);
         };
-        held.resize(bytes);
+        {
+            let mut all = self.held.lock().unwrap_or_else(|p| p.into_inner());
+            let mine = all.get(&held.owner).copied().unwrap_or(0);
+            let others = mine.saturating_sub(held.bytes);
+            if bytes > held.bytes && others > 0 && others.saturating_add(bytes) > self.max {
+                return Err(self.refusal(mine));
+            }
+            all.insert(held.owner.clone(), others.saturating_add(bytes));
+            held.bytes = bytes;
+        }
         let mut resp = holding(resp, held);
         resp.extensions_mut().insert(AnswerHeld);
-        resp
+        Ok(resp)
     }
 }
 
-/// Middleware: `GET`s and the OpenAI completions of a key at its budget are refused
+/// Middleware: listings and the OpenAI completions of a key at its budget are refused
 /// before they run, and every answer of a known size that its handler does not hold
-/// already holds its bytes of its key's budget until its body ends (a `GET`'s is refused
-/// instead when it would take the key past its budget).
+/// already holds its bytes of its key's budget until its body ends (a listing's is
+/// refused instead when it would take the key past its budget).
 pub async fn hold_answers(
     axum::extract::State(s): axum::extract::State<AppState>,
     req: Request,
@@ -183,8 +194,9 @@ pub async fn hold_answers(
     let Some(owner) = req.extensions().get::<Owner>().map(|o| o.0.clone()) else {
         return next.run(req).await;
     };
-    let again = req.method() == axum::http::Method::GET;
-    if again || ADMITTED.contains(&req.uri().path()) {
+    let path = req.uri().path();
+    let again = req.method() == axum::http::Method::GET && is_listing(path);
+    if again || ADMITTED.contains(&path) {
         if let Err(e) = s.answer_budget.admit(&owner) {
             return e.into_response();
         }
@@ -304,7 +316,7 @@ mod tests {
         let budget = AnswerBudget::new(1500);
         let estimate = budget.reserve("a", 900).unwrap();
         assert_eq!(held(&budget, "a"), 900);
-        let first = budget.hold_reserved(answer(1000), estimate);
+        let first = budget.hold_reserved(answer(1000), estimate).unwrap();
         assert_eq!(held(&budget, "a"), 1000, "the estimate becomes the size");
         assert!(first.extensions().get::<AnswerHeld>().is_some());
         assert!(budget.admit("a").is_ok(), "1000 of 1500 held");
@@ -326,7 +338,19 @@ mod tests {
         let at_budget = budget.admit("a").unwrap_err().into_response();
         assert_eq!(at_budget.status(), 429);
         assert!(at_budget.headers().contains_key("retry-after"));
-        assert!(budget.reserve("b", 1000).is_ok(), "another key");
+        // An estimate that passes, and an answer four times it that would not.
+        let small = budget.reserve("b", 100).unwrap();
+        let alone = budget.hold_reserved(answer(400), small).unwrap();
+        let estimate = budget.reserve("b", 200).unwrap();
+        assert_eq!(held(&budget, "b"), 600);
+        let grown = budget.hold_reserved(answer(1200), estimate).unwrap_err();
+        assert_eq!(grown.into_response().status(), 429);
+        assert_eq!(
+            held(&budget, "b"),
+            400,
+            "the refused reservation is given back"
+        );
+        drop(alone);
         // Reading an answer to its end and dropping it gives its bytes back.
         let read = axum::body::to_bytes(first.into_body(), 1 << 20)
             .await
@@ -338,6 +362,28 @@ mod tests {
         assert_eq!(held(&budget, "a"), 5000, "alone, too large");
         drop(too_large);
         assert!(budget.held.lock().unwrap().is_empty());
+    }
+
+    /// Listings are told from the other reads, which are never refused.
+    #[test]
+    fn listings_are_told_apart() {
+        for listing in [
+            "/api/v1/training_runs",
+            "/api/v1/checkpoints",
+            "/api/v1/sessions",
+            "/api/v1/training_runs/s:train:0/checkpoints",
+        ] {
+            assert!(is_listing(listing), "{listing}");
+        }
+        for other in [
+            "/api/v1/get_server_capabilities",
+            "/api/v1/samplers/s:sample:0",
+            "/api/v1/training_runs/s:train:0",
+            "/api/v1/sessions/s",
+            "/api/v1/lathe/tokenizer",
+        ] {
+            assert!(!is_listing(other), "{other}");
+        }
     }
 
     /// A large answer goes out in pieces of at most [`FRAME`] bytes, announces its whole

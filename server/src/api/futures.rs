@@ -20,12 +20,11 @@ use super::{ApiError, ApiJson, AppState, Owner};
 /// A result's answer holds its bytes of the key's `--max-answer-bytes` until its client
 /// has taken it ([`super::answer_budget`]). A key whose clients already have that much to
 /// read gets 429 before anything is taken from the table, and a result whose answer would
-/// pass the budget is refused with 429 before it is written. A result counts as
-/// retrieved (and goes a minute later) only once its answer is handed to the connection,
-/// so none is lost to the budget or to a client that gave up waiting. Results are
-/// written off the async threads in one of the key's CPU slots, and each reserves its
-/// estimated size of the budget first, so a key retrieving over many connections at
-/// once writes no more copies than its budget holds.
+/// pass the budget is refused with 429 (checked on its estimated size before it is
+/// written, and on its size after). A result counts as retrieved (and goes a minute
+/// later) only once its answer is ready to send, so none is lost to the budget or to a
+/// client that gave up waiting. Results are written off the async threads in one of the
+/// key's CPU slots, each holding its estimate of the budget meanwhile.
 pub async fn retrieve_future(
     State(s): State<AppState>,
     Extension(owner): Extension<Owner>,
@@ -60,10 +59,14 @@ pub async fn retrieve_future(
             // The estimate first, so that copies being written count; then the size.
             let reserved = s.answer_budget.reserve(&owner.0, reply.approx_bytes())?;
             let resp = written(&s, &owner.0, result.clone(), Encoding::accepted(&headers)).await?;
-            s.answer_budget.hold_reserved(resp, reserved)
+            s.answer_budget.hold_reserved(resp, reserved)?
         }
     };
-    s.engine.mark_retrieved(owner.0, req.request_id).await?;
+    // The answer is ready: losing the mark (the engine stopping) only keeps the result
+    // until its TTL, so the answer goes out anyway.
+    if let Err(e) = s.engine.mark_retrieved(owner.0, req.request_id).await {
+        tracing::debug!("marking a result retrieved: {e}");
+    }
     Ok(answer)
 }
 

@@ -78,7 +78,7 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = default_total_adapter_bytes(), help_heading = "Limits")]
     max_total_adapter_bytes: u64,
     /// Bytes of answers each key's clients may have yet to read (an answer waits in
-    /// memory for its client); past it the key's result retrievals, GETs and OpenAI
+    /// memory for its client); past it the key's result retrievals, listings and OpenAI
     /// completions are refused with 429 (control calls never are).
     #[arg(long, default_value_t = lathe_server::api::DEFAULT_MAX_ANSWER_BYTES, help_heading = "Per-key limits")]
     max_answer_bytes: usize,
