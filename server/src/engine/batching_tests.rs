@@ -126,30 +126,36 @@ fn pump_now(engine: &mut super::Engine) {
     }
 }
 
+/// `create_model` of a rank-4 attention run of `owner` in a new session.
+fn create_run(
+    engine: &mut super::Engine,
+    owner: &str,
+) -> Result<lathe_sdk::types::UntypedApiFuture, super::EngineError> {
+    let session = engine.create_session(owner).unwrap();
+    engine.create_model(
+        owner,
+        super::NewRun {
+            session_id: session,
+            model_seq_id: 0,
+            spec: crate::model::LoraSpec {
+                rank: 4,
+                train_attn: true,
+                train_mlp: false,
+                train_unembed: false,
+            },
+            seed: 1,
+            user_metadata: Default::default(),
+        },
+    )
+}
+
 /// A run of `owner` whose create has run; returns its id.
 fn live_run(
     engine: &mut super::Engine,
     sent: &std::sync::Mutex<Vec<crate::worker::Batch>>,
     owner: &str,
 ) -> String {
-    let session = engine.create_session(owner).unwrap();
-    let run = engine
-        .create_model(
-            owner,
-            super::NewRun {
-                session_id: session,
-                model_seq_id: 0,
-                spec: crate::model::LoraSpec {
-                    rank: 4,
-                    train_attn: true,
-                    train_mlp: false,
-                    train_unembed: false,
-                },
-                seed: 1,
-                user_metadata: Default::default(),
-            },
-        )
-        .unwrap();
+    let run = create_run(engine, owner).unwrap();
     pump_now(engine);
     let id = sent.lock().unwrap().pop().unwrap().runs[0]
         .request_id
@@ -681,24 +687,7 @@ fn the_last_run_slots_are_kept_for_keys_without_a_run() {
     let (mut engine, sent) = engine();
     engine.config.max_sessions = 8;
     engine.config.limits.live_runs = 100;
-    let create = |engine: &mut super::Engine, owner: &str| {
-        let session = engine.create_session(owner).unwrap();
-        engine.create_model(
-            owner,
-            super::NewRun {
-                session_id: session,
-                model_seq_id: 0,
-                spec: crate::model::LoraSpec {
-                    rank: 4,
-                    train_attn: true,
-                    train_mlp: false,
-                    train_unembed: false,
-                },
-                seed: 1,
-                user_metadata: Default::default(),
-            },
-        )
-    };
+    let create = create_run;
     for _ in 0..7 {
         create(&mut engine, "hog").unwrap();
     }
