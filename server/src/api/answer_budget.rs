@@ -117,40 +117,35 @@ impl AnswerBudget {
 
     /// `bytes` of `owner`'s budget. With `refusable`, the 429 instead when they would
     /// take a key that holds anything past its budget; otherwise held in any case.
-    pub fn take(
+    fn take(
         self: &Arc<Self>,
         owner: &str,
         bytes: usize,
         refusable: bool,
     ) -> Result<Held, ApiError> {
-        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
-        let mine = held.get(owner).copied().unwrap_or(0);
-        if refusable && mine > 0 && mine.saturating_add(bytes) > self.max {
-            return Err(self.refusal(mine));
-        }
-        let entry = held.entry(owner.to_string()).or_default();
-        *entry = entry.saturating_add(bytes);
+        self.change(owner, 0, bytes, refusable)?;
         Ok(Held {
             budget: self.clone(),
             owner: owner.to_string(),
             bytes,
         })
     }
-}
 
-impl Drop for Held {
-    fn drop(&mut self) {
-        let mut held = self.budget.held.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(n) = held.get_mut(&self.owner) {
-            *n = n.saturating_sub(self.bytes);
-            if *n == 0 {
-                held.remove(&self.owner);
-            }
+    /// Turns `from` bytes that `owner` holds into `to`. With `refusable`, the 429
+    /// instead when growing would take a key that holds anything else past its budget
+    /// (an answer larger than the whole budget passes alone: it could never pass
+    /// otherwise).
+    fn change(&self, owner: &str, from: usize, to: usize, refusable: bool) -> Result<(), ApiError> {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        let mine = held.get(owner).copied().unwrap_or(0);
+        let others = mine.saturating_sub(from);
+        if refusable && to > from && others > 0 && others.saturating_add(to) > self.max {
+            return Err(self.refusal(mine));
         }
+        held.insert(owner.to_string(), others.saturating_add(to));
+        Ok(())
     }
-}
 
-impl AnswerBudget {
     /// `bytes` of `owner`'s budget for an answer about to be written that stays
     /// retrievable if refused; the 429 when they would take a key that holds anything
     /// past its budget.
@@ -166,19 +161,23 @@ impl AnswerBudget {
         let Some(bytes) = exact_size(&resp) else {
             return Ok(resp);
         };
-        {
-            let mut all = self.held.lock().unwrap_or_else(|p| p.into_inner());
-            let mine = all.get(&held.owner).copied().unwrap_or(0);
-            let others = mine.saturating_sub(held.bytes);
-            if bytes > held.bytes && others > 0 && others.saturating_add(bytes) > self.max {
-                return Err(self.refusal(mine));
-            }
-            all.insert(held.owner.clone(), others.saturating_add(bytes));
-            held.bytes = bytes;
-        }
+        self.change(&held.owner, held.bytes, bytes, true)?;
+        held.bytes = bytes;
         let mut resp = holding(resp, held);
         resp.extensions_mut().insert(AnswerHeld);
         Ok(resp)
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let mut held = self.budget.held.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = held.get_mut(&self.owner) {
+            *n = n.saturating_sub(self.bytes);
+            if *n == 0 {
+                held.remove(&self.owner);
+            }
+        }
     }
 }
 

@@ -87,11 +87,7 @@ impl<T: DeserializeOwned + Send + 'static> FromRequest<AppState> for LargeJson<T
 
     async fn from_request(req: Request, state: &AppState) -> Result<Self, ApiError> {
         if !media_type(&req, CONTENT_TYPE).is_some_and(|m| is_json(&m)) {
-            return Err(ApiError::new(
-                StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                "unsupported_media_type",
-                "expected Content-Type: application/json",
-            ));
+            return Err(ApiError::not_json());
         }
         let (owner, body) = read(req, state).await?;
         let slot = state.cpu_slot(&owner).await?;

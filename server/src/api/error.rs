@@ -43,6 +43,15 @@ impl ApiError {
         }
     }
 
+    /// 415 for a body that must be JSON and is not said to be.
+    pub fn not_json() -> Self {
+        Self::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+            "expected Content-Type: application/json",
+        )
+    }
+
     /// 400 `invalid_request`.
     pub fn bad_request(message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, "invalid_request", message)
@@ -134,11 +143,7 @@ impl From<JsonRejection> for ApiError {
         }
         match r.status() {
             StatusCode::PAYLOAD_TOO_LARGE => Self::too_large(),
-            StatusCode::UNSUPPORTED_MEDIA_TYPE => Self::new(
-                StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                "unsupported_media_type",
-                "expected Content-Type: application/json",
-            ),
+            StatusCode::UNSUPPORTED_MEDIA_TYPE => Self::not_json(),
             _ => Self::bad_request(format!("invalid JSON body: {}", r.body_text())),
         }
     }

@@ -65,6 +65,10 @@ pub struct LimitExceeded {
     pub retry_after_s: u64,
 }
 
+/// Copies of its adapter that a loaded run holds: the weights, the gradient and AdamW's
+/// two moments.
+pub(super) const RUN_STATE_COPIES: u64 = 4;
+
 fn exceeded(limit: &'static str, retry_after_s: u64, message: String) -> EngineError {
     EngineError::Limit(LimitExceeded {
         limit,
@@ -116,7 +120,7 @@ impl Engine {
             .values()
             .filter(|r| owner.is_none_or(|o| r.owner == o))
             .map(|r| {
-                let copies = 4 + r.snapshots.len() as u64;
+                let copies = RUN_STATE_COPIES + r.snapshots.len() as u64;
                 self.model
                     .lora_widths
                     .adapter_bytes(&r.spec)
@@ -248,7 +252,7 @@ impl Engine {
     /// being written as stored (those that add a name as names; each at its adapter's f32
     /// bytes, three times that with the optimizer state of a training checkpoint).
     /// Checked only against what is written, the quota would admit every save sent
-    /// before the first one is. An overwrite adds no bytes once written (pass 0).
+    /// before the first one is. An overwrite (not `new_name`) adds no bytes once written.
     pub(super) fn check_checkpoint_quota(
         &self,
         owner: &str,
@@ -270,6 +274,7 @@ impl Engine {
                 ),
             ));
         }
+        let new_bytes = if new_name { new_bytes } else { 0 };
         if bytes.saturating_add(new_bytes) > limits.checkpoint_bytes {
             return Err(exceeded(
                 "max_checkpoint_bytes",

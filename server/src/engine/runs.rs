@@ -110,7 +110,7 @@ impl Engine {
             .model
             .lora_widths
             .adapter_bytes(&spec)
-            .saturating_mul(4);
+            .saturating_mul(super::limits::RUN_STATE_COPIES);
         self.check_adapter_memory(owner, state)?;
         self.check_queue(owner)?;
         self.session_mut(owner, session_id)?
@@ -254,7 +254,7 @@ impl Engine {
         }
         let training = req.kind == CheckpointKind::Training;
         let bytes = self.model.lora_widths.checkpoint_bytes(&spec, training);
-        self.check_checkpoint_quota(owner, !exists, if exists { 0 } else { bytes })?;
+        self.check_checkpoint_quota(owner, !exists, bytes)?;
         let now = now_unix();
         let meta = CheckpointMeta {
             run_id: run_id.to_string(),
