@@ -118,3 +118,74 @@ fn a_sample_queued_before_the_owner_deletes_is_refused_when_it_runs() {
         .unwrap_err();
     assert!(err.message().contains("unknown checkpoint"));
 }
+
+/// Bob's own sampler checkpoint (an interpolation's output goes under the first
+/// source's run) and Alice's published one.
+fn bob_and_alices() -> (Engine, CheckpointUri, CheckpointUri) {
+    let (alices, alice_uri) = published(CheckpointKind::Sampler);
+    let bob_uri = CheckpointUri {
+        run_id: "bob-run".into(),
+        kind: CheckpointKind::Sampler,
+        name: "mine".into(),
+    };
+    let bobs = CheckpointRow {
+        meta: CheckpointMeta {
+            base_model: "tiny".into(),
+            ..CheckpointMeta::for_test(&bob_uri.run_id, "sampler", &bob_uri.name, "bob")
+        },
+        public: false,
+        ..alices.clone()
+    };
+    let (engine, _) = engine_with(vec![alices, bobs]);
+    (engine, bob_uri, alice_uri)
+}
+
+#[test]
+fn an_interpolation_is_refused_if_a_source_is_taken_away_while_it_reads() {
+    let (mut engine, bob_uri, alice_uri) = bob_and_alices();
+    let sources = [bob_uri, alice_uri.clone()];
+    let plan = engine
+        .begin_interpolate("bob", &sources, &[0.5, 0.5], "sum".into())
+        .expect("alice's checkpoint is published");
+    let second = engine.begin_interpolate("bob", &sources, &[0.5, 0.5], "sum".into());
+    assert!(
+        second.unwrap_err().message().contains("being written"),
+        "the output's name is taken while it is written"
+    );
+    // Alice unpublishes while Bob's interpolation reads her files.
+    let (was, _) = engine.begin_set_public("alice", &alice_uri, false).unwrap();
+    assert!(was);
+    let err = engine.check_interpolated("bob", &plan).unwrap_err();
+    assert!(
+        err.message().contains("unknown checkpoint"),
+        "{}",
+        err.message()
+    );
+    assert!(
+        engine.interpolating.is_empty(),
+        "the refused interpolation frees its name and quota share"
+    );
+}
+
+#[test]
+fn interpolations_being_written_count_in_the_checkpoint_quota() {
+    let (mut engine, bob_uri, alice_uri) = bob_and_alices();
+    // Bob stores one checkpoint and may store two.
+    engine.config.limits.checkpoints = 2;
+    let sources = [bob_uri, alice_uri];
+    let first = engine
+        .begin_interpolate("bob", &sources, &[1.0, 1.0], "one".into())
+        .unwrap();
+    let err = engine
+        .begin_interpolate("bob", &sources, &[1.0, 1.0], "two".into())
+        .unwrap_err();
+    assert!(
+        err.message().contains("--max-checkpoints"),
+        "{}",
+        err.message()
+    );
+    engine.end_interpolate(&first.uri);
+    engine
+        .begin_interpolate("bob", &sources, &[1.0, 1.0], "two".into())
+        .expect("the first one's share is free once it is over");
+}

@@ -232,6 +232,13 @@ commands! {
         name: String,
     ) -> Result<InterpolatePlan, EngineError>
         = |e| e.begin_interpolate(&owner, &sources, &coefficients, name);
+    /// Checks the key's access to an interpolation's sources again, once read.
+    pub(super) fn check_interpolated => CheckInterpolated(owner: String, plan: InterpolatePlan)
+        -> Result<(), EngineError>
+        = |e| e.check_interpolated(&owner, &plan);
+    /// Frees an abandoned interpolation's name and quota share.
+    pub(super) fn end_interpolate => EndInterpolate(uri: CheckpointUri) -> ()
+        = |e| e.end_interpolate(&uri);
     /// Records a written interpolation; answers its (resolved) future.
     pub(super) fn finish_interpolate => FinishInterpolate(
         owner: String,

@@ -3,16 +3,19 @@
 //!
 //! The engine checks the request and resolves every source (the key must be able to
 //! read each; the output goes under the first source's run, which must be the key's),
-//! the files are combined and written off the actor, and the index commits the new
-//! checkpoint before the future resolves. No model work is involved, so the worker is
-//! not.
+//! the files are combined and written off the actor, the key's access to every source
+//! is checked again once they have been read (an owner who unpublished or replaced one
+//! meanwhile takes it back), and the index commits the new checkpoint before the future
+//! resolves. From the first check to the commit or the failure, the output counts in
+//! the key's checkpoint quota and its name is taken. No model work is involved, so the
+//! worker is not.
 
 use std::path::PathBuf;
 
 use lathe_sdk::types::{CheckpointKind, CheckpointUri, UntypedApiFuture};
 
 use super::actor::EngineHandle;
-use super::state::now_unix;
+use super::state::{now_unix, Pin};
 use super::{Engine, EngineError};
 use crate::model::lora::{LoraSpec, MAX_RANK};
 use crate::store::checkpoints::CheckpointMeta;
@@ -29,6 +32,10 @@ pub struct InterpolatePlan {
     pub sources: Vec<(PathBuf, f64)>,
     /// The output checkpoint's metadata.
     pub meta: CheckpointMeta,
+    /// The output's URI.
+    pub uri: CheckpointUri,
+    /// The source versions the key was allowed to read when the plan was made.
+    pub(super) pins: Vec<Pin>,
 }
 
 impl Engine {
@@ -63,7 +70,7 @@ impl Engine {
         for (uri, c) in sources.iter().zip(coefficients) {
             let (row, dir) = self.resolve_checkpoint(owner, uri)?;
             rank = rank.saturating_add(row.meta.rank);
-            resolved.push((row, dir, *c));
+            resolved.push((row, dir, *c, uri.clone()));
         }
         if rank > MAX_RANK {
             return bad(format!(
@@ -87,6 +94,11 @@ impl Engine {
         if self.catalog.exists(&uri) {
             return bad(format!("checkpoint {uri} already exists"));
         }
+        if self.interpolating.contains_key(&uri) {
+            return bad(format!(
+                "checkpoint {uri} is being written by another interpolation"
+            ));
+        }
         let spec = LoraSpec {
             rank,
             train_attn: first.meta.train_attn,
@@ -108,10 +120,48 @@ impl Engine {
             train_mlp: spec.train_mlp,
             train_unembed: spec.train_unembed,
         };
+        self.interpolating
+            .insert(uri.clone(), (owner.to_string(), bytes));
+        let pins = resolved
+            .iter()
+            .map(|(row, _, _, uri)| Pin {
+                uri: uri.clone(),
+                version: row.version.clone(),
+            })
+            .collect();
         Ok(InterpolatePlan {
-            sources: resolved.into_iter().map(|(_, dir, c)| (dir, c)).collect(),
+            sources: resolved
+                .into_iter()
+                .map(|(_, dir, c, _)| (dir, c))
+                .collect(),
             meta,
+            uri,
+            pins,
         })
+    }
+
+    /// Checks, once the sources have been read, that `owner` may still read each at the
+    /// version it read. On failure the interpolation is over (see
+    /// [`Engine::end_interpolate`]).
+    pub fn check_interpolated(
+        &mut self,
+        owner: &str,
+        plan: &InterpolatePlan,
+    ) -> Result<(), EngineError> {
+        let checked = plan
+            .pins
+            .iter()
+            .try_for_each(|pin| self.check_pin(owner, Some(pin)));
+        if checked.is_err() {
+            self.end_interpolate(&plan.uri);
+        }
+        checked
+    }
+
+    /// An interpolation of `uri` is over (recorded or abandoned): its name and quota
+    /// share are free.
+    pub fn end_interpolate(&mut self, uri: &CheckpointUri) {
+        self.interpolating.remove(uri);
     }
 
     /// Records the written checkpoint and answers a future already resolved with it.
@@ -121,6 +171,9 @@ impl Engine {
         row: CheckpointRow,
         reply: Reply,
     ) -> UntypedApiFuture {
+        if let Some(uri) = row.meta.uri() {
+            self.end_interpolate(&uri);
+        }
         self.catalog.saved(row);
         let request_id = uuid::Uuid::new_v4().to_string();
         self.futures.insert(request_id.clone(), owner);
@@ -152,17 +205,14 @@ impl EngineHandle {
                 .begin_interpolate(owner.clone(), sources.clone(), coefficients.clone(), name)
                 .await??;
             let meta = plan.meta.clone();
-            let row = this
-                .blocking(move |store| {
-                    let base = plan.meta.base_model.clone();
-                    let (version, bytes) =
-                        store.checkpoints().write_version(&plan.meta, |dir| {
-                            crate::store::interpolate::interpolate(&plan.sources, dir, &base)
-                                .map(|_| ())
-                        })?;
-                    Ok(store.commit_save(&plan.meta, &version, bytes, false)?)
-                })
-                .await?;
+            let uri = plan.uri.clone();
+            let row = match this.write_interpolation(owner.clone(), plan).await {
+                Ok(row) => row,
+                Err(e) => {
+                    this.end_interpolate(uri).await?;
+                    return Err(e);
+                }
+            };
             let path = CheckpointUri {
                 run_id: meta.run_id,
                 kind: CheckpointKind::Sampler,
@@ -175,6 +225,43 @@ impl EngineHandle {
                 coefficients,
             };
             this.finish_interpolate(owner, row, reply).await
+        })
+        .await
+    }
+
+    /// Writes a planned interpolation's files, checks the sources again, and commits it
+    /// to the index; a version written but not committed is discarded.
+    async fn write_interpolation(
+        &self,
+        owner: String,
+        plan: InterpolatePlan,
+    ) -> Result<CheckpointRow, EngineError> {
+        let written = plan.meta.clone();
+        let sources = plan.sources.clone();
+        let write = self
+            .blocking(move |store| {
+                let base = written.base_model.clone();
+                Ok(store.checkpoints().write_version(&written, |dir| {
+                    crate::store::interpolate::interpolate(&sources, dir, &base).map(|_| ())
+                })?)
+            })
+            .await;
+        let checked = self.check_interpolated(owner, plan.clone()).await?;
+        // A source taken away meanwhile is the answer, even if reading it failed.
+        let (version, bytes) = match write {
+            Ok(written) => written,
+            Err(e) => return Err(checked.err().unwrap_or(e)),
+        };
+        let uri = plan.uri.clone();
+        let discarded = version.clone();
+        self.blocking(move |store| {
+            if let Err(e) = checked {
+                if let Err(io) = store.checkpoints().discard(&uri, &discarded) {
+                    tracing::warn!("discarding interpolation {uri}: {io}");
+                }
+                return Err(e);
+            }
+            Ok(store.commit_save(&plan.meta, &version, bytes, false)?)
         })
         .await
     }

@@ -290,13 +290,21 @@ impl Engine {
         Ok(())
     }
 
-    /// `owner`'s saves queued or being written: how many add a name, and their
-    /// estimated bytes.
+    /// `owner`'s saves and interpolations queued or being written: how many add a
+    /// name, and their estimated bytes.
     fn queued_saves(&self, owner: &str) -> (usize, u64) {
-        self.inflight
+        let saves = self
+            .inflight
             .values()
             .filter(|f| f.owner == owner)
-            .filter_map(|f| f.save)
+            .filter_map(|f| f.save);
+        let interpolations = self
+            .interpolating
+            .values()
+            .filter(|(o, _)| o == owner)
+            .map(|&(_, bytes)| (true, bytes));
+        saves
+            .chain(interpolations)
             .fold((0, 0u64), |(n, bytes), (new, b)| {
                 (n + usize::from(new), bytes.saturating_add(b))
             })

@@ -209,6 +209,9 @@ pub struct Engine {
     /// path) last submitted, so that `pump` knows whether others may be about to.
     pub(super) sample_submits: HashMap<String, Instant>,
     pub(super) inflight: HashMap<String, Inflight>,
+    /// Interpolations being written: each output's owner and estimated bytes, counted
+    /// in the owner's checkpoint quota until it is recorded or abandoned.
+    pub(super) interpolating: HashMap<CheckpointUri, (String, u64)>,
     /// The sampling requests the worker is decoding, with their live sequences, as of
     /// its last report.
     pub(super) decoding: Vec<(String, usize)>,
@@ -268,6 +271,7 @@ impl Engine {
             samples: VecDeque::new(),
             sample_submits: HashMap::new(),
             inflight: HashMap::new(),
+            interpolating: HashMap::new(),
             decoding: Vec::new(),
             rescoring: Vec::new(),
             cancels: Vec::new(),
