@@ -206,7 +206,9 @@ pub async fn start(
     let rescore_rows =
         crate::train::pass_tokens(&model.transformer).min(config.engine.max_batch_tokens);
     let worker = worker::spawn(
-        Worker::new(model, decode_mode, store.clone()).rescoring_in_passes_of(rescore_rows),
+        Worker::new(model, decode_mode, store.clone())
+            .rescoring_in_passes_of(rescore_rows)
+            .caching_sampler_adapters_up_to(config.engine.sampler_cache_bytes()),
         handle.outcome_sink(),
     );
     let engine = Engine::new(

@@ -73,8 +73,9 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 1 << 30, help_heading = "Limits")]
     max_result_bytes: usize,
     /// Bytes of adapter state all loaded runs may hold in memory, counted as for
-    /// --max-adapter-bytes (429 past it). Default: half of this machine's memory (or of
-    /// its cgroup's limit).
+    /// --max-adapter-bytes (429 past it), an eighth of it kept for checkpoint adapters
+    /// opened for sampling. Default: half of this machine's memory (or of its cgroup's
+    /// limit).
     #[arg(long, default_value_t = default_total_adapter_bytes(), help_heading = "Limits")]
     max_total_adapter_bytes: u64,
     /// Bytes of answers each key's clients may have yet to read (an answer waits in

@@ -147,14 +147,16 @@ impl Engine {
         }
         let all = self.adapter_memory(None);
         let max = self.config.max_adapter_bytes;
-        if all.saturating_add(extra) > max {
+        let cache = self.config.sampler_cache_bytes();
+        if all.saturating_add(cache).saturating_add(extra) > max {
             return Err(exceeded(
                 "max_total_adapter_bytes",
                 30,
                 format!(
                     "the server's loaded runs hold {all} bytes of adapter state and this \
-                     needs {extra} more, past its limit (--max-total-adapter-bytes {max}); \
-                     try again when runs have been unloaded"
+                     needs {extra} more, past its limit (--max-total-adapter-bytes {max}, \
+                     of which {cache} are kept for checkpoint adapters opened for \
+                     sampling); try again when runs have been unloaded"
                 ),
             ));
         }

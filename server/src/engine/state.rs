@@ -45,8 +45,19 @@ pub struct EngineConfig {
     pub limits: KeyLimits,
     /// Memory finished results may hold until retrieved; past it, the oldest go first.
     pub max_result_bytes: usize,
-    /// Bytes of adapter state all loaded runs may hold (see [`Engine::adapter_memory`]).
+    /// Bytes of adapter state all loaded runs, their sampler snapshots and the worker's
+    /// cache of checkpoint adapters opened for sampling may hold together (see
+    /// [`Engine::adapter_memory`]); the cache is given
+    /// [`EngineConfig::sampler_cache_bytes`] of it.
     pub max_adapter_bytes: u64,
+}
+
+impl EngineConfig {
+    /// The part of `max_adapter_bytes` kept for the worker's cache of checkpoint
+    /// adapters opened for sampling.
+    pub fn sampler_cache_bytes(&self) -> u64 {
+        self.max_adapter_bytes / crate::worker::SAMPLER_CACHE_SHARE
+    }
 }
 
 impl Default for EngineConfig {

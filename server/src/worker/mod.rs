@@ -1,11 +1,13 @@
 //! The worker thread: one OS thread owns the base model and every adapter and runs all
 //! model work, one [`Batch`] at a time, for the engine.
 
+mod adapter_cache;
 mod jobs;
 mod reply;
 mod runner;
 mod thread;
 
+pub use adapter_cache::CACHE_SHARE as SAMPLER_CACHE_SHARE;
 pub use jobs::{
     panic_message, Batch, BatchReport, Blame, Done, Failure, Outcome, Pass, RunOp, RunWork,
     SampleWork, SamplerSource,

@@ -2,11 +2,12 @@
 //! state and accumulated gradient. It executes one [`Batch`] at a time.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use lathe_sdk::types::{CheckpointKind, CheckpointUri};
 
+use super::adapter_cache::AdapterCache;
 use super::jobs::{
     Batch, BatchReport, Done, Failure, Outcome, RunOp, RunWork, SampleWork, SamplerSource,
 };
@@ -18,9 +19,6 @@ use crate::store::checkpoints::CheckpointMeta;
 use crate::store::{peft, Store, StoreError};
 use crate::train::adamw::{self, AdamState};
 use crate::train::{self, reverse_kl, DatumResult, TrainError};
-
-/// Checkpoint adapters kept in memory for sampling.
-const SAMPLER_CACHE: usize = 16;
 
 struct RunModel {
     adapter: Adapter,
@@ -38,8 +36,8 @@ pub struct Worker {
     store: Store,
     runs: HashMap<String, RunModel>,
     snapshots: HashMap<String, Arc<Adapter>>,
-    /// Most recently used last.
-    cached: Vec<(PathBuf, Arc<Adapter>)>,
+    /// Checkpoint adapters opened for sampling.
+    cached: AdapterCache,
     /// The sampling requests being decoded, by request id.
     running: RunningDecode<String>,
 }
@@ -94,9 +92,16 @@ impl Worker {
             store,
             runs: HashMap::new(),
             snapshots: HashMap::new(),
-            cached: Vec::new(),
+            cached: AdapterCache::with_budget(0),
             running: RunningDecode::new(mode),
         }
+    }
+
+    /// Keeps up to `bytes` of checkpoint adapters opened for sampling in memory
+    /// (none by default).
+    pub fn caching_sampler_adapters_up_to(mut self, bytes: u64) -> Self {
+        self.cached = AdapterCache::with_budget(bytes);
+        self
     }
 
     /// Rescores sampled tokens in passes of at most `rows` rows (the engine's batch
@@ -510,18 +515,12 @@ impl Worker {
                 .map(Some)
                 .ok_or_else(|| Failure::user(format!("sampler {id} no longer exists"))),
             SamplerSource::Checkpoint(dir) => {
-                if let Some(pos) = self.cached.iter().position(|(p, _)| p == dir) {
-                    let entry = self.cached.remove(pos);
-                    let adapter = entry.1.clone();
-                    self.cached.push(entry);
+                if let Some(adapter) = self.cached.get(dir) {
                     return Ok(Some(adapter));
                 }
                 let (adapter, _) = self.read_checkpoint(dir, false)?;
                 let adapter = Arc::new(adapter);
-                if self.cached.len() >= SAMPLER_CACHE {
-                    self.cached.remove(0);
-                }
-                self.cached.push((dir.clone(), adapter.clone()));
+                self.cached.insert(dir.clone(), adapter.clone());
                 Ok(Some(adapter))
             }
         }
