@@ -6,7 +6,8 @@
 
 use std::collections::BTreeMap;
 
-use serde::{Deserialize, Serialize};
+use serde::de::{self, MapAccess, SeqAccess, Visitor};
+use serde::{Deserialize, Deserializer, Serialize};
 
 /// One input of a custom loss, with the rank every datum's value has.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -37,7 +38,11 @@ pub enum CustomLossNodeOp {
 
 /// An encoded argument of a graph node. JSON scalars and strings stand for themselves
 /// and lists for lists; anything else is a one-key object ([`TaggedArg`]).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+///
+/// Decoded by a visitor of its own rather than serde's `untagged`: that buffers each
+/// value and, for every level of nesting, copies the subtree below it again, so a body
+/// of nested lists of a few MB took memory its size times its depth (gigabytes).
+#[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(untagged)]
 pub enum GraphArg {
     /// Python's `None`.
@@ -54,6 +59,69 @@ pub enum GraphArg {
     List(Vec<GraphArg>),
     /// Everything else.
     Tagged(TaggedArg),
+}
+
+impl<'de> Deserialize<'de> for GraphArg {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(GraphArgVisitor)
+    }
+}
+
+/// Builds a [`GraphArg`] from whatever JSON value comes, streaming (no buffering).
+struct GraphArgVisitor;
+
+impl<'de> Visitor<'de> for GraphArgVisitor {
+    type Value = GraphArg;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("null, a bool, a number, a string, a list or a one-key object")
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<GraphArg, E> {
+        Ok(GraphArg::None)
+    }
+
+    fn visit_none<E: de::Error>(self) -> Result<GraphArg, E> {
+        Ok(GraphArg::None)
+    }
+
+    fn visit_bool<E: de::Error>(self, v: bool) -> Result<GraphArg, E> {
+        Ok(GraphArg::Bool(v))
+    }
+
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<GraphArg, E> {
+        Ok(GraphArg::Int(v))
+    }
+
+    /// An integer past `i64` is a float, as it was for the untagged form.
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<GraphArg, E> {
+        Ok(i64::try_from(v).map_or(GraphArg::Float(v as f64), GraphArg::Int))
+    }
+
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<GraphArg, E> {
+        Ok(GraphArg::Float(v))
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<GraphArg, E> {
+        Ok(GraphArg::Str(v.to_string()))
+    }
+
+    fn visit_string<E: de::Error>(self, v: String) -> Result<GraphArg, E> {
+        Ok(GraphArg::Str(v))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<GraphArg, A::Error> {
+        // Not `size_hint`-sized: the hint comes from the wire.
+        let mut items = Vec::new();
+        while let Some(item) = seq.next_element()? {
+            items.push(item);
+        }
+        Ok(GraphArg::List(items))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<GraphArg, A::Error> {
+        TaggedArg::deserialize(de::value::MapAccessDeserializer::new(map)).map(GraphArg::Tagged)
+    }
 }
 
 /// The one-key object forms of [`GraphArg`].

@@ -17,6 +17,11 @@ use crate::train::{CustomInputs, CustomLossRef, Loss};
 /// (`--max-tokens-per-request`): bounds what a request's sparse inputs expand to.
 const VALUES_PER_TARGET: usize = 4;
 
+/// The largest `create_custom_loss` body: a graph at the compiler's limits (1024 nodes,
+/// 16,384 arguments) takes a few hundred KB of JSON, and the body is decoded on the
+/// async threads.
+pub const MAX_BODY_BYTES: usize = 1 << 20;
+
 /// `POST /api/v1/create_custom_loss`: rebuilds the traced graph from the allow-list
 /// (refusing it with a 400 naming the node otherwise) and registers it in the session.
 pub async fn create_custom_loss(

@@ -212,7 +212,9 @@ pub fn router(state: AppState) -> Router {
         .route("/api/v1/forward_backward", post(training::forward_backward))
         .route(
             "/api/v1/create_custom_loss",
-            post(custom_loss::create_custom_loss),
+            post(custom_loss::create_custom_loss).layer(DefaultBodyLimit::max(
+                custom_loss::MAX_BODY_BYTES.min(max_request_bytes),
+            )),
         )
         .route("/api/v1/optim_step", post(training::optim_step))
         .route("/api/v1/save_weights", post(training::save_weights))
