@@ -3,15 +3,18 @@
 //! a time, access checked once more for every checkpoint the batch reads), `complete`
 //! resolves futures, joins a request's passes and notes what is still decoding.
 
+use std::path::PathBuf;
 use std::time::Instant;
 
 use crate::train::DatumJob;
 use crate::worker::{
-    Batch, BatchReport, Failure, ForwardResult, Outcome, Pass, Reply, RunOp, RunWork,
+    Batch, BatchReport, Failure, ForwardResult, Outcome, Pass, Reply, RunOp, RunWork, SampleWork,
+    SamplerSource,
 };
 
 use super::run_queue::UNORDERED;
 use super::runs::MAX_SNAPSHOTS_PER_RUN;
+use super::sampling::SAMPLING_ADAPTER_COPIES;
 use super::scheduler::{self, Candidate, Kind, Limits, MIN_CHARGE};
 use super::state::{After, Inflight, ACTIVE_WINDOW, WORKER_GONE};
 use super::Engine;
@@ -88,7 +91,7 @@ impl Engine {
                 arrival: q.arrival,
                 owner: owner_index(&q.owner),
                 kind: Kind::Sample {
-                    tokens: q.work.job.prompt.len(),
+                    tokens: q.work.job.prompt.len() + self.adapter_read_tokens(&q.work),
                     streams: q.work.job.num_samples,
                 },
             });
@@ -286,7 +289,10 @@ impl Engine {
         for i in sample_keys.into_iter().rev() {
             let q = self.samples.remove(i).expect("sample exists");
             match self.check_pin(&q.owner, q.pin.as_ref()) {
-                Ok(()) => batch.samples.push(q.work),
+                Ok(()) => {
+                    self.sampler_adapter_sent(&q.work);
+                    batch.samples.push(q.work)
+                }
                 Err(e) => refused.push((q.work.request_id, Failure::user(e.message()))),
             }
         }
@@ -455,6 +461,49 @@ pub(super) fn next_pass(data: &[DatumJob], budget: usize) -> (usize, usize) {
         tokens += n;
     }
     (data.len(), tokens)
+}
+
+impl Engine {
+    /// The bytes of the checkpoint adapter a sampling request reads in the worker.
+    fn sampler_adapter_read<'a>(&self, work: &'a SampleWork) -> Option<(&'a PathBuf, u64)> {
+        let SamplerSource::Checkpoint(dir) = &work.source else {
+            return None;
+        };
+        let (_, held) = self.inflight.get(&work.request_id)?.adapter.as_ref()?;
+        Some((dir, held / SAMPLING_ADAPTER_COPIES))
+    }
+
+    /// The work of reading a sampling request's checkpoint adapter, in tokens (as
+    /// [`adapter_work`] reckons a load), unless the worker holds it: cached, or shared
+    /// with a decode of the same directory. Reading a rank-256 adapter takes the worker
+    /// about as long as a pass of a few hundred tokens, so requests cycling through
+    /// checkpoints pay for the worker's time like training does.
+    pub(super) fn adapter_read_tokens(&self, work: &SampleWork) -> usize {
+        let Some((dir, bytes)) = self.sampler_adapter_read(work) else {
+            return 0;
+        };
+        let held = self.worker_adapters.contains(dir)
+            || self.decoding.iter().any(|(id, _)| {
+                self.inflight
+                    .get(id)
+                    .and_then(|f| f.adapter.as_ref())
+                    .is_some_and(|(d, _)| d == dir)
+            });
+        if held {
+            0
+        } else {
+            usize::try_from(bytes / ADAPTER_BYTES_PER_TOKEN).unwrap_or(usize::MAX)
+        }
+    }
+
+    /// A sampling request went to the worker: its adapter is in the worker's cache now
+    /// (if it fits), as [`crate::worker::Worker`] keeps it.
+    fn sampler_adapter_sent(&mut self, work: &SampleWork) {
+        if let Some((dir, bytes)) = self.sampler_adapter_read(work) {
+            let dir = dir.clone();
+            self.worker_adapters.insert(dir, (), bytes);
+        }
+    }
 }
 
 /// Bytes of adapter traffic reckoned as one token of a training pass: on the CPU a

@@ -112,10 +112,38 @@ impl Engine {
         Ok(())
     }
 
-    /// Bytes of adapter state that the loaded runs of `owner` (of every key with `None`)
-    /// hold in the worker: per run its adapter, gradient and two AdamW moments (four
-    /// times the adapter's f32 size), and a copy per sampler snapshot taken from it.
+    /// Bytes of adapter state that `owner` (every key with `None`) holds in the worker:
+    /// per loaded run its adapter, gradient and two AdamW moments (four times the
+    /// adapter's f32 size) and a copy per sampler snapshot taken from it; and the
+    /// checkpoint adapters its sampling requests hold while queued or decoding
+    /// ([`Engine::sampling_adapter_memory`]).
     pub(super) fn adapter_memory(&self, owner: Option<&str>) -> u64 {
+        self.run_adapter_memory(owner)
+            .saturating_add(self.sampling_adapter_memory(owner))
+    }
+
+    /// The checkpoint adapters that `owner`'s (every key's) sampling requests hold,
+    /// queued or decoding: each directory once, as the worker shares one adapter among
+    /// the decodes of a directory.
+    fn sampling_adapter_memory(&self, owner: Option<&str>) -> u64 {
+        let mut seen = std::collections::HashSet::new();
+        self.inflight
+            .values()
+            .filter(|f| owner.is_none_or(|o| f.owner == o))
+            .filter_map(|f| f.adapter.as_ref())
+            .filter(|(dir, _)| seen.insert(dir))
+            .map(|&(_, bytes)| bytes)
+            .fold(0u64, u64::saturating_add)
+    }
+
+    /// Whether one of `owner`'s sampling requests holds the adapter of `dir` already.
+    pub(super) fn holds_sampling_adapter(&self, owner: &str, dir: &std::path::Path) -> bool {
+        self.inflight
+            .values()
+            .any(|f| f.owner == owner && f.adapter.as_ref().is_some_and(|(d, _)| d == dir))
+    }
+
+    fn run_adapter_memory(&self, owner: Option<&str>) -> u64 {
         self.runs
             .values()
             .filter(|r| owner.is_none_or(|o| r.owner == o))

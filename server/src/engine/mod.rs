@@ -23,6 +23,8 @@ pub mod rest;
 mod run_queue;
 mod runs;
 mod sampling;
+#[cfg(test)]
+mod sampling_adapter_tests;
 pub mod scheduler;
 #[cfg(test)]
 mod settings_tests;

@@ -163,6 +163,7 @@ impl Engine {
                 more_passes: false,
                 partial: None,
                 save: None,
+                adapter: None,
             },
         );
         Ok(UntypedApiFuture {
@@ -470,7 +471,7 @@ impl Engine {
     }
 }
 
-fn spec_of(row: &CheckpointRow) -> LoraSpec {
+pub(super) fn spec_of(row: &CheckpointRow) -> LoraSpec {
     LoraSpec {
         rank: row.meta.rank,
         train_attn: row.meta.train_attn,

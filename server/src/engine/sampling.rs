@@ -1,13 +1,20 @@
 //! Sampling sessions and sampling requests. Sampling needs no ordering: requests queue
 //! oldest first and decode together, whatever their adapters.
 
+use std::path::PathBuf;
+
 use lathe_sdk::types::{CheckpointUri, GetSamplerResponse, UntypedApiFuture};
 
 use crate::sample::{SampleJob, TokenProgress};
 use crate::worker::{SampleWork, SamplerSource};
 
+use super::runs::spec_of;
 use super::state::{After, Inflight, Pin, QueuedSample, Sampler};
 use super::{Engine, EngineError};
+
+/// Copies of a checkpoint adapter a decode holds in the worker: the adapter and the
+/// host decoder's copy of its factors.
+pub(super) const SAMPLING_ADAPTER_COPIES: u64 = 2;
 
 /// Most copies of one sampling client (`join_sampling_session`); each may have a
 /// completion queue.
@@ -64,6 +71,30 @@ impl Engine {
             version: row.version,
         };
         Ok((SamplerSource::Checkpoint(dir), pin))
+    }
+
+    /// The checkpoint adapter a sampling request on `source` will hold in the worker,
+    /// with its bytes there (the adapter and the decode's copy of it), refused past the
+    /// key's or the server's adapter memory unless the key's requests hold it already.
+    fn sampling_adapter(
+        &self,
+        owner: &str,
+        source: &SamplerSource,
+        pin: Option<&Pin>,
+    ) -> Result<Option<(PathBuf, u64)>, EngineError> {
+        let (SamplerSource::Checkpoint(dir), Some(pin)) = (source, pin) else {
+            return Ok(None);
+        };
+        let row = self.catalog.readable(owner, &pin.uri)?;
+        let bytes = self
+            .model
+            .lora_widths
+            .adapter_bytes(&spec_of(row))
+            .saturating_mul(SAMPLING_ADAPTER_COPIES);
+        if !self.holds_sampling_adapter(owner, dir) {
+            self.check_adapter_memory(owner, bytes)?;
+        }
+        Ok(Some((dir.clone(), bytes)))
     }
 
     /// `create_sampling_session` on the base model or on a checkpoint.
@@ -180,6 +211,7 @@ impl Engine {
         // still readable and still the version it was opened on.
         self.check_pin(owner, pin.as_ref())?;
         self.check_queue(owner)?;
+        let adapter = self.sampling_adapter(owner, &source, pin.as_ref())?;
         let job_tokens = job.token_budget();
         self.check_sampling_tokens(owner, job_tokens)?;
         if let SamplerSource::Snapshot(id) = &source {
@@ -219,6 +251,7 @@ impl Engine {
                 more_passes: false,
                 partial: None,
                 save: None,
+                adapter,
             },
         );
         Ok(UntypedApiFuture {

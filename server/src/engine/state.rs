@@ -4,6 +4,7 @@
 //! actor (`actor.rs`) only calls them.
 
 use std::collections::{HashMap, VecDeque};
+use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use lathe_sdk::types::CheckpointUri;
@@ -11,7 +12,7 @@ use lathe_sdk::types::CheckpointUri;
 use crate::model::LoraSpec;
 use crate::store::checkpoints::CheckpointDir;
 use crate::store::db::{CheckpointRow, RunRow};
-use crate::worker::{Batch, Failure, RunOp, SampleWork, SamplerSource};
+use crate::worker::{Batch, ByteLru, Failure, RunOp, SampleWork, SamplerSource};
 
 use super::catalog::Catalog;
 use super::ended::{EndReason, Ended, EndedSessions};
@@ -201,6 +202,9 @@ pub(super) struct Inflight {
     /// A save, from when it is queued until it is answered: whether it adds a name, and
     /// its estimated bytes (the checkpoint quota counts it as stored meanwhile).
     pub save: Option<(bool, u64)>,
+    /// A sampling request on a checkpoint: the adapter's directory and the bytes its
+    /// copies in the worker hold while the request is queued or decoding.
+    pub adapter: Option<(PathBuf, u64)>,
 }
 
 /// All engine state.
@@ -223,6 +227,10 @@ pub struct Engine {
     /// Interpolations being written: each output's owner and estimated bytes, counted
     /// in the owner's checkpoint quota until it is recorded or abandoned.
     pub(super) interpolating: HashMap<CheckpointUri, (String, u64)>,
+    /// The worker's cache of checkpoint adapters for sampling as the engine expects it
+    /// (fed the same directories in the same order): a sample whose adapter is in it
+    /// or held by a decode is not charged the adapter's read.
+    pub(super) worker_adapters: ByteLru<()>,
     /// The sampling requests the worker is decoding, with their live sequences, as of
     /// its last report.
     pub(super) decoding: Vec<(String, usize)>,
@@ -269,6 +277,7 @@ impl Engine {
         worker: Box<dyn WorkerLink>,
     ) -> Self {
         let result_budget = config.max_result_bytes;
+        let cache_budget = config.sampler_cache_bytes();
         Self {
             model,
             config,
@@ -283,6 +292,7 @@ impl Engine {
             sample_submits: HashMap::new(),
             inflight: HashMap::new(),
             interpolating: HashMap::new(),
+            worker_adapters: ByteLru::with_budget(cache_budget),
             decoding: Vec::new(),
             rescoring: Vec::new(),
             cancels: Vec::new(),
@@ -449,6 +459,7 @@ impl Engine {
                 more_passes: false,
                 partial: None,
                 save: None,
+                adapter: None,
             },
         );
         // Work on a run keeps its session alive, heartbeat or not.

@@ -7,7 +7,7 @@ mod reply;
 mod runner;
 mod thread;
 
-pub use adapter_cache::CACHE_SHARE as SAMPLER_CACHE_SHARE;
+pub use adapter_cache::{ByteLru, CACHE_SHARE as SAMPLER_CACHE_SHARE};
 pub use jobs::{
     panic_message, Batch, BatchReport, Blame, Done, Failure, Outcome, Pass, RunOp, RunWork,
     SampleWork, SamplerSource,

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use lathe_sdk::types::{CheckpointKind, CheckpointUri};
 
-use super::adapter_cache::AdapterCache;
+use super::adapter_cache::SamplerAdapters;
 use super::jobs::{
     Batch, BatchReport, Done, Failure, Outcome, RunOp, RunWork, SampleWork, SamplerSource,
 };
@@ -37,7 +37,7 @@ pub struct Worker {
     runs: HashMap<String, RunModel>,
     snapshots: HashMap<String, Arc<Adapter>>,
     /// Checkpoint adapters opened for sampling.
-    cached: AdapterCache,
+    sampler_adapters: SamplerAdapters,
     /// The sampling requests being decoded, by request id.
     running: RunningDecode<String>,
 }
@@ -92,7 +92,7 @@ impl Worker {
             store,
             runs: HashMap::new(),
             snapshots: HashMap::new(),
-            cached: AdapterCache::with_budget(0),
+            sampler_adapters: SamplerAdapters::with_budget(0),
             running: RunningDecode::new(mode),
         }
     }
@@ -100,7 +100,7 @@ impl Worker {
     /// Keeps up to `bytes` of checkpoint adapters opened for sampling in memory
     /// (none by default).
     pub fn caching_sampler_adapters_up_to(mut self, bytes: u64) -> Self {
-        self.cached = AdapterCache::with_budget(bytes);
+        self.sampler_adapters = SamplerAdapters::with_budget(bytes);
         self
     }
 
@@ -267,7 +267,7 @@ impl Worker {
                 optimizer,
                 create,
             } => {
-                let (adapter, opt) = self.read_checkpoint(dir, *optimizer)?;
+                let (adapter, opt) = read_checkpoint(&self.model, dir, *optimizer)?;
                 if !*create {
                     let run = self.run(run_id)?;
                     if run.adapter.spec != adapter.spec {
@@ -348,23 +348,6 @@ impl Worker {
 
     fn run(&self, run_id: &str) -> Result<&RunModel, Failure> {
         self.runs.get(run_id).ok_or_else(|| unknown(run_id))
-    }
-
-    fn read_checkpoint(
-        &self,
-        dir: &Path,
-        optimizer: bool,
-    ) -> Result<(Adapter, Option<AdamState>), Failure> {
-        let t = &self.model.transformer;
-        let adapter = peft::load_adapter(dir, &t.config, t.device())
-            .and_then(|a| Ok(a.to_dtype(t.weights.dtype())?))
-            .map_err(|e| read_failure(dir, e))?;
-        let opt = if optimizer {
-            Some(peft::load_optimizer(dir, t.device()).map_err(|e| read_failure(dir, e))?)
-        } else {
-            None
-        };
-        Ok((adapter, opt))
     }
 
     fn save(
@@ -515,16 +498,33 @@ impl Worker {
                 .map(Some)
                 .ok_or_else(|| Failure::user(format!("sampler {id} no longer exists"))),
             SamplerSource::Checkpoint(dir) => {
-                if let Some(adapter) = self.cached.get(dir) {
-                    return Ok(Some(adapter));
-                }
-                let (adapter, _) = self.read_checkpoint(dir, false)?;
-                let adapter = Arc::new(adapter);
-                self.cached.insert(dir.clone(), adapter.clone());
+                let model = &self.model;
+                let adapter = self
+                    .sampler_adapters
+                    .get_or_read(dir, || read_checkpoint(model, dir, false).map(|(a, _)| a))?;
                 Ok(Some(adapter))
             }
         }
     }
+}
+
+/// Reads a checkpoint's adapter (in the model's dtype) and, if asked, its optimizer
+/// state.
+fn read_checkpoint(
+    model: &LoadedModel,
+    dir: &Path,
+    optimizer: bool,
+) -> Result<(Adapter, Option<AdamState>), Failure> {
+    let t = &model.transformer;
+    let adapter = peft::load_adapter(dir, &t.config, t.device())
+        .and_then(|a| Ok(a.to_dtype(t.weights.dtype())?))
+        .map_err(|e| read_failure(dir, e))?;
+    let opt = if optimizer {
+        Some(peft::load_optimizer(dir, t.device()).map_err(|e| read_failure(dir, e))?)
+    } else {
+        None
+    };
+    Ok((adapter, opt))
 }
 
 impl RunModel {
