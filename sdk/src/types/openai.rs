@@ -7,11 +7,16 @@
 
 use std::collections::BTreeMap;
 
-use serde::{Deserialize, Serialize};
+use serde::de::{self, SeqAccess, Visitor};
+use serde::{Deserialize, Deserializer, Serialize};
 
 /// A prompt of `/v1/completions`: text, several texts, token ids, or several token-id
 /// lists (one choice set per prompt).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+///
+/// Decoded in one streaming pass by a visitor of its own: serde's `untagged` would
+/// first buffer the whole value as a tree of 32-byte nodes, about 16 times the bytes
+/// of a list of token ids, before typing it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(untagged)]
 pub enum CompletionPrompt {
     /// One text.
@@ -22,6 +27,122 @@ pub enum CompletionPrompt {
     Tokens(Vec<u32>),
     /// Several prompts as token ids.
     TokenLists(Vec<Vec<u32>>),
+}
+
+impl<'de> Deserialize<'de> for CompletionPrompt {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(PromptVisitor)
+    }
+}
+
+struct PromptVisitor;
+
+impl<'de> Visitor<'de> for PromptVisitor {
+    type Value = CompletionPrompt;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a string, a list of strings, a list of token ids or a list of such lists")
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<CompletionPrompt, E> {
+        Ok(CompletionPrompt::Text(v.to_string()))
+    }
+
+    fn visit_string<E: de::Error>(self, v: String) -> Result<CompletionPrompt, E> {
+        Ok(CompletionPrompt::Text(v))
+    }
+
+    /// The first element decides the list's form; the others must share it. An empty
+    /// list is no texts.
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<CompletionPrompt, A::Error> {
+        let mixed = || de::Error::custom("a prompt list mixes texts, token ids and token-id lists");
+        let mut prompt = match seq.next_element::<PromptItem>()? {
+            None => return Ok(CompletionPrompt::Texts(Vec::new())),
+            Some(PromptItem::Text(t)) => CompletionPrompt::Texts(vec![t]),
+            Some(PromptItem::Token(t)) => CompletionPrompt::Tokens(vec![t]),
+            Some(PromptItem::Tokens(t)) => CompletionPrompt::TokenLists(vec![t]),
+        };
+        match &mut prompt {
+            CompletionPrompt::Texts(texts) => {
+                while let Some(item) = seq.next_element::<PromptItem>()? {
+                    let PromptItem::Text(t) = item else {
+                        return Err(mixed());
+                    };
+                    texts.push(t);
+                }
+            }
+            CompletionPrompt::Tokens(tokens) => {
+                while let Some(item) = seq.next_element::<PromptItem>()? {
+                    let PromptItem::Token(t) = item else {
+                        return Err(mixed());
+                    };
+                    tokens.push(t);
+                }
+            }
+            CompletionPrompt::TokenLists(lists) => {
+                while let Some(item) = seq.next_element::<PromptItem>()? {
+                    let PromptItem::Tokens(t) = item else {
+                        return Err(mixed());
+                    };
+                    lists.push(t);
+                }
+            }
+            CompletionPrompt::Text(_) => unreachable!("a list is never one text"),
+        }
+        Ok(prompt)
+    }
+}
+
+/// One element of a prompt list.
+enum PromptItem {
+    Text(String),
+    Token(u32),
+    Tokens(Vec<u32>),
+}
+
+impl<'de> Deserialize<'de> for PromptItem {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(PromptItemVisitor)
+    }
+}
+
+struct PromptItemVisitor;
+
+impl<'de> Visitor<'de> for PromptItemVisitor {
+    type Value = PromptItem;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a string, a token id or a list of token ids")
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<PromptItem, E> {
+        Ok(PromptItem::Text(v.to_string()))
+    }
+
+    fn visit_string<E: de::Error>(self, v: String) -> Result<PromptItem, E> {
+        Ok(PromptItem::Text(v))
+    }
+
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<PromptItem, E> {
+        u32::try_from(v)
+            .map(PromptItem::Token)
+            .map_err(|_| E::custom(format!("token id {v} is out of range")))
+    }
+
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<PromptItem, E> {
+        u32::try_from(v)
+            .map(PromptItem::Token)
+            .map_err(|_| E::custom(format!("token id {v} is out of range")))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<PromptItem, A::Error> {
+        // Not `size_hint`-sized: the hint comes from the wire.
+        let mut tokens = Vec::new();
+        while let Some(t) = seq.next_element::<u32>()? {
+            tokens.push(t);
+        }
+        Ok(PromptItem::Tokens(tokens))
+    }
 }
 
 /// `stop`: one string or several.

@@ -90,16 +90,24 @@ impl<T: DeserializeOwned + Send + 'static> FromRequest<AppState> for LargeJson<T
             return Err(ApiError::not_json());
         }
         let (owner, body) = read(req, state).await?;
-        let slot = state.cpu_slot(&owner).await?;
-        tokio::task::spawn_blocking(move || {
-            let _slot = slot;
-            serde_json::from_slice(&body)
-                .map(LargeJson)
-                .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
-        })
-        .await
-        .map_err(|e| ApiError::internal(format!("decoding the body: {e}")))?
+        decode_json(state, &owner, body).await.map(LargeJson)
     }
+}
+
+/// Decodes a JSON body off the async threads, in one of `owner`'s CPU slots.
+pub async fn decode_json<T: DeserializeOwned + Send + 'static>(
+    state: &AppState,
+    owner: &str,
+    body: Bytes,
+) -> Result<T, ApiError> {
+    let slot = state.cpu_slot(owner).await?;
+    tokio::task::spawn_blocking(move || {
+        let _slot = slot;
+        serde_json::from_slice(&body)
+            .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("decoding the body: {e}")))?
 }
 
 /// The request's key and its whole body (bounded by the server's body limit and pace).

@@ -78,10 +78,16 @@ impl IntoResponse for OpenAiError {
     }
 }
 
-/// Parses a JSON body; a bad one is a 400 in OpenAI's shape.
-fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, OpenAiError> {
-    serde_json::from_slice(body)
-        .map_err(|e| OpenAiError(ApiError::bad_request(format!("invalid JSON body: {e}"))))
+/// Parses a JSON body (off the async threads, in one of the key's CPU slots: a prompt
+/// of token ids can be tens of MB); a bad one is a 400 in OpenAI's shape.
+async fn parse<T: DeserializeOwned + Send + 'static>(
+    s: &AppState,
+    owner: &Owner,
+    body: Bytes,
+) -> Result<T, OpenAiError> {
+    super::body::decode_json(s, &owner.0, body)
+        .await
+        .map_err(OpenAiError)
 }
 
 /// Unix seconds now.
@@ -97,7 +103,7 @@ pub async fn completions(
     Extension(owner): Extension<Owner>,
     body: Bytes,
 ) -> Result<Response, OpenAiError> {
-    let req: CompletionRequest = parse(&body)?;
+    let req: CompletionRequest = parse(&s, &owner, body).await?;
     let plan = request::completion(&s, &owner.0, &req).await?;
     let kind = stream::Kind::Completion;
     let (model, sampling) = (req.model.clone(), req.sampling.clone());
@@ -121,7 +127,7 @@ pub async fn chat_completions(
     Extension(owner): Extension<Owner>,
     body: Bytes,
 ) -> Result<Response, OpenAiError> {
-    let req: ChatCompletionRequest = parse(&body)?;
+    let req: ChatCompletionRequest = parse(&s, &owner, body).await?;
     let plan = request::chat(&s, &owner.0, &req).await?;
     let kind = stream::Kind::Chat;
     let (model, sampling) = (req.model.clone(), req.sampling.clone());

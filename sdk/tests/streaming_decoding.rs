@@ -1,10 +1,12 @@
-//! A custom loss's graph arguments decode to what they encode, and in memory bounded by
-//! a small multiple of the body, however deeply they nest (serde's `untagged`, which
-//! they used, copied every subtree once per level above it).
+//! The wire types with several shapes that clients may send large (a custom loss's
+//! graph arguments, an OpenAI prompt) decode to what they encode, in memory bounded by
+//! a small multiple of the body (serde's `untagged`, which they used, buffers the whole
+//! value first, and copied nested graph arguments once per level above them).
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use lathe_sdk::types::openai::CompletionPrompt;
 use lathe_sdk::types::{GraphArg, TaggedArg};
 
 /// Counts the bytes allocated and not yet freed, and their peak.
@@ -92,10 +94,7 @@ fn deeply_nested_arguments_decode_in_memory_bounded_by_their_size() {
     let depth = 100;
     let zeros = vec!["0"; 400_000].join(",");
     let text = format!("{}{zeros}{}", "[".repeat(depth), "]".repeat(depth));
-    let before = LIVE.load(Ordering::SeqCst);
-    PEAK.store(before, Ordering::SeqCst);
-    let arg = decode(&text).expect("decodes");
-    let peak = PEAK.load(Ordering::SeqCst) - before;
+    let (arg, peak) = peak_during(|| decode(&text).expect("decodes"));
     drop(arg);
     // The tree itself is 32-byte values, one per zero (with a vector's doubling); each
     // level's copy of the subtree under it took 100 times that.
@@ -104,4 +103,72 @@ fn deeply_nested_arguments_decode_in_memory_bounded_by_their_size() {
         "decoding {} bytes took {peak} bytes at once",
         text.len()
     );
+}
+
+/// The bytes held at most while `f` runs, above what was held before.
+fn peak_during<R>(f: impl FnOnce() -> R) -> (R, usize) {
+    let before = LIVE.load(Ordering::SeqCst);
+    PEAK.store(before, Ordering::SeqCst);
+    let r = f();
+    (r, PEAK.load(Ordering::SeqCst) - before)
+}
+
+#[test]
+fn every_prompt_form_decodes_to_what_it_encodes() {
+    let prompt = |text: &str| serde_json::from_str::<CompletionPrompt>(text);
+    assert_eq!(
+        prompt(r#""hi""#).unwrap(),
+        CompletionPrompt::Text("hi".into())
+    );
+    assert_eq!(
+        prompt(r#"["a", "b"]"#).unwrap(),
+        CompletionPrompt::Texts(vec!["a".into(), "b".into()])
+    );
+    assert_eq!(
+        prompt("[1, 2]").unwrap(),
+        CompletionPrompt::Tokens(vec![1, 2])
+    );
+    assert_eq!(
+        prompt("[[1], [2, 3], []]").unwrap(),
+        CompletionPrompt::TokenLists(vec![vec![1], vec![2, 3], vec![]])
+    );
+    assert_eq!(prompt("[]").unwrap(), CompletionPrompt::Texts(vec![]));
+    for form in [
+        CompletionPrompt::Text("x".into()),
+        CompletionPrompt::Tokens(vec![7, 4_000_000_000]),
+    ] {
+        let text = serde_json::to_string(&form).unwrap();
+        assert_eq!(prompt(&text).unwrap(), form, "{text}");
+    }
+    for bad in [
+        r#"["a", 1]"#,
+        "[1, [2]]",
+        r#"[[1], "a"]"#,
+        "[-1]",
+        "[4294967296]",
+        "[[1.5]]",
+        "3",
+        r#"{"a": 1}"#,
+        "[null]",
+    ] {
+        assert!(prompt(bad).is_err(), "{bad} is refused");
+    }
+}
+
+#[test]
+fn a_prompt_of_token_ids_decodes_in_memory_bounded_by_its_size() {
+    for text in [
+        format!("[{}]", vec!["0"; 1_000_000].join(",")),
+        format!("[[{}]]", vec!["0"; 1_000_000].join(",")),
+    ] {
+        let (prompt, peak) = peak_during(|| serde_json::from_str::<CompletionPrompt>(&text));
+        assert!(prompt.is_ok());
+        drop(prompt);
+        // `u32`s, 4 bytes for 2 of text, 12 at most while the vector grows.
+        assert!(
+            peak < 8 * text.len(),
+            "decoding {} bytes took {peak} bytes at once",
+            text.len()
+        );
+    }
 }
