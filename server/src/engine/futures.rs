@@ -17,6 +17,15 @@ pub type FutureResult = Arc<Result<Reply, Failure>>;
 /// response on the network.
 pub const RETRIEVED_GRACE: Duration = Duration::from_secs(60);
 
+/// Memory a finished entry holds besides its result (its id twice, its owner, its
+/// slots in the map and in its key's queue), charged with the result so that results
+/// of a few bytes (failures, cancels) cannot fill the table in their millions.
+const ENTRY_BYTES: usize = 512;
+
+/// Most finished results one key keeps: past it its oldest go, as past the byte budget.
+/// Bounds the table that [`Futures::expire`] walks on every tick of the engine.
+pub const MAX_FINISHED_PER_KEY: usize = 65_536;
+
 /// What `retrieve_future` gets.
 pub enum Poll {
     /// Finished.
@@ -97,10 +106,11 @@ impl Futures {
         let State::Pending(waiters) = &mut entry.state else {
             return;
         };
-        let bytes = match &result {
-            Ok(r) => r.approx_bytes(),
-            Err(f) => 64 + f.message.len(),
-        };
+        let bytes = ENTRY_BYTES
+            + match &result {
+                Ok(r) => r.approx_bytes(),
+                Err(f) => f.message.len(),
+            };
         self.completions.record(request_id, result.is_err());
         let result = Arc::new(result);
         let mut delivered = false;
@@ -117,11 +127,37 @@ impl Futures {
         let owner = entry.owner.clone();
         self.done_bytes += bytes;
         *self.held.entry(owner.clone()).or_default() += bytes;
-        self.finished
-            .entry(owner)
-            .or_default()
-            .push_back(request_id.to_string());
+        let queue = self.finished.entry(owner.clone()).or_default();
+        queue.push_back(request_id.to_string());
+        if queue.len() > MAX_FINISHED_PER_KEY {
+            let oldest = queue.pop_front().expect("the queue is not empty");
+            self.drop_finished(
+                &owner,
+                &oldest,
+                "the key has more finished results than MAX_FINISHED_PER_KEY",
+            );
+        }
         self.enforce_budget();
+    }
+
+    /// Drops `owner`'s finished result `id` (if it is still kept), warning when its
+    /// client never received it.
+    fn drop_finished(&mut self, owner: &str, id: &str, why: &str) {
+        if let Some(Entry {
+            state: State::Done {
+                bytes, retrieved, ..
+            },
+            ..
+        }) = self.map.get(id)
+        {
+            if retrieved.is_none() {
+                tracing::warn!(request = %id, owner = %owner, "dropping an unretrieved result: {why}");
+            }
+            let bytes = *bytes;
+            self.done_bytes -= bytes;
+            self.release(owner, bytes);
+            self.map.remove(id);
+        }
     }
 
     /// Drops finished results until they fit the budget, each time the oldest of the key
@@ -141,21 +177,7 @@ impl Futures {
                 self.held.remove(&owner);
                 continue;
             };
-            if let Some(Entry {
-                state: State::Done {
-                    bytes, retrieved, ..
-                },
-                ..
-            }) = self.map.get(&id)
-            {
-                if retrieved.is_none() {
-                    tracing::warn!(request = %id, owner = %owner, "dropping an unretrieved result: finished results exceed --max-result-bytes");
-                }
-                let bytes = *bytes;
-                self.done_bytes -= bytes;
-                self.release(&owner, bytes);
-                self.map.remove(&id);
-            }
+            self.drop_finished(&owner, &id, "finished results exceed --max-result-bytes");
         }
     }
 
@@ -265,6 +287,34 @@ mod tests {
         }
     }
 
+    /// What a small result is charged of the budget.
+    fn charged() -> usize {
+        ENTRY_BYTES + reply().approx_bytes()
+    }
+
+    #[test]
+    fn a_key_keeps_its_newest_finished_results_past_the_count_limit() {
+        let mut f = Futures::default();
+        f.insert("bobs".into(), "bob");
+        f.resolve("bobs", Err(Failure::user("x")));
+        let n = MAX_FINISHED_PER_KEY + 10;
+        for i in 0..n {
+            let id = i.to_string();
+            f.insert(id.clone(), "alice");
+            f.resolve(&id, Err(Failure::user("cancelled")));
+        }
+        assert!(f.poll("9", "alice", true).is_none(), "the oldest went");
+        assert!(f.poll("10", "alice", true).is_some());
+        assert!(f.poll(&(n - 1).to_string(), "alice", true).is_some());
+        assert!(f.poll("bobs", "bob", true).is_some(), "another key's stays");
+        assert_eq!(f.map.len(), MAX_FINISHED_PER_KEY + 1);
+        assert_eq!(
+            f.done_bytes(),
+            (MAX_FINISHED_PER_KEY + 1) * ENTRY_BYTES + MAX_FINISHED_PER_KEY * 9 + 1,
+            "every result is charged its entry"
+        );
+    }
+
     #[test]
     fn waiters_are_woken_and_results_stay_retrievable() {
         let mut f = Futures::default();
@@ -289,7 +339,7 @@ mod tests {
 
     #[test]
     fn retrieved_results_go_after_a_grace_and_the_budget_drops_the_oldest() {
-        let mut f = Futures::with_budget(3 * reply().approx_bytes());
+        let mut f = Futures::with_budget(3 * charged());
         for id in ["a", "b", "c"] {
             f.insert(id.into(), "alice");
             f.resolve(id, Ok(reply()));
@@ -309,7 +359,7 @@ mod tests {
         }
         assert!(f.poll("b", "alice", true).is_none());
         assert!(f.poll("c", "alice", true).is_some() && f.poll("e", "alice", true).is_some());
-        assert!(f.done_bytes() <= 3 * reply().approx_bytes());
+        assert!(f.done_bytes() <= 3 * charged());
     }
 
     /// A poll that does not mark leaves a result as if never polled, past the grace;
@@ -343,7 +393,7 @@ mod tests {
 
     #[test]
     fn a_key_flooding_the_result_budget_loses_its_own_results_not_another_keys() {
-        let one = reply().approx_bytes();
+        let one = charged();
         let mut f = Futures::with_budget(4 * one);
         f.insert("victim-1".into(), "victim");
         f.resolve("victim-1", Ok(reply()));
