@@ -1,5 +1,5 @@
-//! The wire types with several shapes that clients may send large (a custom loss's
-//! graph arguments, an OpenAI prompt) decode to what they encode, in memory bounded by
+//! The wire types with several shapes that clients may send large (a model input's
+//! chunks, a custom loss's graph arguments, an OpenAI prompt) decode to what they encode, in memory bounded by
 //! a small multiple of the body (serde's `untagged`, which they used, buffers the whole
 //! value first, and copied nested graph arguments once per level above them).
 
@@ -7,7 +7,7 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use lathe_sdk::types::openai::CompletionPrompt;
-use lathe_sdk::types::{GraphArg, TaggedArg};
+use lathe_sdk::types::{GraphArg, ModelInput, ModelInputChunk, TaggedArg};
 
 /// Counts the bytes allocated and not yet freed, and their peak.
 struct Counting;
@@ -171,4 +171,61 @@ fn a_prompt_of_token_ids_decodes_in_memory_bounded_by_its_size() {
             text.len()
         );
     }
+}
+
+#[test]
+fn every_chunk_form_decodes_to_what_it_encodes_wherever_its_tag_is() {
+    let chunk = |text: &str| serde_json::from_str::<ModelInputChunk>(text);
+    for form in [
+        ModelInputChunk::EncodedText {
+            tokens: vec![1, -2, 3],
+        },
+        ModelInputChunk::Image {
+            data: "aGk=".into(),
+            format: "png".into(),
+            expected_tokens: Some(4),
+        },
+        ModelInputChunk::ImageAssetPointer {
+            location: "s3://x".into(),
+            format: "jpeg".into(),
+            expected_tokens: None,
+        },
+    ] {
+        let text = serde_json::to_string(&form).unwrap();
+        assert_eq!(chunk(&text).unwrap(), form, "{text}");
+    }
+    assert_eq!(
+        chunk(r#"{"tokens": [5], "type": "encoded_text", "extra": {"a": [1]}}"#).unwrap(),
+        ModelInputChunk::EncodedText { tokens: vec![5] },
+        "the tag last (as Python clients write it), unknown fields ignored"
+    );
+    for (bad, says) in [
+        (r#"{"type": "encoded_text"}"#, "needs `tokens`"),
+        (r#"{"type": "image", "data": "x"}"#, "needs `format`"),
+        (r#"{"type": "video", "tokens": []}"#, "unknown chunk type"),
+        (r#"{"tokens": [1]}"#, "type"),
+        (
+            r#"{"type": "encoded_text", "tokens": [1.5]}"#,
+            "invalid type",
+        ),
+    ] {
+        let err = chunk(bad).unwrap_err().to_string();
+        assert!(err.contains(says), "{bad}: {err}");
+    }
+}
+
+#[test]
+fn a_model_input_decodes_in_memory_bounded_by_its_size() {
+    let text = format!(
+        r#"{{"chunks": [{{"tokens": [{}], "type": "encoded_text"}}]}}"#,
+        vec!["0"; 1_000_000].join(",")
+    );
+    let (input, peak) = peak_during(|| serde_json::from_str::<ModelInput>(&text));
+    assert_eq!(input.unwrap().length(), 1_000_000);
+    // `i64`s, 8 bytes for 2 of text, 24 at most while the vector grows.
+    assert!(
+        peak < 16 * text.len(),
+        "decoding {} bytes took {peak} bytes at once",
+        text.len()
+    );
 }

@@ -182,8 +182,13 @@ impl TensorData {
 }
 
 /// One chunk of a model input.
+///
+/// Decoded through [`RawChunk`], every variant's fields in one struct, rather than as
+/// an internally tagged enum: serde buffers an internally tagged value as a tree of
+/// 32-byte nodes before it reads the tag (the tag may come last, as Python clients
+/// write it), 16 times the bytes of a chunk of token ids.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "type", rename_all = "snake_case")]
+#[serde(tag = "type", rename_all = "snake_case", try_from = "RawChunk")]
 pub enum ModelInputChunk {
     /// Token ids.
     EncodedText {
@@ -211,6 +216,47 @@ pub enum ModelInputChunk {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         expected_tokens: Option<i64>,
     },
+}
+
+/// A chunk as it comes off the wire: the tag and every variant's fields.
+#[derive(Deserialize)]
+struct RawChunk {
+    #[serde(rename = "type")]
+    kind: String,
+    tokens: Option<Vec<i64>>,
+    data: Option<String>,
+    location: Option<String>,
+    format: Option<String>,
+    expected_tokens: Option<i64>,
+}
+
+impl TryFrom<RawChunk> for ModelInputChunk {
+    type Error = String;
+
+    fn try_from(raw: RawChunk) -> Result<Self, String> {
+        let missing = |field: &str| format!("a {} chunk needs `{field}`", raw.kind);
+        Ok(match raw.kind.as_str() {
+            "encoded_text" => ModelInputChunk::EncodedText {
+                tokens: raw.tokens.ok_or_else(|| missing("tokens"))?,
+            },
+            "image" => ModelInputChunk::Image {
+                data: raw.data.ok_or_else(|| missing("data"))?,
+                format: raw.format.ok_or_else(|| missing("format"))?,
+                expected_tokens: raw.expected_tokens,
+            },
+            "image_asset_pointer" => ModelInputChunk::ImageAssetPointer {
+                location: raw.location.ok_or_else(|| missing("location"))?,
+                format: raw.format.ok_or_else(|| missing("format"))?,
+                expected_tokens: raw.expected_tokens,
+            },
+            other => {
+                return Err(format!(
+                    "unknown chunk type {other:?}, expected encoded_text, image or \
+                     image_asset_pointer"
+                ))
+            }
+        })
+    }
 }
 
 /// The tokens a model reads, as a list of chunks.

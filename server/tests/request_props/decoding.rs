@@ -223,19 +223,8 @@ pub(crate) fn buffered_bytes(kind: Kind, body: &[u8]) -> usize {
         return 0;
     };
     let size = |x: Option<&Value>| x.map_or(0, |x| serde_json::to_vec(x).unwrap().len());
-    let chunks = |input: &str| match v.pointer(input).and_then(|d| d.get("data")) {
-        Some(Value::Array(data)) => data
-            .iter()
-            .map(|d| size(d.pointer("/model_input/chunks")))
-            .sum(),
-        _ => 0,
-    };
     match kind {
-        Kind::ForwardBackward => chunks("/forward_backward_input"),
-        Kind::Forward => chunks("/forward_input"),
-        Kind::Sample => {
-            size(v.pointer("/prompt/chunks")) + size(v.pointer("/sampling_params/stop"))
-        }
+        Kind::Sample => size(v.pointer("/sampling_params/stop")),
         Kind::CreateSession => size(v.get("user_metadata")),
         _ => 0,
     }
