@@ -119,8 +119,14 @@ impl<'de> Visitor<'de> for GraphArgVisitor {
         Ok(GraphArg::List(items))
     }
 
-    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<GraphArg, A::Error> {
-        TaggedArg::deserialize(de::value::MapAccessDeserializer::new(map)).map(GraphArg::Tagged)
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<GraphArg, A::Error> {
+        let tagged = TaggedArg::deserialize(de::value::MapAccessDeserializer::new(&mut map))?;
+        if map.next_key::<de::IgnoredAny>()?.is_some() {
+            return Err(de::Error::custom(
+                "a tagged graph argument is an object of one key",
+            ));
+        }
+        Ok(GraphArg::Tagged(tagged))
     }
 }
 

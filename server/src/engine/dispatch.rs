@@ -91,8 +91,9 @@ impl Engine {
                 arrival: q.arrival,
                 owner: owner_index(&q.owner),
                 kind: Kind::Sample {
-                    tokens: q.work.job.prompt.len() + self.adapter_read_tokens(&q.work),
+                    tokens: q.work.job.prompt.len(),
                     streams: q.work.job.num_samples,
+                    read: self.adapter_read_tokens(&q.work),
                 },
             });
         }
@@ -289,14 +290,15 @@ impl Engine {
         for i in sample_keys.into_iter().rev() {
             let q = self.samples.remove(i).expect("sample exists");
             match self.check_pin(&q.owner, q.pin.as_ref()) {
-                Ok(()) => {
-                    self.sampler_adapter_sent(&q.work);
-                    batch.samples.push(q.work)
-                }
+                Ok(()) => batch.samples.push(q.work),
                 Err(e) => refused.push((q.work.request_id, Failure::user(e.message()))),
             }
         }
         batch.samples.reverse();
+        // In the order the worker opens their adapters.
+        for work in &batch.samples {
+            self.sampler_adapter_sent(work);
+        }
         // New sequences step with the running ones when the scheduler picks the step; with
         // nothing else decoding, they take their first step at once.
         batch.decode_step =
@@ -369,6 +371,12 @@ impl Engine {
             let Some(mut inflight) = self.inflight.remove(&outcome.request_id) else {
                 continue;
             };
+            if let (Err(_), Some((dir, _))) = (&outcome.result, &inflight.adapter) {
+                // Perhaps its adapter could not be read, and the worker's cache does not
+                // keep it: the engine's picture forgets it too (after a failure for
+                // another reason, the next request pays a read the worker may skip).
+                self.worker_adapters.remove(dir);
+            }
             if let Some(run) = inflight.run_id.as_ref().and_then(|r| self.runs.get_mut(r)) {
                 run.inflight = false;
             }
@@ -474,25 +482,18 @@ impl Engine {
     }
 
     /// The work of reading a sampling request's checkpoint adapter, in tokens (as
-    /// [`adapter_work`] reckons a load), unless the worker holds it: cached, or shared
-    /// with a decode of the same directory. Reading a rank-256 adapter takes the worker
-    /// about as long as a pass of a few hundred tokens, so requests cycling through
-    /// checkpoints pay for the worker's time like training does.
+    /// [`adapter_work`] reckons a load), unless the worker's cache keeps it. Reading a
+    /// rank-256 adapter takes the worker about as long as a pass of a few hundred
+    /// tokens, so requests cycling through checkpoints pay for the worker's time like
+    /// training does. (A decode of the same directory also spares the read, but the
+    /// engine cannot know that one will still be running when this request joins, so
+    /// only the cache counts.)
     pub(super) fn adapter_read_tokens(&self, work: &SampleWork) -> usize {
-        let Some((dir, bytes)) = self.sampler_adapter_read(work) else {
-            return 0;
-        };
-        let held = self.worker_adapters.contains(dir)
-            || self.decoding.iter().any(|(id, _)| {
-                self.inflight
-                    .get(id)
-                    .and_then(|f| f.adapter.as_ref())
-                    .is_some_and(|(d, _)| d == dir)
-            });
-        if held {
-            0
-        } else {
-            usize::try_from(bytes / ADAPTER_BYTES_PER_TOKEN).unwrap_or(usize::MAX)
+        match self.sampler_adapter_read(work) {
+            Some((dir, bytes)) if !self.worker_adapters.contains(dir) => {
+                usize::try_from(bytes / ADAPTER_BYTES_PER_TOKEN).unwrap_or(usize::MAX)
+            }
+            _ => 0,
         }
     }
 

@@ -65,7 +65,14 @@ pub struct Futures {
     budget: usize,
     /// Sampling sessions' completion queues (`retrieve_futures`).
     pub completions: Completions,
+    /// Unretrieved results dropped since the last warning, and when that was: a key
+    /// flooding the table is logged once a minute, not once a result.
+    dropped_unretrieved: u64,
+    warned_at: Option<Instant>,
 }
+
+/// How often dropping unretrieved results is logged at most.
+const DROP_WARNING_EVERY: Duration = Duration::from_secs(60);
 
 impl Default for Futures {
     fn default() -> Self {
@@ -83,6 +90,8 @@ impl Futures {
             done_bytes: 0,
             budget,
             completions: Completions::default(),
+            dropped_unretrieved: 0,
+            warned_at: None,
         }
     }
 
@@ -150,10 +159,25 @@ impl Futures {
             ..
         }) = self.map.get(id)
         {
-            if retrieved.is_none() {
-                tracing::warn!(request = %id, owner = %owner, "dropping an unretrieved result: {why}");
-            }
+            let unretrieved = retrieved.is_none();
             let bytes = *bytes;
+            if unretrieved {
+                self.dropped_unretrieved += 1;
+                let now = Instant::now();
+                if self
+                    .warned_at
+                    .is_none_or(|at| now.duration_since(at) >= DROP_WARNING_EVERY)
+                {
+                    tracing::warn!(
+                        request = %id,
+                        owner = %owner,
+                        dropped = self.dropped_unretrieved,
+                        "dropping unretrieved results (this one's key's): {why}"
+                    );
+                    self.dropped_unretrieved = 0;
+                    self.warned_at = Some(now);
+                }
+            }
             self.done_bytes -= bytes;
             self.release(owner, bytes);
             self.map.remove(id);

@@ -136,11 +136,16 @@ impl Engine {
             .fold(0u64, u64::saturating_add)
     }
 
-    /// Whether one of `owner`'s sampling requests holds the adapter of `dir` already.
-    pub(super) fn holds_sampling_adapter(&self, owner: &str, dir: &std::path::Path) -> bool {
-        self.inflight
-            .values()
-            .any(|f| f.owner == owner && f.adapter.as_ref().is_some_and(|(d, _)| d == dir))
+    /// Whether sampling requests (only `owner`'s with `Some`) hold the adapter of
+    /// `dir` already.
+    pub(super) fn holds_sampling_adapter(
+        &self,
+        owner: Option<&str>,
+        dir: &std::path::Path,
+    ) -> bool {
+        self.inflight.values().any(|f| {
+            owner.is_none_or(|o| f.owner == o) && f.adapter.as_ref().is_some_and(|(d, _)| d == dir)
+        })
     }
 
     fn run_adapter_memory(&self, owner: Option<&str>) -> u64 {
@@ -160,31 +165,44 @@ impl Engine {
     /// Refuses `extra` more bytes of adapter state for `owner` past its
     /// `--max-adapter-bytes`, or past the server's `--max-total-adapter-bytes`.
     pub(super) fn check_adapter_memory(&self, owner: &str, extra: u64) -> Result<(), EngineError> {
-        let mine = self.adapter_memory(Some(owner));
+        self.check_adapter_memory_of(owner, extra, extra)
+    }
+
+    /// Refuses `mine` more bytes of adapter state for `owner` past its
+    /// `--max-adapter-bytes`, or `all` more for the server (less where another key
+    /// holds the same adapter already) past its `--max-total-adapter-bytes`.
+    pub(super) fn check_adapter_memory_of(
+        &self,
+        owner: &str,
+        mine: u64,
+        all: u64,
+    ) -> Result<(), EngineError> {
+        let held = self.adapter_memory(Some(owner));
         let max = self.config.limits.adapter_bytes;
-        if mine.saturating_add(extra) > max {
+        if held.saturating_add(mine) > max {
             return Err(exceeded(
                 "max_adapter_bytes",
                 30,
                 format!(
-                    "this key's loaded runs hold {mine} bytes of adapter state and this needs \
-                     {extra} more, past its limit (--max-adapter-bytes {max}); unload a run \
-                     or use a smaller rank"
+                    "this key's loaded runs, snapshots and sampling requests hold {held} \
+                     bytes of adapter state and this needs {mine} more, past its limit \
+                     (--max-adapter-bytes {max}); unload a run, wait for its samples, or \
+                     use a smaller rank"
                 ),
             ));
         }
-        let all = self.adapter_memory(None);
+        let held = self.adapter_memory(None);
         let max = self.config.max_adapter_bytes;
         let cache = self.config.sampler_cache_bytes();
-        if all.saturating_add(cache).saturating_add(extra) > max {
+        if held.saturating_add(cache).saturating_add(all) > max {
             return Err(exceeded(
                 "max_total_adapter_bytes",
                 30,
                 format!(
-                    "the server's loaded runs hold {all} bytes of adapter state and this \
-                     needs {extra} more, past its limit (--max-total-adapter-bytes {max}, \
-                     of which {cache} are kept for checkpoint adapters opened for \
-                     sampling); try again when runs have been unloaded"
+                    "the server's loaded runs, snapshots and sampling requests hold {held} \
+                     bytes of adapter state and this needs {all} more, past its limit \
+                     (--max-total-adapter-bytes {max}, of which {cache} are kept for \
+                     checkpoint adapters opened for sampling); try again later"
                 ),
             ));
         }

@@ -75,7 +75,8 @@ impl Engine {
 
     /// The checkpoint adapter a sampling request on `source` will hold in the worker,
     /// with its bytes there (the adapter and the decode's copy of it), refused past the
-    /// key's or the server's adapter memory unless the key's requests hold it already.
+    /// key's adapter memory unless its requests hold it already, or past the server's
+    /// unless any request does.
     fn sampling_adapter(
         &self,
         owner: &str,
@@ -91,9 +92,12 @@ impl Engine {
             .lora_widths
             .adapter_bytes(&spec_of(row))
             .saturating_mul(SAMPLING_ADAPTER_COPIES);
-        if !self.holds_sampling_adapter(owner, dir) {
-            self.check_adapter_memory(owner, bytes)?;
-        }
+        let new = |held: bool| if held { 0 } else { bytes };
+        self.check_adapter_memory_of(
+            owner,
+            new(self.holds_sampling_adapter(Some(owner), dir)),
+            new(self.holds_sampling_adapter(None, dir)),
+        )?;
         Ok(Some((dir.clone(), bytes)))
     }
 

@@ -8,6 +8,7 @@ use super::test_engine::{engine_with, job};
 use super::{Engine, LoraWidths, SamplerRef};
 use crate::store::checkpoints::CheckpointMeta;
 use crate::store::db::CheckpointRow;
+use crate::worker::ByteLru;
 
 /// Bob's sampler checkpoints `a` and `b` (rank 4 on attention and MLP), in an engine
 /// whose adapters take 32,000 bytes each (64,000 held while sampling: two copies).
@@ -27,7 +28,7 @@ fn bobs_checkpoints() -> (Engine, CheckpointUri, CheckpointUri) {
         public: false,
     };
     let (a, b) = (uri("a"), uri("b"));
-    let (mut engine, _) = engine_with(vec![row(&a), row(&b)]);
+    let (mut engine, _) = engine_with(vec![row(&a), row(&b), row(&uri("c"))]);
     engine.model.lora_widths = LoraWidths {
         attn: 1000,
         mlp: 1000,
@@ -88,5 +89,44 @@ fn a_sample_is_charged_its_adapters_read_until_the_worker_keeps_it() {
         engine.adapter_read_tokens(&queued),
         0,
         "the worker keeps the adapter it read"
+    );
+}
+
+#[test]
+fn the_engine_sees_the_workers_cache_as_the_worker_fills_it() {
+    let (mut engine, a, b) = bobs_checkpoints();
+    let c = CheckpointUri {
+        name: "c".into(),
+        ..a.clone()
+    };
+    // 1 MiB adapters, each read charged one token; the cache keeps two.
+    engine.model.lora_widths.attn = 1 << 15;
+    engine.model.lora_widths.mlp = 1 << 15;
+    engine.worker_adapters = ByteLru::with_budget(2 << 20);
+    engine.config.batch_window = std::time::Duration::ZERO;
+    let queue = |e: &mut Engine, uri: &CheckpointUri| {
+        let id = e
+            .sample("bob", SamplerRef::Path(uri.clone()), job())
+            .unwrap()
+            .request_id;
+        let work = e.samples.back().unwrap().work.clone();
+        assert_eq!(work.request_id, id);
+        work
+    };
+    let on_a = queue(&mut engine, &a);
+    let on_b = queue(&mut engine, &b);
+    assert_eq!(engine.adapter_read_tokens(&on_a), 1);
+    engine.pump();
+    assert!(engine.samples.is_empty(), "both sent in one batch, a first");
+    engine.complete(Vec::new());
+    let on_c = queue(&mut engine, &c);
+    engine.pump();
+    // The worker opened a, then b, then c: a, the least recently used, went.
+    assert_eq!(engine.adapter_read_tokens(&on_c), 0);
+    assert_eq!(engine.adapter_read_tokens(&on_b), 0);
+    assert_eq!(
+        engine.adapter_read_tokens(&on_a),
+        1,
+        "the worker reads a again"
     );
 }

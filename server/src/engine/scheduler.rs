@@ -65,6 +65,9 @@ pub enum Kind {
         tokens: usize,
         /// Sequences it decodes.
         streams: usize,
+        /// Reading its checkpoint adapter in the worker, in tokens (0 when the worker
+        /// holds it).
+        read: usize,
     },
     /// One decode step of every live sequence (one token each).
     Decode {
@@ -87,8 +90,9 @@ impl Kind {
     /// The service a pick of this kind is charged, in tokens.
     pub fn charge(&self) -> u64 {
         match *self {
-            Kind::Forward { tokens, .. } | Kind::Sample { tokens, .. } | Kind::Solo { tokens } => {
-                (tokens as u64).max(MIN_CHARGE)
+            Kind::Forward { tokens, .. } | Kind::Solo { tokens } => (tokens as u64).max(MIN_CHARGE),
+            Kind::Sample { tokens, read, .. } => {
+                (tokens as u64).max(MIN_CHARGE).saturating_add(read as u64)
             }
             Kind::Other => MIN_CHARGE,
             Kind::Rescore { rows } => (rows as u64).max(MIN_CHARGE),
@@ -99,9 +103,8 @@ impl Kind {
     /// Tokens it takes of a batch's budget.
     fn tokens(&self) -> usize {
         match *self {
-            Kind::Forward { tokens, .. } | Kind::Sample { tokens, .. } | Kind::Solo { tokens } => {
-                tokens
-            }
+            Kind::Forward { tokens, .. } | Kind::Solo { tokens } => tokens,
+            Kind::Sample { tokens, read, .. } => tokens.saturating_add(read),
             Kind::Decode { streams } => streams,
             Kind::Rescore { rows } => rows,
             Kind::Other => 0,
@@ -263,6 +266,19 @@ impl Service {
 mod tests {
     use super::*;
 
+    #[test]
+    fn a_samples_adapter_read_is_charged_beyond_the_minimum_and_takes_batch_room() {
+        let sample = |tokens, read| Kind::Sample {
+            tokens,
+            streams: 1,
+            read,
+        };
+        assert_eq!(sample(3, 0).charge(), MIN_CHARGE);
+        assert_eq!(sample(3, 300).charge(), MIN_CHARGE + 300);
+        assert_eq!(sample(100, 300).charge(), 400);
+        assert_eq!(sample(3, 300).tokens(), 303);
+    }
+
     const LIMITS: Limits = Limits {
         max_batch_tokens: 100,
         max_sample_streams: 8,
@@ -283,7 +299,11 @@ mod tests {
             key,
             arrival,
             owner: 0,
-            kind: Kind::Sample { tokens, streams },
+            kind: Kind::Sample {
+                tokens,
+                streams,
+                read: 0,
+            },
         }
     }
 

@@ -67,6 +67,11 @@ impl<V: Clone> ByteLru<V> {
         self.entries.push((dir, value, bytes));
     }
 
+    /// Forgets `dir`.
+    pub fn remove(&mut self, dir: &Path) {
+        self.entries.retain(|(p, _, _)| p != dir);
+    }
+
     /// Bytes kept.
     pub fn bytes(&self) -> u64 {
         self.entries
@@ -76,16 +81,11 @@ impl<V: Clone> ByteLru<V> {
     }
 }
 
-/// Bytes an adapter's factors hold.
+/// Bytes an adapter's factors hold in f32, as the engine reckons adapters (its
+/// `LoraWidths::adapter_bytes`): the engine's picture of the cache must size entries
+/// exactly as the cache does.
 pub fn adapter_bytes(adapter: &Adapter) -> u64 {
-    adapter
-        .pairs
-        .values()
-        .map(|p| {
-            let elems = p.a.elem_count() + p.b.elem_count();
-            (elems as u64).saturating_mul(p.a.dtype().size_in_bytes() as u64)
-        })
-        .fold(0, u64::saturating_add)
+    (adapter.num_params() as u64).saturating_mul(4)
 }
 
 /// The checkpoint adapters the worker holds for sampling.
