@@ -458,6 +458,41 @@ fn rejections_before_a_handler_are_json() {
 /// (`--max-total-adapter-bytes`): a run (four times its adapter: weights, gradient, two
 /// AdamW moments) or a sampler snapshot (one copy) that would pass either limit is
 /// refused with a 429 naming it, and the refused key's other work goes on.
+/// Only the requests that carry tokens take bodies up to `--max-request-bytes`; control
+/// calls (decoded on the async threads, `create_session`'s metadata as a JSON tree) take
+/// at most 1 MiB.
+#[test]
+fn control_calls_take_small_bodies_and_token_calls_large_ones() {
+    let dir = temp_dir("hostile-body-limits");
+    let server = TestServer::start(&dir, |c| c.max_request_bytes = 8 << 20);
+    let a = server.client(KEY_A);
+    let big = vec![0; 600_000];
+    let (status, v) = a.post(
+        "/api/v1/create_session",
+        &json!({"tags": [], "user_metadata": {"x": big}, "sdk_version": "0.38.0"}),
+    );
+    assert_eq!(status, 413, "{v}");
+    assert_eq!(v["code"], "payload_too_large", "{v}");
+    let session = a.session();
+    let (status, v) = a.post(
+        "/api/v1/save_weights",
+        &json!({"model_id": "x", "path": "a".repeat(2 << 20)}),
+    );
+    assert_eq!(status, 413, "{v}");
+    // A forward_backward of the same size is read and judged on its content.
+    let model_id = a.create_model(&session, 0, 4, 1);
+    let (status, v) = a.post(
+        "/api/v1/forward_backward",
+        &json!({"model_id": model_id, "seq_id": 1, "forward_backward_input": {
+            "loss_fn": "cross_entropy", "data": [{"model_input": {"chunks": [
+                {"type": "encoded_text", "tokens": big}]}, "loss_fn_inputs": {}}]}}),
+    );
+    assert_eq!(status, 400, "{v}");
+    assert_ne!(v["code"], "payload_too_large", "{v}");
+    server.stop();
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 #[test]
 fn adapter_state_in_memory_is_bounded_per_key_and_in_all() {
     use lathe_server::engine::LoraWidths;

@@ -113,8 +113,15 @@ impl CpuSlots {
     }
 }
 
-/// Default request body limit.
+/// Default request body limit of the requests that carry tokens (`forward_backward`,
+/// `forward`, `asample`, MinT's reverse KL, the OpenAI completions).
 pub const DEFAULT_MAX_REQUEST_BYTES: usize = 32 * 1024 * 1024;
+
+/// Body limit of every other request (session, run and checkpoint control, listings):
+/// they are a few KB, and are decoded on the async threads every request shares, some
+/// with free-form JSON (`create_session`'s `user_metadata`) that serde holds as a tree
+/// of 32-byte nodes.
+pub const CONTROL_BODY_BYTES: usize = 1 << 20;
 
 /// A JSON body whose rejections become [`ApiError`]s (JSON, 4xx).
 pub struct ApiJson<T>(pub T);
@@ -191,6 +198,9 @@ async fn no_such_endpoint(
 /// The whole API.
 pub fn router(state: AppState) -> Router {
     let max_request_bytes = state.max_request_bytes;
+    // Only the requests that carry tokens take bodies up to --max-request-bytes; the
+    // rest are control calls of a few KB, decoded on the async threads.
+    let large_bodies = DefaultBodyLimit::max(max_request_bytes);
     let protected = Router::new()
         .route("/api/v1/client/config", post(session::client_config))
         .route(
@@ -208,8 +218,14 @@ pub fn router(state: AppState) -> Router {
         .route("/api/v1/lathe/tokenizer", get(session::tokenizer))
         .route("/api/v1/create_model", post(training::create_model))
         .route("/api/v1/get_info", post(training::get_info))
-        .route("/api/v1/forward", post(training::forward))
-        .route("/api/v1/forward_backward", post(training::forward_backward))
+        .route(
+            "/api/v1/forward",
+            post(training::forward).layer(large_bodies),
+        )
+        .route(
+            "/api/v1/forward_backward",
+            post(training::forward_backward).layer(large_bodies),
+        )
         .route(
             "/api/v1/create_custom_loss",
             post(custom_loss::create_custom_loss).layer(DefaultBodyLimit::max(
@@ -229,7 +245,10 @@ pub fn router(state: AppState) -> Router {
             "/api/v1/create_sampling_session",
             post(sampling::create_sampling_session),
         )
-        .route("/api/v1/asample", post(sampling::asample))
+        .route(
+            "/api/v1/asample",
+            post(sampling::asample).layer(large_bodies),
+        )
         .route("/api/v1/samplers/{id}", get(sampling::get_sampler))
         .route("/api/v1/retrieve_future", post(futures::retrieve_future))
         .route("/api/v1/retrieve_futures", post(sampling::retrieve_futures))
@@ -273,10 +292,16 @@ pub fn router(state: AppState) -> Router {
         )
         .route(
             "/api/v1/mint/forward_backward_reverse_kl",
-            post(mint::forward_backward_reverse_kl),
+            post(mint::forward_backward_reverse_kl).layer(large_bodies),
         )
-        .route("/v1/completions", post(openai::completions))
-        .route("/v1/chat/completions", post(openai::chat_completions))
+        .route(
+            "/v1/completions",
+            post(openai::completions).layer(large_bodies),
+        )
+        .route(
+            "/v1/chat/completions",
+            post(openai::chat_completions).layer(large_bodies),
+        )
         .route("/v1/models", get(openai::models))
         // Inside the key check, which names the owner.
         .layer(axum::middleware::from_fn_with_state(
@@ -292,7 +317,9 @@ pub fn router(state: AppState) -> Router {
         .route("/api/v1/lathe/archive", get(rest::download_archive))
         .merge(protected)
         .fallback(no_such_endpoint)
-        .layer(DefaultBodyLimit::max(max_request_bytes))
+        .layer(DefaultBodyLimit::max(
+            CONTROL_BODY_BYTES.min(max_request_bytes),
+        ))
         .layer(axum::middleware::from_fn(json_errors))
         .with_state(state)
 }
