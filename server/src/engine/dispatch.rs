@@ -515,7 +515,8 @@ const ADAPTER_BYTES_PER_TOKEN: u64 = 1 << 20;
 /// The work of an operation on a run's adapter (`spec`), in tokens: its bytes of
 /// adapter state written, read or updated (the optimizer's two moments and the
 /// gradient triple an Adam step's traffic, and a training checkpoint's), over
-/// [`ADAPTER_BYTES_PER_TOKEN`]. Operations below [`MIN_CHARGE`] tokens ride along with
+/// [`ADAPTER_BYTES_PER_TOKEN`], and a save at least [`MIN_CHARGE`] (for its syncs).
+/// Operations below [`MIN_CHARGE`] tokens ride along with
 /// every batch (`scheduler::Kind::Other`); larger ones are scheduled by fair share
 /// within the batch budget, so a key with many large adapters cannot add seconds of
 /// saves, loads and steps to every batch of everyone's.
@@ -530,7 +531,14 @@ fn adapter_work(widths: &LoraWidths, spec: &LoraSpec, op: &RunOp) -> usize {
         RunOp::Snapshot { .. } | RunOp::Create { .. } => widths.adapter_bytes(spec),
         _ => 0,
     };
-    usize::try_from(bytes / ADAPTER_BYTES_PER_TOKEN).unwrap_or(usize::MAX)
+    let tokens = usize::try_from(bytes / ADAPTER_BYTES_PER_TOKEN).unwrap_or(usize::MAX);
+    match op {
+        // A save syncs about ten files and directories whatever its size, so even the
+        // smallest never rides along: a key saving tiny adapters in a loop would add
+        // its fsyncs to every batch of everyone's.
+        RunOp::Save { .. } => tokens.max(MIN_CHARGE as usize),
+        _ => tokens,
+    }
 }
 
 #[cfg(test)]
@@ -555,14 +563,16 @@ mod tests {
     }
 
     #[test]
-    fn large_adapters_work_is_counted_in_tokens_and_small_ones_ride_along() {
+    fn adapter_work_is_counted_in_tokens_small_steps_ride_along_and_saves_never_do() {
         let save = RunOp::Save {
             meta: CheckpointMeta::for_test("r", "training", "x", "o"),
             overwrite: false,
         };
         let step = RunOp::OptimStep(Default::default());
-        // Rank 8: a 9.8 MB adapter; its training checkpoint (with Adam's moments) 29 MB.
-        assert_eq!(adapter_work(&SMOLLM2, &spec(8), &save), 27);
+        // Rank 8: a 9.8 MB adapter; its training checkpoint (with Adam's moments) 29 MB,
+        // saved at the minimum charge (its syncs), never riding along.
+        assert_eq!(adapter_work(&SMOLLM2, &spec(8), &save), MIN_CHARGE as usize);
+        assert_eq!(adapter_work(&SMOLLM2, &spec(1), &save), MIN_CHARGE as usize);
         assert!(adapter_work(&SMOLLM2, &spec(8), &step) < MIN_CHARGE as usize);
         // Rank 256: about 0.9 GB to write, a pass's worth of tokens.
         let big = adapter_work(&SMOLLM2, &spec(256), &save);
