@@ -5,10 +5,11 @@
 //! Each (sampling session, clone) target has a log of completions numbered by a cursor.
 //! A poll returns the events after the client's previous cursor and trims those at or
 //! before it. A log holds at most [`MAX_EVENTS`] (the oldest go first; a client that
-//! never polls cannot grow it) and is dropped once idle for the futures' TTL. All the
-//! logs of one API key hold at most [`MAX_EVENTS_PER_KEY`] together (its oldest event
-//! goes first): a key has up to hundreds of sampling sessions, each with up to a
-//! thousand client copies.
+//! never polls cannot grow it) and is dropped once idle for the futures' TTL or when
+//! its sampling session closes. All the logs of one API key hold at most
+//! [`MAX_EVENTS_PER_KEY`] together (its oldest event goes first), and a key has at most
+//! [`MAX_LOGS_PER_KEY`] logs: it has up to hundreds of sampling sessions, each with up
+//! to a thousand client copies. A poll returns at most [`MAX_PAGE`] events.
 
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -20,6 +21,16 @@ pub const MAX_EVENTS: usize = 4096;
 
 /// Most completions all of one key's logs hold unpolled.
 pub const MAX_EVENTS_PER_KEY: usize = 65_536;
+
+/// Most logs one key may have: a log is made by a completion or by a poll that waits
+/// for one, and stays until idle for the futures' TTL or until its sampling session
+/// ends, so without a bound a key's pollers over its thousands of client copies would
+/// leave logs for the engine to walk on every tick.
+pub const MAX_LOGS_PER_KEY: usize = 4096;
+
+/// Most completions one poll returns (the cursor it answers is the last one's, so the
+/// client gets the rest on its next poll): a poll costs the engine a bounded copy.
+pub const MAX_PAGE: usize = 512;
 
 /// Which log: a sampling session and the clone of its client (`seq_id / 10^9`).
 pub type Target = (String, u64);
@@ -55,6 +66,8 @@ struct Log {
 /// One key's events in the order they were recorded, to find its oldest.
 #[derive(Default)]
 struct KeyEvents {
+    /// Logs it has.
+    logs: usize,
     /// Events its logs hold.
     held: usize,
     /// `(log, cursor)` of each event recorded, oldest first; entries whose event a poll
@@ -84,6 +97,9 @@ impl Completions {
         let Some((target, owner)) = self.watched.remove(request_id) else {
             return;
         };
+        if !self.logs.contains_key(&target) {
+            self.keys.entry(owner.clone()).or_default().logs += 1;
+        }
         let log = self.logs.entry(target.clone()).or_default();
         log.owner.clone_from(&owner);
         log.last += 1;
@@ -128,10 +144,34 @@ impl Completions {
         }
     }
 
-    /// Events of `target` after `prev_cursor` (those at or before it are dropped), or,
-    /// with none and `wait`, a signal for the next one.
-    pub fn poll(&mut self, target: Target, prev_cursor: u64, wait: bool) -> CompletionPoll {
-        let log = self.logs.entry(target).or_default();
+    /// Events of `owner`'s `target` after `prev_cursor` (those at or before it are
+    /// dropped), at most [`MAX_PAGE`], or, with none and `wait`, a signal for the next
+    /// one. `None`: waiting would make the key a log past [`MAX_LOGS_PER_KEY`].
+    pub fn poll(
+        &mut self,
+        target: Target,
+        owner: &str,
+        prev_cursor: u64,
+        wait: bool,
+    ) -> Option<CompletionPoll> {
+        if !self.logs.contains_key(&target) {
+            if !wait {
+                return Some(CompletionPoll::Ready(Vec::new(), prev_cursor));
+            }
+            let key = self.keys.entry(owner.to_string()).or_default();
+            if key.logs >= MAX_LOGS_PER_KEY {
+                return None;
+            }
+            key.logs += 1;
+            self.logs.insert(
+                target.clone(),
+                Log {
+                    owner: owner.to_string(),
+                    ..Log::default()
+                },
+            );
+        }
+        let log = self.logs.get_mut(&target).expect("made above");
         log.touched = Some(Instant::now());
         let mut trimmed = 0;
         while log.events.front().is_some_and(|(c, _)| *c <= prev_cursor) {
@@ -145,10 +185,33 @@ impl Completions {
             let (tx, rx) = oneshot::channel();
             log.waiters.retain(|w| !w.is_closed());
             log.waiters.push(tx);
-            return CompletionPoll::Wait(rx);
+            return Some(CompletionPoll::Wait(rx));
         }
-        let events: Vec<Completion> = log.events.iter().map(|(_, c)| c.clone()).collect();
-        CompletionPoll::Ready(events, log.last.max(prev_cursor))
+        let page = log.events.iter().take(MAX_PAGE);
+        let cursor = match log.events.get(MAX_PAGE) {
+            // More than a page: the client asks again from the page's last event.
+            Some(_) => log.events[MAX_PAGE - 1].0,
+            None => log.last.max(prev_cursor),
+        };
+        let events: Vec<Completion> = page.map(|(_, c)| c.clone()).collect();
+        Some(CompletionPoll::Ready(events, cursor))
+    }
+
+    /// The sampling sessions `sampler_ids` closed: their logs and watches go.
+    pub fn forget_samplers(&mut self, sampler_ids: &std::collections::HashSet<String>) {
+        if sampler_ids.is_empty() {
+            return;
+        }
+        let keys = &mut self.keys;
+        self.logs.retain(|(sampler, _), log| {
+            let keep = !sampler_ids.contains(sampler);
+            if !keep {
+                forget_log(keys, &log.owner, log.events.len());
+            }
+            keep
+        });
+        self.watched
+            .retain(|_, ((sampler, _), _)| !sampler_ids.contains(sampler));
     }
 
     /// Drops logs idle for `ttl` with no poller waiting, and watches of requests that
@@ -162,7 +225,7 @@ impl Completions {
                     .touched
                     .is_some_and(|t| now.saturating_duration_since(t) < ttl);
             if !keep {
-                release(keys, &log.owner, log.events.len());
+                forget_log(keys, &log.owner, log.events.len());
             }
             keep
         });
@@ -174,10 +237,18 @@ impl Completions {
 fn release(keys: &mut HashMap<String, KeyEvents>, owner: &str, n: usize) {
     if let Some(key) = keys.get_mut(owner) {
         key.held = key.held.saturating_sub(n);
-        if key.held == 0 {
+        if key.held == 0 && key.logs == 0 {
             keys.remove(owner);
         }
     }
+}
+
+/// One of `owner`'s logs, holding `events`, went.
+fn forget_log(keys: &mut HashMap<String, KeyEvents>, owner: &str, events: usize) {
+    if let Some(key) = keys.get_mut(owner) {
+        key.logs = key.logs.saturating_sub(1);
+    }
+    release(keys, owner, events);
 }
 
 #[cfg(test)]
@@ -188,6 +259,65 @@ mod tests {
         ("s:sample:0".into(), 0)
     }
 
+    /// Polls `target` page by page until it has nothing more; returns how many events
+    /// came.
+    fn drain(c: &mut Completions, target: &Target, owner: &str) -> usize {
+        let (mut cursor, mut seen) = (0, 0);
+        loop {
+            let Some(CompletionPoll::Ready(ev, next)) =
+                c.poll(target.clone(), owner, cursor, false)
+            else {
+                panic!("a poll that does not wait is answered")
+            };
+            if ev.is_empty() {
+                return seen;
+            }
+            seen += ev.len();
+            cursor = next;
+        }
+    }
+
+    #[test]
+    fn only_waiting_polls_make_logs_and_a_key_makes_a_bounded_number() {
+        let mut c = Completions::default();
+        assert!(matches!(
+            c.poll(t(), "k", 0, false),
+            Some(CompletionPoll::Ready(ref ev, 0)) if ev.is_empty()
+        ));
+        assert!(
+            c.logs.is_empty(),
+            "a poll that does not wait leaves nothing"
+        );
+        for clone in 0..MAX_LOGS_PER_KEY as u64 {
+            let target = ("s".to_string(), clone);
+            assert!(matches!(
+                c.poll(target, "k", 0, true),
+                Some(CompletionPoll::Wait(_))
+            ));
+        }
+        assert!(
+            c.poll(("s".into(), u64::MAX), "k", 0, true).is_none(),
+            "past the cap"
+        );
+        assert!(
+            c.poll(("s".into(), 0), "k", 0, true).is_some(),
+            "a log the key has already is polled"
+        );
+        assert!(
+            c.poll(("t".into(), 0), "other", 0, true).is_some(),
+            "another key's"
+        );
+        // The session's end takes its logs and their watches.
+        c.watch("pending", ("s".into(), 3), "k");
+        c.forget_samplers(&["s".to_string()].into_iter().collect());
+        assert_eq!(c.logs.len(), 1);
+        assert!(c.watched.is_empty());
+        assert!(
+            !c.keys.contains_key("k"),
+            "the key is forgotten with its logs"
+        );
+    }
+
     #[test]
     fn polls_see_each_completion_once_the_cursor_moves_on() {
         let mut c = Completions::default();
@@ -196,21 +326,21 @@ mod tests {
         c.watch("other", ("s:sample:0".into(), 7), "k");
         c.record("a", false);
         c.record("unwatched", false);
-        let CompletionPoll::Ready(ev, cursor) = c.poll(t(), 0, true) else {
+        let CompletionPoll::Ready(ev, cursor) = c.poll(t(), "k", 0, true).unwrap() else {
             panic!("a is done")
         };
         assert_eq!(ev.len(), 1);
         assert_eq!((ev[0].request_id.as_str(), cursor), ("a", 1));
-        let CompletionPoll::Wait(mut rx) = c.poll(t(), cursor, true) else {
+        let CompletionPoll::Wait(mut rx) = c.poll(t(), "k", cursor, true).unwrap() else {
             panic!("nothing new")
         };
         c.record("b", true);
         assert!(rx.try_recv().is_ok(), "the waiter is woken");
-        let CompletionPoll::Ready(ev, cursor) = c.poll(t(), cursor, false) else {
+        let CompletionPoll::Ready(ev, cursor) = c.poll(t(), "k", cursor, false).unwrap() else {
             panic!()
         };
         assert_eq!((ev.len(), ev[0].failed, cursor), (1, true, 2));
-        let CompletionPoll::Ready(ev, _) = c.poll(t(), 2, false) else {
+        let CompletionPoll::Ready(ev, _) = c.poll(t(), "k", 2, false).unwrap() else {
             panic!()
         };
         assert!(ev.is_empty(), "the clone's log is separate");
@@ -242,15 +372,13 @@ mod tests {
         let newest = ("s:sample:0".to_string(), clones as u64 - 1);
         assert_eq!(c.logs[&newest].events.len(), MAX_EVENTS);
         assert!(c.logs[&("s:sample:0".to_string(), 0)].events.is_empty());
-        let CompletionPoll::Ready(ev, _) = c.poll(("s:sample:9".into(), 0), 0, false) else {
+        let CompletionPoll::Ready(ev, _) = c.poll(("s:sample:9".into(), 0), "k", 0, false).unwrap()
+        else {
             panic!()
         };
         assert_eq!(ev.len(), 1, "b's event stays");
         // Polling past a's events releases them.
-        let CompletionPoll::Ready(_, cursor) = c.poll(newest.clone(), 0, false) else {
-            panic!()
-        };
-        let _ = c.poll(newest, cursor, false);
+        assert_eq!(drain(&mut c, &newest, "a"), MAX_EVENTS);
         assert_eq!(c.keys["a"].held, MAX_EVENTS_PER_KEY - MAX_EVENTS);
         c.expire(
             Instant::now() + Duration::from_secs(7200),
@@ -267,11 +395,16 @@ mod tests {
             c.watch(&i.to_string(), t(), "k");
             c.record(&i.to_string(), false);
         }
-        let CompletionPoll::Ready(ev, cursor) = c.poll(t(), 0, false) else {
+        let CompletionPoll::Ready(ev, cursor) = c.poll(t(), "k", 0, false).unwrap() else {
             panic!()
         };
-        assert_eq!(ev.len(), MAX_EVENTS);
-        assert_eq!(cursor, (MAX_EVENTS + 10) as u64);
+        assert_eq!(ev.len(), MAX_PAGE, "a page at a time");
+        assert_eq!(cursor, (10 + MAX_PAGE) as u64, "the page's last event");
+        assert_eq!(
+            drain(&mut c, &t(), "k"),
+            MAX_EVENTS,
+            "every event, page by page"
+        );
         let later = Instant::now() + Duration::from_secs(7200);
         c.expire(later, Duration::from_secs(3600), |_| false);
         assert!(c.logs.is_empty());

@@ -69,6 +69,11 @@ pub struct LimitExceeded {
 /// two moments.
 pub(super) const RUN_STATE_COPIES: u64 = 4;
 
+/// A key has as many completion logs as it may (`retrieve_futures`).
+pub(super) fn too_many_logs(message: String) -> EngineError {
+    exceeded("max_completion_logs", 60, message)
+}
+
 fn exceeded(limit: &'static str, retry_after_s: u64, message: String) -> EngineError {
     EngineError::Limit(LimitExceeded {
         limit,

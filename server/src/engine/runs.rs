@@ -374,6 +374,8 @@ impl Engine {
         while run.snapshots.len() > MAX_SNAPSHOTS_PER_RUN {
             evicted.extend(run.snapshots.pop_front());
         }
+        let closed = evicted.iter().cloned().collect();
+        self.futures.completions.forget_samplers(&closed);
         for old in evicted {
             self.samplers.remove(&old);
             if let Some(s) = self.sessions.get_mut(&session_id) {

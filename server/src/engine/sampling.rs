@@ -8,6 +8,8 @@ use lathe_sdk::types::{CheckpointUri, GetSamplerResponse, UntypedApiFuture};
 use crate::sample::{SampleJob, TokenProgress};
 use crate::worker::{SampleWork, SamplerSource};
 
+use super::completions::MAX_LOGS_PER_KEY;
+use super::limits::too_many_logs;
 use super::runs::spec_of;
 use super::state::{After, Inflight, Pin, QueuedSample, Sampler};
 use super::{Engine, EngineError};
@@ -288,10 +290,16 @@ impl Engine {
                  join_sampling_session)"
             )));
         }
-        Ok(self
-            .futures
+        self.futures
             .completions
-            .poll((sampler_id.to_string(), clone), prev_cursor, wait))
+            .poll((sampler_id.to_string(), clone), owner, prev_cursor, wait)
+            .ok_or_else(|| {
+                too_many_logs(format!(
+                    "this key has {MAX_LOGS_PER_KEY} completion logs (one per sampling client \
+                     copy that waited on retrieve_futures); they go when their sampling \
+                     session ends or after the futures' TTL idle"
+                ))
+            })
     }
 
     /// `join_sampling_session`: a new client id for a copy of a sampling client

@@ -562,6 +562,8 @@ impl Engine {
                 s.runs.retain(|r| r != run_id);
             }
             // Its in-memory sampler snapshots go too, in the worker as well.
+            let closed = run.snapshots.iter().cloned().collect();
+            self.futures.completions.forget_samplers(&closed);
             for snapshot in run.snapshots {
                 self.samplers.remove(&snapshot);
                 if let Some(s) = self.sessions.get_mut(&run.session_id) {
@@ -590,6 +592,8 @@ impl Engine {
             self.forget_run(run_id);
             self.unload.push(run_id.clone());
         }
+        let closed = session.samplers.iter().cloned().collect();
+        self.futures.completions.forget_samplers(&closed);
         for sampler in &session.samplers {
             if let Some(s) = self.samplers.remove(sampler) {
                 if let SamplerSource::Snapshot(snap) = s.source {
