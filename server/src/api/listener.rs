@@ -178,9 +178,11 @@ impl PerIp {
         }
     }
 
-    /// A place for a connection from `ip`, or `None` when that address has `max` open.
+    /// A place for a connection from `ip`, or `None` when that address (an IPv6
+    /// address's /64) has `max` open.
     fn take(&self, ip: IpAddr) -> Option<PeerSlot> {
         let counted = !ip.is_loopback() && !ip.to_canonical().is_loopback();
+        let ip = peer_group(ip);
         if counted {
             let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
             let n = open.entry(ip).or_insert(0);
@@ -200,6 +202,18 @@ impl PerIp {
             ip: counted.then_some(ip),
             open: self.open.clone(),
         })
+    }
+}
+
+/// The address a connection counts under: an IPv4 address (also written as IPv6) as it
+/// is, an IPv6 address as its /64, which one host is usually given whole.
+fn peer_group(ip: IpAddr) -> IpAddr {
+    match ip.to_canonical() {
+        IpAddr::V6(v6) => {
+            let prefix = u128::from(v6) & !((1u128 << 64) - 1);
+            IpAddr::V6(prefix.into())
+        }
+        v4 => v4,
     }
 }
 
@@ -376,6 +390,19 @@ mod tests {
             .collect();
         assert_eq!(local.len(), 5);
         assert!(per_ip.take("::ffff:127.0.0.1".parse().unwrap()).is_some());
+        // One IPv6 /64 is one host's: its addresses share a count; IPv4 written as
+        // IPv6 counts as itself.
+        let v6 = |s: &str| -> IpAddr { s.parse().unwrap() };
+        let _one = per_ip.take(v6("2001:db8:1:2::1")).expect("first");
+        let _two = per_ip.take(v6("2001:db8:1:2:ffff::9")).expect("second");
+        assert!(
+            per_ip.take(v6("2001:db8:1:2::77")).is_none(),
+            "the /64's third"
+        );
+        assert!(per_ip.take(v6("2001:db8:1:3::1")).is_some(), "another /64");
+        let _b1 = per_ip.take(v6("::ffff:192.0.2.2")).expect("b as IPv6");
+        let _b2 = per_ip.take(b).expect("b");
+        assert!(per_ip.take(v6("::ffff:192.0.2.2")).is_none(), "b's third");
     }
 
     /// A peer that reads nothing fails the writer after the stall limit, not before.
