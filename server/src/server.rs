@@ -233,6 +233,10 @@ pub async fn start(
         text: Arc::new(text),
         answer_budget: api::AnswerBudget::new(config.max_answer_bytes),
         tokenizer_answer: Arc::default(),
+        store_slots: Arc::new(api::CpuSlots::with_per_key(
+            api::STORE_SLOTS,
+            api::STORE_SLOTS_PER_KEY,
+        )),
     };
     // Request bodies keep a pace (api/paced_body.rs) or fail with 408.
     let stall = config.connections.stall_timeout;

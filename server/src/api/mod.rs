@@ -57,6 +57,33 @@ pub struct AppState {
     pub answer_budget: Arc<AnswerBudget>,
     /// The `lathe/tokenizer` answer, written on first use and shared.
     pub tokenizer_answer: Arc<std::sync::OnceLock<Result<axum::body::Bytes, String>>>,
+    /// The slots bounding the index and checkpoint-directory work of listings,
+    /// deletes, publishing and TTL changes ([`STORE_SLOTS`], [`STORE_SLOTS_PER_KEY`]).
+    pub store_slots: Arc<CpuSlots>,
+}
+
+/// Listings, deletes, publishing and TTL changes running at once, all keys together:
+/// each runs on a blocking thread and takes the index's lock, some across file syncs
+/// and removals that the worker's saves wait behind.
+pub const STORE_SLOTS: usize = 16;
+
+/// Of [`STORE_SLOTS`], most one key may hold (its other such requests wait).
+pub const STORE_SLOTS_PER_KEY: usize = 2;
+
+/// Holds one of the key's store slots while a listing, delete, publish or TTL request
+/// runs.
+async fn hold_store_slot(
+    axum::extract::State(s): axum::extract::State<AppState>,
+    req: Request,
+    next: axum::middleware::Next,
+) -> Result<axum::response::Response, ApiError> {
+    let owner = req
+        .extensions()
+        .get::<Owner>()
+        .map(|o| o.0.clone())
+        .ok_or_else(|| ApiError::internal("no key on an authenticated request"))?;
+    let _slot = s.store_slots.acquire(&owner).await?;
+    Ok(next.run(req).await)
 }
 
 impl AppState {
@@ -89,10 +116,15 @@ impl CpuSlots {
     /// `n` slots (at least one); a key may hold `n - 1` of them (one, if `n` is 1).
     pub fn new(n: usize) -> Self {
         let n = n.max(1);
+        Self::with_per_key(n, n - 1)
+    }
+
+    /// `n` slots (at least one); a key may hold `per_key` of them (at least one).
+    pub fn with_per_key(n: usize, per_key: usize) -> Self {
         Self {
-            all: Arc::new(tokio::sync::Semaphore::new(n)),
+            all: Arc::new(tokio::sync::Semaphore::new(n.max(1))),
             per_key: Default::default(),
-            per_key_max: (n - 1).max(1),
+            per_key_max: per_key.clamp(1, n.max(1)),
         }
     }
 
@@ -201,6 +233,37 @@ pub fn router(state: AppState) -> Router {
     // Only the requests that carry tokens take bodies up to --max-request-bytes; the
     // rest are control calls of a few KB, decoded on the async threads.
     let large_bodies = DefaultBodyLimit::max(max_request_bytes);
+    // The requests whose work is the index's and the checkpoint directory's.
+    let store_routes = Router::new()
+        .route("/api/v1/training_runs", get(rest::list_runs))
+        .route("/api/v1/training_runs/{run}", get(rest::get_run))
+        .route(
+            "/api/v1/training_runs/{run}/checkpoints",
+            get(rest::list_run_checkpoints),
+        )
+        .route(
+            "/api/v1/training_runs/{run}/checkpoints/{kind}/{name}",
+            axum::routing::delete(rest::delete_checkpoint),
+        )
+        .route(
+            "/api/v1/training_runs/{run}/checkpoints/{kind}/{name}/publish",
+            post(rest::publish).delete(rest::unpublish),
+        )
+        .route(
+            "/api/v1/training_runs/{run}/checkpoints/{kind}/{name}/ttl",
+            put(rest::set_ttl),
+        )
+        .route(
+            "/api/v1/training_runs/{run}/checkpoints/{kind}/{name}/archive",
+            get(rest::archive_url),
+        )
+        .route("/api/v1/checkpoints", get(rest::list_user_checkpoints))
+        .route("/api/v1/sessions", get(rest::list_sessions))
+        .route("/api/v1/sessions/{id}", get(rest::get_session));
+    let store_routes = store_routes.route_layer(axum::middleware::from_fn_with_state(
+        state.clone(),
+        hold_store_slot,
+    ));
     let protected = Router::new()
         .route("/api/v1/client/config", post(session::client_config))
         .route(
@@ -257,31 +320,7 @@ pub fn router(state: AppState) -> Router {
             post(sampling::join_sampling_session),
         )
         .route("/api/v1/cancel_future", post(futures::cancel_future))
-        .route("/api/v1/training_runs", get(rest::list_runs))
-        .route("/api/v1/training_runs/{run}", get(rest::get_run))
-        .route(
-            "/api/v1/training_runs/{run}/checkpoints",
-            get(rest::list_run_checkpoints),
-        )
-        .route(
-            "/api/v1/training_runs/{run}/checkpoints/{kind}/{name}",
-            axum::routing::delete(rest::delete_checkpoint),
-        )
-        .route(
-            "/api/v1/training_runs/{run}/checkpoints/{kind}/{name}/publish",
-            post(rest::publish).delete(rest::unpublish),
-        )
-        .route(
-            "/api/v1/training_runs/{run}/checkpoints/{kind}/{name}/ttl",
-            put(rest::set_ttl),
-        )
-        .route(
-            "/api/v1/training_runs/{run}/checkpoints/{kind}/{name}/archive",
-            get(rest::archive_url),
-        )
-        .route("/api/v1/checkpoints", get(rest::list_user_checkpoints))
-        .route("/api/v1/sessions", get(rest::list_sessions))
-        .route("/api/v1/sessions/{id}", get(rest::get_session))
+        .merge(store_routes)
         .route(
             "/api/v1/sessions/{id}/finish",
             post(session::finish_session),
@@ -338,5 +377,27 @@ mod cpu_slot_tests {
         assert!(second.is_err(), "a second slot for the same key waits");
         let b = tokio::time::timeout(Duration::from_millis(50), slots.acquire("b")).await;
         assert!(b.is_ok(), "another key is not kept waiting");
+    }
+
+    /// The store's slots: a key holds at most its share, the server at most all.
+    #[tokio::test]
+    async fn a_key_holds_at_most_its_store_slots() {
+        let slots = CpuSlots::with_per_key(3, STORE_SLOTS_PER_KEY);
+        let wait = Duration::from_millis(50);
+        let mut held = Vec::new();
+        for _ in 0..STORE_SLOTS_PER_KEY {
+            held.push(slots.acquire("a").await.unwrap());
+        }
+        assert!(
+            tokio::time::timeout(wait, slots.acquire("a")).await.is_err(),
+            "a's next waits"
+        );
+        held.push(slots.acquire("b").await.unwrap());
+        assert!(
+            tokio::time::timeout(wait, slots.acquire("c")).await.is_err(),
+            "all three are held"
+        );
+        held.remove(0);
+        assert!(tokio::time::timeout(wait, slots.acquire("c")).await.is_ok());
     }
 }
