@@ -454,10 +454,6 @@ fn rejections_before_a_handler_are_json() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-/// Adapter state held in memory is bounded per key (`--max-adapter-bytes`) and in all
-/// (`--max-total-adapter-bytes`): a run (four times its adapter: weights, gradient, two
-/// AdamW moments) or a sampler snapshot (one copy) that would pass either limit is
-/// refused with a 429 naming it, and the refused key's other work goes on.
 /// Only the requests that carry tokens take bodies up to `--max-request-bytes`; control
 /// calls (decoded on the async threads, `create_session`'s metadata as a JSON tree) take
 /// at most 1 MiB.
@@ -493,6 +489,10 @@ fn control_calls_take_small_bodies_and_token_calls_large_ones() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// Adapter state held in memory is bounded per key (`--max-adapter-bytes`) and in all
+/// (`--max-total-adapter-bytes`): a run (four times its adapter: weights, gradient, two
+/// AdamW moments) or a sampler snapshot (one copy) that would pass either limit is
+/// refused with a 429 naming it, and the refused key's other work goes on.
 #[test]
 fn adapter_state_in_memory_is_bounded_per_key_and_in_all() {
     use lathe_server::engine::LoraWidths;

@@ -71,7 +71,8 @@ pub const STORE_SLOTS: usize = 16;
 pub const STORE_SLOTS_PER_KEY: usize = 2;
 
 /// Holds one of the key's store slots while a listing, delete, publish or TTL request
-/// runs.
+/// runs, to its end: the request runs in a task of its own holding the slot, so a
+/// client that hangs up does not free the slot while the work it started goes on.
 async fn hold_store_slot(
     axum::extract::State(s): axum::extract::State<AppState>,
     req: Request,
@@ -82,8 +83,13 @@ async fn hold_store_slot(
         .get::<Owner>()
         .map(|o| o.0.clone())
         .ok_or_else(|| ApiError::internal("no key on an authenticated request"))?;
-    let _slot = s.store_slots.acquire(&owner).await?;
-    Ok(next.run(req).await)
+    let slot = s.store_slots.acquire(&owner).await?;
+    tokio::spawn(async move {
+        let _slot = slot;
+        next.run(req).await
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("the request's task failed: {e}")))
 }
 
 impl AppState {
@@ -389,12 +395,16 @@ mod cpu_slot_tests {
             held.push(slots.acquire("a").await.unwrap());
         }
         assert!(
-            tokio::time::timeout(wait, slots.acquire("a")).await.is_err(),
+            tokio::time::timeout(wait, slots.acquire("a"))
+                .await
+                .is_err(),
             "a's next waits"
         );
         held.push(slots.acquire("b").await.unwrap());
         assert!(
-            tokio::time::timeout(wait, slots.acquire("c")).await.is_err(),
+            tokio::time::timeout(wait, slots.acquire("c"))
+                .await
+                .is_err(),
             "all three are held"
         );
         held.remove(0);

@@ -56,7 +56,7 @@ pub enum CompletionPoll {
 struct Log {
     /// The key whose requests it records.
     owner: String,
-    /// The cursor of the newest event (0: none yet).
+    /// The cursor of its newest event (0: none yet). Cursors count over all logs.
     last: u64,
     events: VecDeque<(u64, Completion)>,
     waiters: Vec<oneshot::Sender<()>>,
@@ -83,13 +83,40 @@ pub struct Completions {
     watched: HashMap<String, (Target, String)>,
     logs: HashMap<Target, Log>,
     keys: HashMap<String, KeyEvents>,
+    /// The newest event's cursor, over every log: a log made again (after it expired)
+    /// numbers above any cursor a client of the old one was given.
+    cursor: u64,
 }
 
 impl Completions {
-    /// `request_id`, of `owner`, reports its completion to `target`.
+    /// Whether `owner` may watch `target`: it has a log there, or may make one.
+    pub fn may_watch(&self, target: &Target, owner: &str) -> bool {
+        self.logs.contains_key(target)
+            || self
+                .keys
+                .get(owner)
+                .is_none_or(|k| k.logs < MAX_LOGS_PER_KEY)
+    }
+
+    /// `request_id`, of `owner`, reports its completion to `target`; the target's log
+    /// is made now if need be (see [`Completions::may_watch`]).
     pub fn watch(&mut self, request_id: &str, target: Target, owner: &str) {
+        self.log_of(&target, owner);
         self.watched
             .insert(request_id.to_string(), (target, owner.to_string()));
+    }
+
+    /// `target`'s log, made (and counted in `owner`'s logs) if it has none.
+    fn log_of(&mut self, target: &Target, owner: &str) -> &mut Log {
+        if !self.logs.contains_key(target) {
+            self.keys.entry(owner.to_string()).or_default().logs += 1;
+        }
+        self.logs.entry(target.clone()).or_insert_with(|| Log {
+            owner: owner.to_string(),
+            // Kept at least the TTL, whether or not a poller comes.
+            touched: Some(Instant::now()),
+            ..Log::default()
+        })
     }
 
     /// Records that `request_id` finished (if it is watched) and wakes its pollers.
@@ -97,12 +124,12 @@ impl Completions {
         let Some((target, owner)) = self.watched.remove(request_id) else {
             return;
         };
-        if !self.logs.contains_key(&target) {
-            self.keys.entry(owner.clone()).or_default().logs += 1;
-        }
-        let log = self.logs.entry(target.clone()).or_default();
-        log.owner.clone_from(&owner);
-        log.last += 1;
+        // Its log was made by the watch, unless it expired or its session closed
+        // meanwhile.
+        self.cursor += 1;
+        let cursor = self.cursor;
+        let log = self.log_of(&target, &owner);
+        log.last = cursor;
         log.events.push_back((
             log.last,
             Completion {
@@ -158,19 +185,11 @@ impl Completions {
             if !wait {
                 return Some(CompletionPoll::Ready(Vec::new(), prev_cursor));
             }
-            let key = self.keys.entry(owner.to_string()).or_default();
-            if key.logs >= MAX_LOGS_PER_KEY {
+            if !self.may_watch(&target, owner) {
                 return None;
             }
-            key.logs += 1;
-            self.logs.insert(
-                target.clone(),
-                Log {
-                    owner: owner.to_string(),
-                    ..Log::default()
-                },
-            );
         }
+        self.log_of(&target, owner);
         let log = self.logs.get_mut(&target).expect("made above");
         log.touched = Some(Instant::now());
         let mut trimmed = 0;
@@ -275,6 +294,46 @@ mod tests {
             seen += ev.len();
             cursor = next;
         }
+    }
+
+    #[test]
+    fn a_log_made_again_after_it_expired_numbers_above_the_old_cursors() {
+        let mut c = Completions::default();
+        for id in ["a", "b", "c"] {
+            c.watch(id, t(), "k");
+            c.record(id, false);
+        }
+        let Some(CompletionPoll::Ready(_, cursor)) = c.poll(t(), "k", 0, false) else {
+            panic!()
+        };
+        assert_eq!(cursor, 3);
+        let later = Instant::now() + Duration::from_secs(7200);
+        c.expire(later, Duration::from_secs(3600), |_| false);
+        assert!(c.logs.is_empty());
+        // The client polls on from its cursor and still sees the new completion.
+        c.watch("d", t(), "k");
+        c.record("d", false);
+        let Some(CompletionPoll::Ready(ev, next)) = c.poll(t(), "k", cursor, false) else {
+            panic!()
+        };
+        assert_eq!(ev.len(), 1, "{ev:?}");
+        assert!(next > cursor);
+    }
+
+    #[test]
+    fn sampling_requests_make_logs_within_the_keys_bound_too() {
+        let mut c = Completions::default();
+        for clone in 0..MAX_LOGS_PER_KEY as u64 {
+            let target = ("s".to_string(), clone);
+            assert!(c.may_watch(&target, "k"));
+            c.watch(&clone.to_string(), target, "k");
+        }
+        assert!(!c.may_watch(&("s".into(), u64::MAX), "k"), "past the cap");
+        assert!(c.may_watch(&("s".into(), 0), "k"), "a log it has");
+        assert!(c.may_watch(&("s".into(), u64::MAX), "other"));
+        // Logs made by watches are kept, not expired at the next tick.
+        c.expire(Instant::now(), Duration::from_secs(3600), |_| true);
+        assert_eq!(c.logs.len(), MAX_LOGS_PER_KEY);
     }
 
     #[test]

@@ -14,6 +14,14 @@ use super::runs::spec_of;
 use super::state::{After, Inflight, Pin, QueuedSample, Sampler};
 use super::{Engine, EngineError};
 
+fn logs_message() -> String {
+    format!(
+        "this key has {MAX_LOGS_PER_KEY} completion logs (one per sampling client copy that \
+         sampled or waited on retrieve_futures); they go when their sampling session ends \
+         or after the futures' TTL idle"
+    )
+}
+
 /// Copies of a checkpoint adapter a decode holds in the worker: the adapter and the
 /// host decoder's copy of its factors.
 pub(super) const SAMPLING_ADAPTER_COPIES: u64 = 2;
@@ -192,6 +200,11 @@ impl Engine {
             _ => None,
         };
         self.check_open()?;
+        if let Some(target) = &target {
+            if !self.futures.completions.may_watch(target, owner) {
+                return Err(too_many_logs(logs_message()));
+            }
+        }
         // Which client is sampling, for the batching decision in `pump`.
         let submitter = match &sampler {
             SamplerRef::Session(id) => id.clone(),
@@ -293,13 +306,7 @@ impl Engine {
         self.futures
             .completions
             .poll((sampler_id.to_string(), clone), owner, prev_cursor, wait)
-            .ok_or_else(|| {
-                too_many_logs(format!(
-                    "this key has {MAX_LOGS_PER_KEY} completion logs (one per sampling client \
-                     copy that waited on retrieve_futures); they go when their sampling \
-                     session ends or after the futures' TTL idle"
-                ))
-            })
+            .ok_or_else(|| too_many_logs(logs_message()))
     }
 
     /// `join_sampling_session`: a new client id for a copy of a sampling client
@@ -337,8 +344,10 @@ impl super::EngineHandle {
         timeout: std::time::Duration,
     ) -> Result<(Vec<crate::engine::Completion>, u64), EngineError> {
         use crate::engine::CompletionPoll;
+        // A poll that may not wait (the SDK's acknowledgements) makes no log.
+        let wait = !timeout.is_zero();
         let signal = match self
-            .poll_completions(owner.clone(), sampler_id.clone(), clone, prev_cursor, true)
+            .poll_completions(owner.clone(), sampler_id.clone(), clone, prev_cursor, wait)
             .await??
         {
             CompletionPoll::Ready(events, cursor) => return Ok((events, cursor)),

@@ -24,9 +24,10 @@
 //! - Forward passes of different runs fuse into one multi-adapter pass while their tokens
 //!   fit. Passes with and without gradient are not mixed: the first forward pick decides
 //!   which kind runs.
-//! - Cheap operations (optimizer steps, saves, loads of small adapters) ride along with
-//!   every batch, each charged [`MIN_CHARGE`]; those of large adapters are [`Kind::Solo`]
-//!   with their work in tokens (`dispatch::adapter_work`), scheduled like a pass.
+//! - Cheap operations (optimizer steps, snapshots, loads of small adapters) ride along
+//!   with every batch, each charged [`MIN_CHARGE`]; saves (which sync files whatever
+//!   their size) and those of large adapters are [`Kind::Solo`] with their work in
+//!   tokens (`dispatch::adapter_work`), scheduled like a pass.
 //! - New sampling requests join the running decode while their streams fit
 //!   `max_sample_streams` beside the live ones. Once the most deserving waiting request
 //!   does not fit, later ones wait behind it, so the live streams drain until it does (a
