@@ -1,8 +1,9 @@
 //! Soak: eight clients on the two test keys drive one in-process server on the tiny model
 //! for a bounded time (20 s; set `LATHE_SOAK_SECS` to change it), mixing training,
-//! sampling (the base model, saved sampler checkpoints, in-memory snapshots), saves with
-//! and without overwrite, loads, deletes, publishing, listings and every kind of bad
-//! request, including other keys' resources.
+//! sampling (the base model, saved sampler checkpoints, in-memory snapshots; results
+//! retrieved one by one or reported by `retrieve_futures`), OpenAI completions, saves
+//! with and without overwrite, loads, deletes, publishing, listings and every kind of
+//! bad request, including other keys' resources.
 //!
 //! Every good request must succeed, and every bad one must be refused with a 4xx and a
 //! JSON `detail` (or, once accepted, fail with category `user`). No request may get a
@@ -185,6 +186,10 @@ struct Agent<'a> {
     /// The last `sampling_session_seq_id` used (the base sampler is 0).
     sampler_seq: u64,
     base_sampler: String,
+    /// The last `seq_id` of a sample on the base sampler reported by `retrieve_futures`,
+    /// and that poller's cursor.
+    futures_seq: u64,
+    futures_cursor: u64,
     /// Live snapshot samplers, least recently sampled first.
     snapshots: VecDeque<String>,
     /// Snapshot samplers the server has evicted.
@@ -222,6 +227,8 @@ impl<'a> Agent<'a> {
             has_grad: false,
             sampler_seq: 0,
             base_sampler: String::new(),
+            futures_seq: 0,
+            futures_cursor: 0,
             snapshots: VecDeque::new(),
             evicted: VecDeque::new(),
             ckpts: BTreeMap::new(),
@@ -252,6 +259,7 @@ impl<'a> Agent<'a> {
             (4, 9),   // delete
             (3, 10),  // publish / unpublish
             (8, 11),  // listings and small reads
+            (4, 13),  // an OpenAI completion, or a sample reported by retrieve_futures
             (20, 12), // bad requests
         ];
         let total: u32 = weights.iter().map(|w| w.0).sum();
@@ -280,6 +288,7 @@ impl<'a> Agent<'a> {
             9 => self.delete(),
             10 => self.publish(),
             11 => self.listings(),
+            13 => self.openai_or_futures(),
             _ => self.bad(),
         }
     }

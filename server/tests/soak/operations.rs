@@ -362,6 +362,58 @@ impl Agent<'_> {
         }
     }
 
+    /// An OpenAI completion on the base model, or a sample on the base sampler whose
+    /// completion `retrieve_futures` reports (tinker 0.38's poller) before it is
+    /// retrieved.
+    pub(super) fn openai_or_futures(&mut self) {
+        if self.rng.random_bool(0.5) {
+            let len = self.rng.random_range(1..=8);
+            let body = json!({"model": self.base_model, "prompt": self.tokens(len),
+                              "max_tokens": self.rng.random_range(1..=4), "temperature": 0.0});
+            let what = "openai completion";
+            let Some(v) = self.ok(what, Method::POST, "/v1/completions", Some(&body)) else {
+                return;
+            };
+            if v["choices"].as_array().is_none_or(|c| c.len() != 1) {
+                self.fail(what, format!("expected one choice: {}", short(&v)));
+            }
+            return;
+        }
+        let what = "sample reported by retrieve_futures";
+        let (mut body, n) = self.sample_body(json!({"sampling_session_id": self.base_sampler}));
+        self.futures_seq += 1;
+        body["seq_id"] = json!(self.futures_seq);
+        let Some(v) = self.ok(what, Method::POST, "/api/v1/asample", Some(&body)) else {
+            return;
+        };
+        let Some(id) = v["request_id"].as_str().map(str::to_string) else {
+            return self.fail(what, format!("no request_id: {}", short(&v)));
+        };
+        for _ in 0..30 {
+            let poll = json!({"target": {"type": "sampling_session",
+                                         "sampling_session_id": self.base_sampler,
+                                         "cloned_sampler_id": 0},
+                              "prev_cursor": self.futures_cursor, "timeout": 5.0});
+            let Some(v) = self.ok(what, Method::POST, "/api/v1/retrieve_futures", Some(&poll))
+            else {
+                return;
+            };
+            self.futures_cursor = v["cursor"].as_u64().unwrap_or(self.futures_cursor);
+            let reported = v["completions"]
+                .as_array()
+                .is_some_and(|c| c.iter().any(|e| e["request_id"] == id.as_str()));
+            if reported {
+                match self.wait(what, &id) {
+                    Some(Ok(r)) if r["sequences"].as_array().is_some_and(|s| s.len() == n) => {}
+                    Some(other) => self.fail(what, format!("its result: {other:?}")),
+                    None => {}
+                }
+                return;
+            }
+        }
+        self.fail(what, format!("{id} was never reported"));
+    }
+
     pub(super) fn listings(&mut self) {
         match self.rng.random_range(0..12) {
             0 => self.check_listing("list run checkpoints"),
