@@ -152,8 +152,14 @@ impl CpuSlots {
 }
 
 /// Default request body limit of the requests that carry tokens (`forward_backward`,
-/// `forward`, `asample`, MinT's reverse KL, the OpenAI completions).
+/// `forward`, `asample`, MinT's reverse KL; the OpenAI completions at most
+/// [`OPENAI_BODY_BYTES`]).
 pub const DEFAULT_MAX_REQUEST_BYTES: usize = 32 * 1024 * 1024;
+
+/// Body limit of the OpenAI completions: their sampling settings are a flattened struct,
+/// for which serde buffers every field it does not know as a value tree (up to 64
+/// times its bytes), and a prompt longer than the model's context is refused anyway.
+pub const OPENAI_BODY_BYTES: usize = 4 << 20;
 
 /// Body limit of every other request (session, run and checkpoint control, listings):
 /// they are a few KB, and are decoded on the async threads every request shares, some
@@ -239,6 +245,7 @@ pub fn router(state: AppState) -> Router {
     // Only the requests that carry tokens take bodies up to --max-request-bytes; the
     // rest are control calls of a few KB, decoded on the async threads.
     let large_bodies = DefaultBodyLimit::max(max_request_bytes);
+    let openai_bodies = DefaultBodyLimit::max(OPENAI_BODY_BYTES.min(max_request_bytes));
     // The requests whose work is the index's and the checkpoint directory's.
     let store_routes = Router::new()
         .route("/api/v1/training_runs", get(rest::list_runs))
@@ -341,11 +348,11 @@ pub fn router(state: AppState) -> Router {
         )
         .route(
             "/v1/completions",
-            post(openai::completions).layer(large_bodies),
+            post(openai::completions).layer(openai_bodies),
         )
         .route(
             "/v1/chat/completions",
-            post(openai::chat_completions).layer(large_bodies),
+            post(openai::chat_completions).layer(openai_bodies),
         )
         .route("/v1/models", get(openai::models))
         // Inside the key check, which names the owner.

@@ -45,8 +45,8 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = EngineConfig::default().max_sample_streams)]
     max_sample_streams: usize,
     /// Largest body in bytes of the requests that carry tokens (forward_backward,
-    /// forward, asample, MinT's reverse KL, the OpenAI completions), after decompression
-    /// too (413 beyond); every other request takes at most 1 MiB.
+    /// forward, asample, MinT's reverse KL), after decompression too (413 beyond); the
+    /// OpenAI completions take at most 4 MiB of it, every other request at most 1 MiB.
     #[arg(long, default_value_t = lathe_server::api::DEFAULT_MAX_REQUEST_BYTES)]
     max_request_bytes: usize,
     /// Ask protobuf clients (tinker 0.25+) to zstd-compress forward_backward bodies: worth

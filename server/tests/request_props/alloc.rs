@@ -72,9 +72,10 @@ pub(crate) fn peak_alloc_during<R>(f: impl FnOnce() -> R) -> (R, usize) {
 /// `TensorData`, about 1.4 KiB) for as little as 80 bytes of text, about 20 in all.
 pub(crate) const ALLOC_FACTOR: usize = 24;
 /// Bytes per byte of the fields serde buffers as a value tree (its private `Content`, or
-/// `serde_json::Value`) before typing them: `StopCondition` (untagged) and
-/// `CreateSessionRequest::user_metadata` (model input chunks decode in one streaming
-/// pass). A node is 32
+/// `serde_json::Value`) before typing them: `StopCondition` (untagged),
+/// `CreateSessionRequest::user_metadata` and the OpenAI requests' fields their
+/// flattened sampling settings receive; and a custom loss's graph, a tree of 32-byte
+/// `GraphArg`s (model input chunks decode in one streaming pass). A node is 32
 /// bytes for as little as two bytes of text (`0,`), three times that while its `Vec`
 /// doubles; a one-element list (`[0],`) allocates the minimum capacity of four nodes:
 /// 128 bytes for four bytes of text, plus its own slot, about 56 in all. See

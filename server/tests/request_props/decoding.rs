@@ -50,9 +50,12 @@ pub(crate) enum Kind {
     ModelId,
     RetrieveFuture,
     WeightsInfo,
+    CreateCustomLoss,
+    Completion,
+    ChatCompletion,
 }
 
-pub(crate) const KINDS: [Kind; 15] = [
+pub(crate) const KINDS: [Kind; 18] = [
     Kind::ForwardBackward,
     Kind::Forward,
     Kind::Sample,
@@ -68,6 +71,9 @@ pub(crate) const KINDS: [Kind; 15] = [
     Kind::ModelId,
     Kind::RetrieveFuture,
     Kind::WeightsInfo,
+    Kind::CreateCustomLoss,
+    Kind::Completion,
+    Kind::ChatCompletion,
 ];
 
 pub(crate) fn uri(s: &str) -> bool {
@@ -161,6 +167,16 @@ pub(crate) fn decode_and_validate(kind: Kind, body: &[u8]) -> Option<bool> {
         Kind::ModelId => de::<ModelIdRequest>(body).is_some(),
         Kind::RetrieveFuture => de::<RetrieveFutureRequest>(body).is_some(),
         Kind::WeightsInfo => uri(&de::<WeightsInfoRequest>(body)?.tinker_path),
+        Kind::CreateCustomLoss => {
+            let r: lathe_sdk::types::CreateCustomLossRequest = de(body)?;
+            lathe_server::train::custom::CustomLoss::compile(&r.name, &r.inputs, &r.graph).is_ok()
+        }
+        // What the handlers check next needs the served tokenizer: decoding is the
+        // part a body alone can make costly.
+        Kind::Completion => de::<lathe_sdk::types::openai::CompletionRequest>(body).is_some(),
+        Kind::ChatCompletion => {
+            de::<lathe_sdk::types::openai::ChatCompletionRequest>(body).is_some()
+        }
     })
 }
 
@@ -226,6 +242,18 @@ pub(crate) fn buffered_bytes(kind: Kind, body: &[u8]) -> usize {
     match kind {
         Kind::Sample => size(v.pointer("/sampling_params/stop")),
         Kind::CreateSession => size(v.get("user_metadata")),
+        // Graph arguments are a tree of 32-byte nodes of their own.
+        Kind::CreateCustomLoss => size(v.get("graph")),
+        // The sampling settings are flattened: serde buffers every field the request
+        // does not name itself (the prompt is typed as it streams).
+        Kind::Completion | Kind::ChatCompletion => match &v {
+            Value::Object(fields) => fields
+                .iter()
+                .filter(|(k, _)| !matches!(k.as_str(), "prompt" | "messages"))
+                .map(|(k, x)| k.len() + size(Some(x)))
+                .sum(),
+            _ => 0,
+        },
         _ => 0,
     }
 }

@@ -489,5 +489,31 @@ pub(crate) fn other_bodies() -> Vec<(Kind, Value)> {
             Kind::WeightsInfo,
             json!({"tinker_path": "tinker://s:train:0/weights/step-1"}),
         ),
+        (
+            Kind::CreateCustomLoss,
+            json!({"session_id": "s", "custom_loss_seq_id": 0, "name": "l",
+                   "inputs": [{"name": "logprobs", "rank": 1}, {"name": "w", "rank": 1}],
+                   "graph": {"format": 1, "nodes": [
+                {"op": "placeholder", "name": "logprobs", "target": "logprobs"},
+                {"op": "placeholder", "name": "w", "target": "w"},
+                {"op": "call_function", "name": "mul", "target": "operator.mul",
+                 "args": [{"ref": "logprobs"}, {"ref": "w"}]},
+                {"op": "call_method", "name": "s", "target": "sum", "args": [{"ref": "mul"}]},
+                {"op": "call_function", "name": "neg", "target": "operator.neg",
+                 "args": [{"ref": "s"}]},
+                {"op": "output", "name": "output", "target": "output",
+                 "args": [{"tuple": [{"ref": "neg"}, {"dict": {"custom/l:sum": {"ref": "neg"}}}]}]}]}}),
+        ),
+        (
+            Kind::Completion,
+            json!({"model": "base", "prompt": [[1, 2], [3]], "max_tokens": 4,
+                   "temperature": 0.5, "stop": ["x"], "n": 2, "logprobs": 1}),
+        ),
+        (
+            Kind::ChatCompletion,
+            json!({"model": "base", "messages": [{"role": "user", "content": "hi"},
+                   {"role": "assistant", "content": [{"type": "text", "text": "yo"}]}],
+                   "max_tokens": 4, "top_p": 0.9, "response_format": {"type": "text"}}),
+        ),
     ]
 }

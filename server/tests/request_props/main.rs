@@ -375,6 +375,26 @@ proptest! {
         run_body(Kind::Sample, &to_body(&body))?;
     }
 
+    /// A custom loss's graph arguments nested deep around long lists (serde's `untagged`
+    /// copied each level's subtree again), and an OpenAI prompt of token ids.
+    #[test]
+    fn graph_arguments_and_prompts_stay_within_the_bound(
+        depth in 1usize..120,
+        len in 0usize..20_000,
+    ) {
+        let mut arg = json!(vec![0; len]);
+        for _ in 0..depth {
+            arg = json!([arg]);
+        }
+        let body = json!({"session_id": "s", "custom_loss_seq_id": 0, "name": "l",
+                          "inputs": [{"name": "logprobs", "rank": 1}],
+                          "graph": {"nodes": [{"op": "call_function", "name": "n",
+                                               "target": "torch.exp", "args": [arg]}]}});
+        run_body(Kind::CreateCustomLoss, &to_body(&body))?;
+        let body = json!({"model": "base", "prompt": [vec![7; len]]});
+        run_body(Kind::Completion, &to_body(&body))?;
+    }
+
     /// `create_session`'s free-form `user_metadata`, which the handler skims without
     /// keeping it: nested one-entry objects, the costliest tree per byte.
     #[test]
