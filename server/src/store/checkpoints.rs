@@ -289,24 +289,34 @@ impl CheckpointDir {
     /// trash (so no checkpoint path ever shows a half-removed one), a legacy version loses
     /// its completion marker first. Missing is fine.
     pub fn discard(&self, uri: &CheckpointUri, version: &str) -> Result<(), StoreError> {
+        match self.trash(uri, version)? {
+            Some(trashed) => trashed.remove(),
+            None => Ok(()),
+        }
+    }
+
+    /// The first half of [`CheckpointDir::discard`]: the version leaves its checkpoint
+    /// path (renamed into the trash, durably). What is left to do, removing its files,
+    /// can run without the index's lock; a crash leaves it to the next start's
+    /// [`CheckpointDir::empty_trash`]. `None`: nothing left to remove (a legacy version
+    /// is removed here; a missing one is fine).
+    pub fn trash(&self, uri: &CheckpointUri, version: &str) -> Result<Option<Trashed>, StoreError> {
         let path = self.path(uri, version);
         if version == LEGACY_VERSION {
-            return discard_legacy(&path);
+            return discard_legacy(&path).map(|()| None);
         }
         let trash = self.root.join(TRASH);
         create_private_dirs(&trash)?;
         let target = trash.join(uuid::Uuid::new_v4().simple().to_string());
         match fs::rename(&path, &target) {
             Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(io(&path)(e)),
         }
-        sync_dir(path.parent().expect("a version has a parent"))?;
+        let name_dir = path.parent().expect("a version has a parent").to_path_buf();
+        sync_dir(&name_dir)?;
         self.faults.hit("discard:trashed");
-        fs::remove_dir_all(&target).map_err(io(&target))?;
-        // The name's directory goes once its last version has.
-        let _ = fs::remove_dir(path.parent().expect("a version has a parent"));
-        Ok(())
+        Ok(Some(Trashed { target, name_dir }))
     }
 
     /// Removes whatever discards a crash interrupted.
@@ -387,6 +397,23 @@ impl CheckpointDir {
                 }
             }
         }
+        Ok(())
+    }
+}
+
+/// A version renamed into the trash, its files still to remove.
+#[must_use = "the trashed files stay until removed (or until the next start)"]
+pub struct Trashed {
+    target: PathBuf,
+    name_dir: PathBuf,
+}
+
+impl Trashed {
+    /// Removes the trashed files, and the checkpoint's name directory once its last
+    /// version has gone.
+    pub fn remove(self) -> Result<(), StoreError> {
+        fs::remove_dir_all(&self.target).map_err(io(&self.target))?;
+        let _ = fs::remove_dir(&self.name_dir);
         Ok(())
     }
 }

@@ -23,7 +23,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use lathe_sdk::types::CheckpointUri;
 
 use super::checkpoints::{
-    create_private_dirs, make_private, CheckpointDir, CheckpointMeta, Faults, Found, LEGACY_VERSION,
+    create_private_dirs, make_private, CheckpointDir, CheckpointMeta, Faults, Found, Trashed,
+    LEGACY_VERSION,
 };
 use super::db::{CheckpointRow, Db, RunRow};
 use super::StoreError;
@@ -172,7 +173,8 @@ impl Store {
     /// Deletes a checkpoint if `version` is still its current one (files first, then
     /// the row); returns whether it was.
     pub fn delete(&self, uri: &CheckpointUri, version: &str) -> Result<bool, StoreError> {
-        self.lock().delete(uri, version)
+        let trashed = self.lock().delete(uri, version)?;
+        Ok(remove_outside_the_lock(uri, trashed))
     }
 
     /// Deletes `version` of a checkpoint the engine found expired at `now_unix`, if the
@@ -192,7 +194,9 @@ impl Store {
         match row {
             Some(row) if row.version == version => match row.meta.expires_at {
                 Some(at) if at <= now_unix => {
-                    inner.delete(uri, version)?;
+                    let trashed = inner.delete(uri, version)?;
+                    drop(inner);
+                    remove_outside_the_lock(uri, trashed);
                     Ok(ExpiredDelete::Deleted)
                 }
                 at => Ok(ExpiredDelete::Kept(at)),
@@ -327,20 +331,27 @@ impl Inner {
         })
     }
 
-    fn delete(&mut self, uri: &CheckpointUri, version: &str) -> Result<bool, StoreError> {
+    /// Deletes `version` if it is current: its files leave the checkpoint's path (into
+    /// the trash), then its row goes. `None`: it was not current. The trashed files are
+    /// the caller's to remove once the lock is released.
+    fn delete(
+        &mut self,
+        uri: &CheckpointUri,
+        version: &str,
+    ) -> Result<Option<Option<Trashed>>, StoreError> {
         let current = self
             .db
             .checkpoint(&uri.run_id, uri.kind.type_name(), &uri.name)?;
         if current.is_none_or(|row| row.version != version) {
-            return Ok(false);
+            return Ok(None);
         }
         self.faults.hit("delete:begin");
-        self.checkpoints.discard(uri, version)?;
+        let trashed = self.checkpoints.trash(uri, version)?;
         self.faults.hit("delete:files-gone");
         self.db
             .delete_checkpoint(&uri.run_id, uri.kind.type_name(), &uri.name, version)?;
         self.faults.hit("delete:done");
-        Ok(true)
+        Ok(Some(trashed))
     }
 
     fn reconcile(&mut self, fresh: bool) -> Result<OpenReport, StoreError> {
@@ -408,6 +419,22 @@ impl Inner {
         }
         self.checkpoints.empty_trash()?;
         Ok(report)
+    }
+}
+
+/// Removes a deleted version's trashed files (after the index's lock is released: a
+/// large checkpoint's removal would hold every save and listing); returns whether a
+/// version was deleted. A failure only leaves files for the next start's trash sweep.
+fn remove_outside_the_lock(uri: &CheckpointUri, deleted: Option<Option<Trashed>>) -> bool {
+    match deleted {
+        Some(Some(trashed)) => {
+            if let Err(e) = trashed.remove() {
+                tracing::warn!(checkpoint = %uri, "removing a deleted version's files: {e}");
+            }
+            true
+        }
+        Some(None) => true,
+        None => false,
     }
 }
 
