@@ -197,10 +197,11 @@ fn custom_losses_belong_to_their_session_and_bad_ones_are_refused() {
     let err = create(&alice, &session, 2, misdeclared).unwrap_err();
     assert!(err.to_string().contains("logprobs"), "{err}");
     // A graph body past any graph the compiler takes (1 MiB; --max-request-bytes is
-    // larger): refused before it is decoded.
+    // larger): refused before it is decoded (on a connection of its own, which the
+    // server closes after answering without reading the body).
     let mut huge = linear_loss("weights", 1, "custom/l:sum");
     huge["graph"]["nodes"][2]["args"] = json!([vec![0; 600_000]]);
-    let err = create(&alice, &session, 6, huge).unwrap_err();
+    let err = create(&server.client(KEY_A), &session, 6, huge).unwrap_err();
     assert_eq!(err["code"], "payload_too_large", "{err}");
 
     // Datums that do not fit the loss, and a custom loss without its id.

@@ -463,14 +463,16 @@ fn control_calls_take_small_bodies_and_token_calls_large_ones() {
     let server = TestServer::start(&dir, |c| c.max_request_bytes = 8 << 20);
     let a = server.client(KEY_A);
     let big = vec![0; 600_000];
-    let (status, v) = a.post(
+    // Each refused body on a connection of its own: the server answers before reading
+    // the body, then closes the connection.
+    let (status, v) = server.client(KEY_A).post(
         "/api/v1/create_session",
         &json!({"tags": [], "user_metadata": {"x": big}, "sdk_version": "0.38.0"}),
     );
     assert_eq!(status, 413, "{v}");
     assert_eq!(v["code"], "payload_too_large", "{v}");
     let session = a.session();
-    let (status, v) = a.post(
+    let (status, v) = server.client(KEY_A).post(
         "/api/v1/save_weights",
         &json!({"model_id": "x", "path": "a".repeat(2 << 20)}),
     );
