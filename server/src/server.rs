@@ -227,13 +227,13 @@ pub async fn start(
         limits: config.engine.limits.clone(),
         max_request_bytes: config.max_request_bytes,
         zstd_forward_backward: config.zstd_forward_backward,
-        cpu_slots: Arc::new(api::CpuSlots::new(
+        cpu_slots: Arc::new(api::KeySlots::new(
             std::thread::available_parallelism().map_or(1, |n| n.get()),
         )),
         text: Arc::new(text),
         answer_budget: api::AnswerBudget::new(config.max_answer_bytes),
         tokenizer_answer: Arc::default(),
-        store_slots: Arc::new(api::CpuSlots::with_per_key(
+        store_slots: Arc::new(api::KeySlots::with_per_key(
             api::STORE_SLOTS,
             api::STORE_SLOTS_PER_KEY,
         )),

@@ -40,8 +40,8 @@ pub enum CustomLossNodeOp {
 /// and lists for lists; anything else is a one-key object ([`TaggedArg`]).
 ///
 /// Decoded by a visitor of its own rather than serde's `untagged`: that buffers each
-/// value and, for every level of nesting, copies the subtree below it again, so a body
-/// of nested lists of a few MB took memory its size times its depth (gigabytes).
+/// value and, for every level of nesting, copies the subtree below it again: memory
+/// a body's size times its depth.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(untagged)]
 pub enum GraphArg {

@@ -186,7 +186,7 @@ impl TensorData {
 /// Decoded through [`RawChunk`], every variant's fields in one struct, rather than as
 /// an internally tagged enum: serde buffers an internally tagged value as a tree of
 /// 32-byte nodes before it reads the tag (the tag may come last, as Python clients
-/// write it), 16 times the bytes of a chunk of token ids.
+/// write it), many times the bytes of a chunk of token ids.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case", try_from = "RawChunk")]
 pub enum ModelInputChunk {

@@ -14,8 +14,8 @@ use serde::{Deserialize, Deserializer, Serialize};
 /// lists (one choice set per prompt).
 ///
 /// Decoded in one streaming pass by a visitor of its own: serde's `untagged` would
-/// first buffer the whole value as a tree of 32-byte nodes, about 16 times the bytes
-/// of a list of token ids, before typing it.
+/// first buffer the whole value as a tree of 32-byte nodes, many times the bytes of a
+/// list of token ids, before typing it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(untagged)]
 pub enum CompletionPrompt {

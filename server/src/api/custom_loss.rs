@@ -17,9 +17,8 @@ use crate::train::{CustomInputs, CustomLossRef, Loss};
 /// (`--max-tokens-per-request`): bounds what a request's sparse inputs expand to.
 const VALUES_PER_TARGET: usize = 4;
 
-/// The largest `create_custom_loss` body: a graph at the compiler's limits (1024 nodes,
-/// 16,384 arguments) takes a few hundred KB of JSON, and the body is decoded on the
-/// async threads.
+/// The largest `create_custom_loss` body: more than a graph at the compiler's node and
+/// argument limits needs, and the body is decoded on the async threads.
 pub const MAX_BODY_BYTES: usize = 1 << 20;
 
 /// `POST /api/v1/create_custom_loss`: rebuilds the traced graph from the allow-list

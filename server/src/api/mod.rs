@@ -50,7 +50,7 @@ pub struct AppState {
     pub zstd_forward_backward: bool,
     /// The slots bounding CPU-heavy request work (protobuf decoding, tokenizing,
     /// interpolation): one per core, one key holding at most all but one.
-    pub cpu_slots: Arc<CpuSlots>,
+    pub cpu_slots: Arc<KeySlots>,
     /// The tokenizer and chat template, for the OpenAI-compatible endpoints.
     pub text: Arc<openai::TextModel>,
     /// Answer bytes each key's clients have yet to read.
@@ -59,7 +59,7 @@ pub struct AppState {
     pub tokenizer_answer: Arc<std::sync::OnceLock<Result<axum::body::Bytes, String>>>,
     /// The slots bounding the index and checkpoint-directory work of listings,
     /// deletes, publishing and TTL changes ([`STORE_SLOTS`], [`STORE_SLOTS_PER_KEY`]).
-    pub store_slots: Arc<CpuSlots>,
+    pub store_slots: Arc<KeySlots>,
 }
 
 /// Listings, deletes, publishing and TTL changes running at once, all keys together:
@@ -95,30 +95,31 @@ async fn hold_store_slot(
 impl AppState {
     /// One of the per-core slots that bound CPU-heavy request work (body decoding,
     /// tokenizing, interpolation) for `owner`'s request; held until dropped.
-    pub async fn cpu_slot(&self, owner: &str) -> Result<CpuSlot, ApiError> {
+    pub async fn cpu_slot(&self, owner: &str) -> Result<KeySlot, ApiError> {
         self.cpu_slots.acquire(owner).await
     }
 }
 
-/// One slot per core for CPU-heavy request work. Each holds its request's decoded data,
-/// so many at once must not add up; and one key may hold at most all slots but one, so
-/// a key sending many large bodies, prompts or interpolations at once cannot make every
-/// other key's requests wait behind them.
+/// Slots bounding a kind of request work, in all and per API key, so that one key
+/// sending many such requests at once cannot make every other key's wait behind them.
+/// The CPU slots (one per core, a key holding at most all but one) bound CPU-heavy work,
+/// each holding its request's decoded data, so many at once must not add up; the store
+/// slots bound work on the index and the checkpoint directory.
 #[derive(Debug)]
-pub struct CpuSlots {
+pub struct KeySlots {
     all: Arc<tokio::sync::Semaphore>,
     per_key: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Semaphore>>>,
     per_key_max: usize,
 }
 
-/// A held [`CpuSlots`] slot.
+/// A held [`KeySlots`] slot.
 #[derive(Debug)]
-pub struct CpuSlot {
+pub struct KeySlot {
     _key: tokio::sync::OwnedSemaphorePermit,
     _all: tokio::sync::OwnedSemaphorePermit,
 }
 
-impl CpuSlots {
+impl KeySlots {
     /// `n` slots (at least one); a key may hold `n - 1` of them (one, if `n` is 1).
     pub fn new(n: usize) -> Self {
         let n = n.max(1);
@@ -134,7 +135,7 @@ impl CpuSlots {
         }
     }
 
-    async fn acquire(&self, owner: &str) -> Result<CpuSlot, ApiError> {
+    async fn acquire(&self, owner: &str) -> Result<KeySlot, ApiError> {
         let key = {
             let mut map = self.per_key.lock().unwrap_or_else(|e| e.into_inner());
             map.entry(owner.to_string())
@@ -144,7 +145,7 @@ impl CpuSlots {
         let closed = |_| ApiError::internal("the server is shutting down");
         let key = key.acquire_owned().await.map_err(closed)?;
         let all = self.all.clone().acquire_owned().await.map_err(closed)?;
-        Ok(CpuSlot {
+        Ok(KeySlot {
             _key: key,
             _all: all,
         })
@@ -157,8 +158,8 @@ impl CpuSlots {
 pub const DEFAULT_MAX_REQUEST_BYTES: usize = 32 * 1024 * 1024;
 
 /// Body limit of the OpenAI completions: their sampling settings are a flattened struct,
-/// for which serde buffers every field it does not know as a value tree (up to 64
-/// times its bytes), and a prompt longer than the model's context is refused anyway.
+/// for which serde buffers every field it does not know as a value tree, and a prompt
+/// longer than the model's context is refused anyway.
 pub const OPENAI_BODY_BYTES: usize = 4 << 20;
 
 /// Body limit of every other request (session, run and checkpoint control, listings):
@@ -384,7 +385,7 @@ mod cpu_slot_tests {
     /// the other at once.
     #[tokio::test]
     async fn one_key_cannot_take_every_slot() {
-        let slots = CpuSlots::new(2);
+        let slots = KeySlots::new(2);
         let _a1 = slots.acquire("a").await.unwrap();
         let second = tokio::time::timeout(Duration::from_millis(50), slots.acquire("a")).await;
         assert!(second.is_err(), "a second slot for the same key waits");
@@ -395,7 +396,7 @@ mod cpu_slot_tests {
     /// The store's slots: a key holds at most its share, the server at most all.
     #[tokio::test]
     async fn a_key_holds_at_most_its_store_slots() {
-        let slots = CpuSlots::with_per_key(3, STORE_SLOTS_PER_KEY);
+        let slots = KeySlots::with_per_key(3, STORE_SLOTS_PER_KEY);
         let wait = Duration::from_millis(50);
         let mut held = Vec::new();
         for _ in 0..STORE_SLOTS_PER_KEY {

@@ -14,7 +14,6 @@ use crate::worker::{
 
 use super::run_queue::UNORDERED;
 use super::runs::MAX_SNAPSHOTS_PER_RUN;
-use super::sampling::SAMPLING_ADAPTER_COPIES;
 use super::scheduler::{self, Candidate, Kind, Limits, MIN_CHARGE};
 use super::state::{After, Inflight, ACTIVE_WINDOW, WORKER_GONE};
 use super::Engine;
@@ -477,15 +476,14 @@ impl Engine {
         let SamplerSource::Checkpoint(dir) = &work.source else {
             return None;
         };
-        let (_, held) = self.inflight.get(&work.request_id)?.adapter.as_ref()?;
-        Some((dir, held / SAMPLING_ADAPTER_COPIES))
+        let (_, bytes) = self.inflight.get(&work.request_id)?.adapter.as_ref()?;
+        Some((dir, *bytes))
     }
 
     /// The work of reading a sampling request's checkpoint adapter, in tokens (as
-    /// [`adapter_work`] reckons a load), unless the worker's cache keeps it. Reading a
-    /// rank-256 adapter takes the worker about as long as a pass of a few hundred
-    /// tokens, so requests cycling through checkpoints pay for the worker's time like
-    /// training does. (A decode of the same directory also spares the read, but the
+    /// [`adapter_work`] reckons a load), unless the worker's cache keeps it. The read
+    /// takes the worker's time as a load does, so requests cycling through
+    /// checkpoints pay for it like training does. (A decode of the same directory also spares the read, but the
     /// engine cannot know that one will still be running when this request joins, so
     /// only the cache counts.)
     pub(super) fn adapter_read_tokens(&self, work: &SampleWork) -> usize {

@@ -5,6 +5,7 @@
 //! 400, since sending the same request again cannot succeed and the SDKs retry 429s for
 //! minutes.
 
+use super::sampling::SAMPLING_ADAPTER_COPIES;
 use super::{Engine, EngineError};
 
 /// What each API key may use. Every field is a `lathe serve` flag.
@@ -137,7 +138,7 @@ impl Engine {
             .filter(|f| owner.is_none_or(|o| f.owner == o))
             .filter_map(|f| f.adapter.as_ref())
             .filter(|(dir, _)| seen.insert(dir))
-            .map(|&(_, bytes)| bytes)
+            .map(|&(_, bytes)| bytes.saturating_mul(SAMPLING_ADAPTER_COPIES))
             .fold(0u64, u64::saturating_add)
     }
 

@@ -84,9 +84,9 @@ impl Engine {
     }
 
     /// The checkpoint adapter a sampling request on `source` will hold in the worker,
-    /// with its bytes there (the adapter and the decode's copy of it), refused past the
-    /// key's adapter memory unless its requests hold it already, or past the server's
-    /// unless any request does.
+    /// with its f32 size (held [`SAMPLING_ADAPTER_COPIES`] times there), refused past
+    /// the key's adapter memory unless its requests hold it already, or past the
+    /// server's unless any request does.
     fn sampling_adapter(
         &self,
         owner: &str,
@@ -97,12 +97,9 @@ impl Engine {
             return Ok(None);
         };
         let row = self.catalog.readable(owner, &pin.uri)?;
-        let bytes = self
-            .model
-            .lora_widths
-            .adapter_bytes(&spec_of(row))
-            .saturating_mul(SAMPLING_ADAPTER_COPIES);
-        let new = |held: bool| if held { 0 } else { bytes };
+        let bytes = self.model.lora_widths.adapter_bytes(&spec_of(row));
+        let held = bytes.saturating_mul(SAMPLING_ADAPTER_COPIES);
+        let new = |holds: bool| if holds { 0 } else { held };
         self.check_adapter_memory_of(
             owner,
             new(self.holds_sampling_adapter(Some(owner), dir)),

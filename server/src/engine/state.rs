@@ -202,8 +202,8 @@ pub(super) struct Inflight {
     /// A save, from when it is queued until it is answered: whether it adds a name, and
     /// its estimated bytes (the checkpoint quota counts it as stored meanwhile).
     pub save: Option<(bool, u64)>,
-    /// A sampling request on a checkpoint: the adapter's directory and the bytes its
-    /// copies in the worker hold while the request is queued or decoding.
+    /// A sampling request on a checkpoint: the adapter's directory and f32 size (its
+    /// copies in the worker count while the request is queued or decoding).
     pub adapter: Option<(PathBuf, u64)>,
 }
 

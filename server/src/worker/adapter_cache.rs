@@ -6,9 +6,9 @@
 //! adapter (weakly tracked here while any decode holds it), so the engine can count
 //! each directory's adapter once. And the recently used ones stay in a cache bounded by
 //! bytes as well as entries ([`ByteLru`]), because its bytes count in the server's
-//! `--max-total-adapter-bytes` (the engine keeps [`CACHE_SHARE`] of it for the cache):
-//! sixteen rank-256 adapters of a large model would otherwise hold gigabytes outside
-//! every limit. An adapter larger than the whole budget is used without being kept.
+//! `--max-total-adapter-bytes` (the engine keeps [`CACHE_SHARE`] of it for the cache);
+//! a count alone would let large adapters hold memory outside every limit. An adapter
+//! larger than the whole budget is used without being kept.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -34,6 +34,7 @@ use serde_json::{json, Value};
 mod alloc;
 mod decoding;
 mod generators;
+mod streaming;
 
 use alloc::*;
 use decoding::*;
