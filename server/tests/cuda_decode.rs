@@ -476,3 +476,87 @@ fn stacked_parts_through_sgmv_match_the_cpu() {
         }
     }
 }
+
+/// Device tensors dropped on rayon's pool threads, or on a thread that made the context
+/// current (as the worker's thread does when it starts), are freed and leave the context
+/// usable. The control shows what that guards against: cudarc frees a buffer without
+/// making its context current, so one dropped on a thread that never did fails to free,
+/// and the context's next operation, on any thread, reports `CUDA_ERROR_INVALID_CONTEXT`
+/// (on a GPU server that failed another request's decode step).
+#[test]
+fn device_tensors_dropped_on_the_pool_or_a_made_current_thread_leave_the_context_usable() {
+    let Some(dev) = gpu() else { return };
+    let make = || Tensor::ones(1024, DType::F32, &dev);
+    let sum = |t: candle_core::Result<Tensor>| -> candle_core::Result<f32> {
+        t?.sum_all()?.to_scalar::<f32>()
+    };
+    // One tensor, made here, dropped on each thread of the pool.
+    let threads = rayon::current_num_threads();
+    let pile = std::sync::Mutex::new((0..threads).map(|_| make().unwrap()).collect::<Vec<_>>());
+    rayon::broadcast(|_| drop(pile.lock().unwrap().pop()));
+    assert!(pile.lock().unwrap().is_empty());
+    assert_eq!(sum(make()).expect("after drops on the pool"), 1024.0);
+    // A thread of its own that makes the context current first.
+    let t = make().unwrap();
+    std::thread::spawn(move || {
+        lathe_server::model::backend::make_current(t.device()).unwrap();
+        drop(t);
+    })
+    .join()
+    .unwrap();
+    assert_eq!(
+        sum(make()).expect("after a drop on a made-current thread"),
+        1024.0
+    );
+    // The control: a thread of its own that does not.
+    let t = make().unwrap();
+    std::thread::spawn(move || drop(t)).join().unwrap();
+    let err = sum(make()).expect_err("cudarc reports the failed free at the next call");
+    assert!(err.to_string().contains("INVALID_CONTEXT"), "{err}");
+    // Reported once: the context works again.
+    assert_eq!(sum(make()).expect("after the report"), 1024.0);
+}
+
+/// Work issued from one thread and then, with no synchronisation between, from another
+/// runs in that order, as the worker's optimizer step (its own thread) and the next pass
+/// (a pool thread) must: the device has one stream for every thread. On per-thread
+/// streams the second thread's read would not wait for the first thread's products.
+#[test]
+fn work_issued_from_two_threads_runs_in_the_order_issued() {
+    let Some(dev) = gpu() else { return };
+    let n = 4096;
+    let a = Tensor::ones((n, n), DType::F32, &dev).unwrap();
+    let dst = Tensor::zeros((1, n), DType::F32, &dev).unwrap();
+    a.matmul(&a).unwrap();
+    dev.synchronize().unwrap();
+    for round in 0..3 {
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                // About a TFLOP of products ending in a write: tens of milliseconds.
+                let mut x = a.clone();
+                for _ in 0..8 {
+                    x = (x.matmul(&a).unwrap() / n as f64).unwrap();
+                }
+                dst.slice_set(
+                    &((x.narrow(0, 0, 1).unwrap() * (round + 1) as f64).unwrap()),
+                    0,
+                    0,
+                )
+                .unwrap();
+            })
+            .join()
+            .unwrap();
+            s.spawn(|| {
+                let row = dst.to_vec2::<f32>().unwrap().remove(0);
+                let want = (round + 1) as f32;
+                assert!(
+                    row.iter().all(|&v| v == want),
+                    "round {round}: read {:?}",
+                    &row[..4]
+                );
+            })
+            .join()
+            .unwrap();
+        });
+    }
+}

@@ -135,8 +135,24 @@ impl DeviceSpec {
 fn open_cuda(spec: DeviceSpec, ordinal: usize) -> Result<Device, DeviceError> {
     // The driver can panic rather than return an error when no GPU is present; either
     // way the caller gets the device's name and the reason.
-    match std::panic::catch_unwind(|| Device::new_cuda(ordinal)) {
-        Ok(Ok(device)) => Ok(device),
+    // One stream for all of the device's work, so that it runs in the order it is
+    // issued whichever thread issues it: on the per-thread default streams of
+    // `Device::new_cuda`, an optimizer step issued from the worker's thread and the next
+    // pass issued from a pool thread would be unordered, the pass free to read
+    // parameters the step had not yet written.
+    match std::panic::catch_unwind(|| Device::new_cuda_with_stream(ordinal)) {
+        Ok(Ok(device)) => {
+            // Model work runs on rayon's pool: the context is made current on each of
+            // its threads, once (see `cuda::make_current`).
+            let bound = rayon::broadcast(|_| super::cuda::make_current(&device));
+            match bound.into_iter().find_map(Result::err) {
+                None => Ok(device),
+                Some(e) => Err(DeviceError::Unavailable {
+                    device: spec,
+                    reason: format!("its context cannot be made current on a thread: {e}"),
+                }),
+            }
+        }
         Ok(Err(e)) => Err(DeviceError::Unavailable {
             device: spec,
             reason: e.to_string(),
@@ -146,6 +162,17 @@ fn open_cuda(spec: DeviceSpec, ordinal: usize) -> Result<Device, DeviceError> {
             reason: crate::panics::panic_message(panic.as_ref()),
         }),
     }
+}
+
+/// Makes `device`'s context current on the calling thread, for a thread that holds and
+/// drops device tensors outside rayon's pool (the worker's); nothing on the CPU. See
+/// `cuda::make_current` for why.
+pub fn make_current(device: &Device) -> candle_core::Result<()> {
+    #[cfg(feature = "cuda")]
+    super::cuda::make_current(device)?;
+    #[cfg(not(feature = "cuda"))]
+    let _ = device;
+    Ok(())
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -97,6 +97,14 @@ impl Worker {
         }
     }
 
+    /// Makes the model's device context current on the calling thread, the one that
+    /// runs this worker's batches and drops its adapters, snapshots and caches (see
+    /// [`crate::model::backend::make_current`]).
+    pub fn make_device_current(&self) -> Result<(), ModelError> {
+        crate::model::backend::make_current(self.model.transformer.device())?;
+        Ok(())
+    }
+
     /// Keeps up to `bytes` of checkpoint adapters opened for sampling in memory
     /// (none by default).
     pub fn caching_sampler_adapters_up_to(mut self, bytes: u64) -> Self {

@@ -48,6 +48,10 @@ pub fn spawn(mut worker: Worker, on_done: impl Fn(BatchReport) + Send + 'static)
     let thread = std::thread::Builder::new()
         .name("lathe-worker".into())
         .spawn(move || {
+            if let Err(e) = worker.make_device_current() {
+                // Every operation on the device would fail the same way and say so.
+                tracing::error!("the worker thread cannot use the model's device: {e}");
+            }
             while let Ok(batch) = rx.recv() {
                 let ids = batch.request_ids();
                 let report = match catch_unwind(AssertUnwindSafe(|| worker.run_batch(batch))) {

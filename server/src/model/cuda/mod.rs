@@ -45,6 +45,23 @@ pub fn enabled() -> bool {
     *ENABLED.get_or_init(|| std::env::var("LATHE_CUDA_FUSED").map_or(true, |v| v.trim() != "0"))
 }
 
+/// Makes `device`'s CUDA context current on the calling thread; nothing for another
+/// device.
+///
+/// cudarc frees a device buffer without making its context current first (the drop of
+/// `CudaSlice`), and keeps a failure there for the context's next call to report. A
+/// buffer dropped on a thread where the context was never current is therefore leaked,
+/// and the next operation of any thread fails with `CUDA_ERROR_INVALID_CONTEXT`: another
+/// tenant's decode step, say. So every thread that may drop device tensors makes the
+/// context current first: rayon's pool threads when the device is opened
+/// ([`super::DeviceSpec::open`]), the worker's thread when it starts.
+pub fn make_current(device: &Device) -> Result<()> {
+    if let Device::Cuda(d) = device {
+        d.cuda_stream().context().bind_to_thread().w()?;
+    }
+    Ok(())
+}
+
 /// Whether the kernels take `t`: f32 on a CUDA device.
 pub fn supported(t: &Tensor) -> bool {
     t.device().is_cuda() && t.dtype() == DType::F32
