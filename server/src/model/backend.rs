@@ -122,7 +122,8 @@ pub enum DeviceError {
 }
 
 impl DeviceSpec {
-    /// Opens the device.
+    /// Opens the device. A CUDA device is readied for the threads of rayon's pool that
+    /// the call runs beside: call it outside any rayon pool (the global one is used).
     pub fn open(self) -> Result<Device, DeviceError> {
         match self {
             DeviceSpec::Cpu => Ok(Device::Cpu),
@@ -134,25 +135,16 @@ impl DeviceSpec {
 #[cfg(feature = "cuda")]
 fn open_cuda(spec: DeviceSpec, ordinal: usize) -> Result<Device, DeviceError> {
     // The driver can panic rather than return an error when no GPU is present; either
-    // way the caller gets the device's name and the reason.
-    // One stream for all of the device's work, so that it runs in the order it is
-    // issued whichever thread issues it: on the per-thread default streams of
-    // `Device::new_cuda`, an optimizer step issued from the worker's thread and the next
-    // pass issued from a pool thread would be unordered, the pass free to read
-    // parameters the step had not yet written.
+    // way the caller gets the device's name and the reason. One stream for all of the
+    // device's work (see `cuda::share_one_stream`).
     match std::panic::catch_unwind(|| Device::new_cuda_with_stream(ordinal)) {
-        Ok(Ok(device)) => {
-            // Model work runs on rayon's pool: the context is made current on each of
-            // its threads, once (see `cuda::make_current`).
-            let bound = rayon::broadcast(|_| super::cuda::make_current(&device));
-            match bound.into_iter().find_map(Result::err) {
-                None => Ok(device),
-                Some(e) => Err(DeviceError::Unavailable {
-                    device: spec,
-                    reason: format!("its context cannot be made current on a thread: {e}"),
-                }),
-            }
-        }
+        Ok(Ok(device)) => match super::cuda::share_one_stream(&device) {
+            Ok(()) => Ok(device),
+            Err(e) => Err(DeviceError::Unavailable {
+                device: spec,
+                reason: format!("it cannot be readied for use from several threads: {e}"),
+            }),
+        },
         Ok(Err(e)) => Err(DeviceError::Unavailable {
             device: spec,
             reason: e.to_string(),

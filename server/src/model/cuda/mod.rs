@@ -45,16 +45,38 @@ pub fn enabled() -> bool {
     *ENABLED.get_or_init(|| std::env::var("LATHE_CUDA_FUSED").map_or(true, |v| v.trim() != "0"))
 }
 
-/// Makes `device`'s CUDA context current on the calling thread; nothing for another
-/// device.
+/// Readies a device just opened with a stream of its own (`Device::new_cuda_with_stream`)
+/// for use from several threads: the worker's thread issues optimizer steps, a thread of
+/// rayon's pool the passes, and with one stream the device runs them in the order issued
+/// (on candle's default, a stream per thread, the two would be unordered, a pass free to
+/// read parameters a step had not yet written).
 ///
-/// cudarc frees a device buffer without making its context current first (the drop of
-/// `CudaSlice`), and keeps a failure there for the context's next call to report. A
-/// buffer dropped on a thread where the context was never current is therefore leaked,
-/// and the next operation of any thread fails with `CUDA_ERROR_INVALID_CONTEXT`: another
-/// tenant's decode step, say. So every thread that may drop device tensors makes the
-/// context current first: rayon's pool threads when the device is opened
-/// ([`super::DeviceSpec::open`]), the worker's thread when it starts.
+/// With one stream there is nothing for cudarc's event tracking to order (it records and
+/// waits on events per buffer, for uses across streams, at two driver calls per launch
+/// argument and per drop), so it is turned off. cudarc then frees a dropped buffer
+/// without making its context current, and keeps a failure there for the context's
+/// next call to report: a buffer dropped on a thread where the context was never
+/// current would be leaked, and the next operation of any thread (another tenant's
+/// decode step) would fail with `CUDA_ERROR_INVALID_CONTEXT`. So the context is made
+/// current on every thread of rayon's pool here, and the worker's thread makes it
+/// current when it starts ([`make_current`]).
+pub fn share_one_stream(device: &Device) -> Result<()> {
+    let Device::Cuda(d) = device else {
+        return Ok(());
+    };
+    // SAFETY: every buffer of this device is allocated, used and freed on its one
+    // stream (candle's kernels, cuBLAS, cuRAND and Lathe's kernels all take
+    // `cuda_stream()`), which orders them; no other stream exists to order them against.
+    unsafe { d.cuda_stream().context().disable_event_tracking() };
+    rayon::broadcast(|_| make_current(device))
+        .into_iter()
+        .collect::<Result<Vec<()>>>()?;
+    Ok(())
+}
+
+/// Makes `device`'s CUDA context current on the calling thread; nothing for another
+/// device. A thread that may drop the device's tensors calls it first (see
+/// [`share_one_stream`]).
 pub fn make_current(device: &Device) -> Result<()> {
     if let Device::Cuda(d) = device {
         d.cuda_stream().context().bind_to_thread().w()?;
