@@ -77,9 +77,10 @@ pub struct ServeArgs {
     /// Bytes of adapter state all loaded runs may hold in memory, counted as for
     /// --max-adapter-bytes (429 past it), an eighth of it kept for checkpoint adapters
     /// opened for sampling. Default: half of this machine's memory (or of its cgroup's
-    /// limit).
-    #[arg(long, default_value_t = default_total_adapter_bytes(), help_heading = "Limits")]
-    max_total_adapter_bytes: u64,
+    /// limit); on a GPU, where adapters live, half of its memory free once the model is
+    /// loaded. The log says which at start.
+    #[arg(long, help_heading = "Limits")]
+    max_total_adapter_bytes: Option<u64>,
     /// Bytes of answers each key's clients may have yet to read (an answer waits in
     /// memory for its client); past it the key's result retrievals, listings and OpenAI
     /// completions are refused with 429 (control calls never are).
@@ -90,11 +91,16 @@ pub struct ServeArgs {
     connections: ConnectionArgs,
 }
 
-/// Half of the memory this process may use (the engine's default where it cannot be
-/// read).
-fn default_total_adapter_bytes() -> u64 {
-    lathe_server::memory::physical_bytes()
-        .map_or(EngineConfig::default().max_adapter_bytes, |b| b / 2)
+/// The default of `--max-total-adapter-bytes`: half of `device_free`, a GPU's memory
+/// free once the model is loaded (adapters, their gradients and optimizer state live
+/// there), else half of `host`, the memory this process may use, else the engine's
+/// default. Returns the bytes and what they are half of.
+fn default_total_adapter_bytes(device_free: Option<u64>, host: Option<u64>) -> (u64, &'static str) {
+    match (device_free, host) {
+        (Some(free), _) => (free / 2, "half of the GPU's free memory"),
+        (None, Some(host)) => (host / 2, "half of this machine's memory"),
+        (None, None) => (EngineConfig::default().max_adapter_bytes, "the engine's default"),
+    }
 }
 
 /// Limits on HTTP connections.
@@ -210,6 +216,17 @@ enum Mode {
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let model = super::load_model(&args.model, args.device, args.precision)?;
     let name = model.name.clone();
+    let max_adapter_bytes = match args.max_total_adapter_bytes {
+        Some(bytes) => bytes,
+        None => {
+            let device_free = lathe_server::model::backend::device_memory(model.transformer.device())?
+                .map(|(free, _)| free);
+            let (bytes, what) =
+                default_total_adapter_bytes(device_free, lathe_server::memory::physical_bytes());
+            tracing::info!("--max-total-adapter-bytes {bytes} ({what})");
+            bytes
+        }
+    };
     let config = ServerConfig {
         host: args.host,
         port: args.port,
@@ -229,7 +246,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             session_timeout: Duration::from_secs(args.session_timeout.max(1)),
             limits: args.limits.limits(),
             max_result_bytes: args.max_result_bytes,
-            max_adapter_bytes: args.max_total_adapter_bytes,
+            max_adapter_bytes,
             ..Default::default()
         },
         max_request_bytes: args.max_request_bytes,
@@ -278,4 +295,20 @@ async fn wait_for_signal() {
     }
     #[cfg(not(unix))]
     let _ = ctrl_c.await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_adapter_memory_default_is_half_the_gpus_free_memory_then_the_machines() {
+        let gib = 1u64 << 30;
+        assert_eq!(default_total_adapter_bytes(Some(60 * gib), Some(128 * gib)).0, 30 * gib);
+        assert_eq!(default_total_adapter_bytes(None, Some(24 * gib)).0, 12 * gib);
+        assert_eq!(
+            default_total_adapter_bytes(None, None).0,
+            EngineConfig::default().max_adapter_bytes
+        );
+    }
 }

@@ -167,6 +167,18 @@ pub fn make_current(device: &Device) -> candle_core::Result<()> {
     Ok(())
 }
 
+/// `device`'s free and total memory in bytes on a GPU, as the driver reports them now;
+/// `None` on the CPU, whose memory `crate::memory::physical_bytes` tells.
+pub fn device_memory(device: &Device) -> candle_core::Result<Option<(u64, u64)>> {
+    #[cfg(feature = "cuda")]
+    return super::cuda::memory(device);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = device;
+        Ok(None)
+    }
+}
+
 #[cfg(not(feature = "cuda"))]
 fn open_cuda(spec: DeviceSpec, _ordinal: usize) -> Result<Device, DeviceError> {
     Err(DeviceError::NotBuilt(spec))

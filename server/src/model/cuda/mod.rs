@@ -84,6 +84,18 @@ pub fn make_current(device: &Device) -> Result<()> {
     Ok(())
 }
 
+/// `device`'s free and total memory in bytes, as the driver reports them now; `None`
+/// for another device.
+pub fn memory(device: &Device) -> Result<Option<(u64, u64)>> {
+    match device {
+        Device::Cuda(d) => {
+            let (free, total) = d.cuda_stream().context().mem_get_info().w()?;
+            Ok(Some((free as u64, total as u64)))
+        }
+        _ => Ok(None),
+    }
+}
+
 /// Whether the kernels take `t`: f32 on a CUDA device.
 pub fn supported(t: &Tensor) -> bool {
     t.device().is_cuda() && t.dtype() == DType::F32
