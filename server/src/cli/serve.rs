@@ -99,7 +99,10 @@ fn default_total_adapter_bytes(device_free: Option<u64>, host: Option<u64>) -> (
     match (device_free, host) {
         (Some(free), _) => (free / 2, "half of the GPU's free memory"),
         (None, Some(host)) => (host / 2, "half of this machine's memory"),
-        (None, None) => (EngineConfig::default().max_adapter_bytes, "the engine's default"),
+        (None, None) => (
+            EngineConfig::default().max_adapter_bytes,
+            "the engine's default",
+        ),
     }
 }
 
@@ -219,8 +222,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let max_adapter_bytes = match args.max_total_adapter_bytes {
         Some(bytes) => bytes,
         None => {
-            let device_free = lathe_server::model::backend::device_memory(model.transformer.device())?
-                .map(|(free, _)| free);
+            let device_free =
+                lathe_server::model::backend::device_memory(model.transformer.device())?
+                    .map(|(free, _)| free);
             let (bytes, what) =
                 default_total_adapter_bytes(device_free, lathe_server::memory::physical_bytes());
             tracing::info!("--max-total-adapter-bytes {bytes} ({what})");
@@ -304,8 +308,14 @@ mod tests {
     #[test]
     fn the_adapter_memory_default_is_half_the_gpus_free_memory_then_the_machines() {
         let gib = 1u64 << 30;
-        assert_eq!(default_total_adapter_bytes(Some(60 * gib), Some(128 * gib)).0, 30 * gib);
-        assert_eq!(default_total_adapter_bytes(None, Some(24 * gib)).0, 12 * gib);
+        assert_eq!(
+            default_total_adapter_bytes(Some(60 * gib), Some(128 * gib)).0,
+            30 * gib
+        );
+        assert_eq!(
+            default_total_adapter_bytes(None, Some(24 * gib)).0,
+            12 * gib
+        );
         assert_eq!(
             default_total_adapter_bytes(None, None).0,
             EngineConfig::default().max_adapter_bytes
