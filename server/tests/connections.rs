@@ -233,3 +233,60 @@ fn an_unread_answer_holds_its_keys_budget_until_it_is_read() {
     }
     finish(server);
 }
+
+/// The store's per-key share (`api::STORE_SLOTS_PER_KEY`) holds over HTTP: with key A's
+/// share held by TTL requests whose bodies are still arriving, A's listing waits while
+/// key B's is answered at once, and A's is answered as soon as one of its requests ends.
+#[test]
+fn a_keys_store_requests_past_its_share_wait_and_other_keys_do_not() {
+    let server = serve_with("conn-store", |l| l.stall_timeout = Duration::from_secs(60));
+    let body = r#"{"ttl_seconds": 60}"#;
+    let (first, rest) = body.split_at(5);
+    let mut holders: Vec<TcpStream> = (0..lathe_server::api::STORE_SLOTS_PER_KEY)
+        .map(|i| {
+            let mut held = connect(&server);
+            write!(
+                held,
+                "PUT /api/v1/training_runs/run-{i}/checkpoints/weights/w/ttl HTTP/1.1\r\n\
+                 Host: lathe\r\nX-API-Key: {KEY_A}\r\nContent-Type: application/json\r\n\
+                 Content-Length: {}\r\nConnection: close\r\n\r\n{first}",
+                body.len()
+            )
+            .unwrap();
+            held
+        })
+        .collect();
+    // Let the server take the held requests' slots before the listings arrive (a slow
+    // start can only make the test fail, never pass).
+    std::thread::sleep(Duration::from_millis(1000));
+    let (answered, listing) = std::sync::mpsc::channel();
+    let a = server.client(KEY_A);
+    std::thread::spawn(move || {
+        let _ = answered.send(a.get("/api/v1/checkpoints"));
+    });
+    let started = Instant::now();
+    let (status, v) = server.client(KEY_B).get("/api/v1/checkpoints");
+    assert_eq!(status, 200, "another key's listing: {v}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "another key's listing waited {:?}",
+        started.elapsed()
+    );
+    assert!(
+        listing.recv_timeout(Duration::from_millis(700)).is_err(),
+        "key A's listing ran past its {} held store slots",
+        lathe_server::api::STORE_SLOTS_PER_KEY
+    );
+    holders[0].write_all(rest.as_bytes()).unwrap();
+    let (answer, _) = read_until_closed(&mut holders[0], Duration::from_secs(10));
+    assert!(
+        answer.starts_with("HTTP/1.1 404"),
+        "the TTL of a run that does not exist: {answer}"
+    );
+    let (status, v) = listing
+        .recv_timeout(Duration::from_secs(10))
+        .expect("key A's listing is answered once a slot is free");
+    assert_eq!(status, 200, "{v}");
+    drop(holders);
+    finish(server);
+}
