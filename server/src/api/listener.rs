@@ -206,12 +206,22 @@ impl PerIp {
 }
 
 /// The address a connection counts under: an IPv4 address (also written as IPv6) as it
-/// is, an IPv6 address as its /64, which one host is usually given whole.
+/// is, an IPv6 address as its /64, which one host is usually given whole. An IPv4 host
+/// reaching the server through NAT64 counts as its IPv4 address: the /96 of the
+/// well-known prefix `64:ff9b::/96` (RFC 6052) or of the local-use `64:ff9b:1::/48`
+/// (RFC 8215, taken with a /96 translator prefix, the usual deployment) ends in it, and
+/// as a /64 every IPv4 client behind one translator would share one count.
 fn peer_group(ip: IpAddr) -> IpAddr {
     match ip.to_canonical() {
         IpAddr::V6(v6) => {
-            let prefix = u128::from(v6) & !((1u128 << 64) - 1);
-            IpAddr::V6(prefix.into())
+            let bits = u128::from(v6);
+            let well_known = bits >> 32 == 0x0064_ff9b_u128 << 64;
+            let local_use = bits >> 80 == 0x0064_ff9b_0001;
+            if well_known || local_use {
+                // The low 32 bits are the IPv4 address.
+                return IpAddr::V4(std::net::Ipv4Addr::from(bits as u32));
+            }
+            IpAddr::V6((bits & !((1u128 << 64) - 1)).into())
         }
         v4 => v4,
     }
@@ -403,6 +413,32 @@ mod tests {
         let _b1 = per_ip.take(v6("::ffff:192.0.2.2")).expect("b as IPv6");
         let _b2 = per_ip.take(b).expect("b");
         assert!(per_ip.take(v6("::ffff:192.0.2.2")).is_none(), "b's third");
+    }
+
+    /// IPv4 hosts behind a NAT64 translator count as their own IPv4 addresses, not as
+    /// one /64 shared by every such host.
+    #[test]
+    fn nat64_clients_count_as_their_ipv4_addresses() {
+        let ip = |s: &str| -> IpAddr { s.parse().unwrap() };
+        assert_eq!(peer_group(ip("64:ff9b::c000:202")), ip("192.0.2.2"));
+        assert_eq!(peer_group(ip("64:ff9b::192.0.2.3")), ip("192.0.2.3"));
+        assert_eq!(
+            peer_group(ip("64:ff9b:1::198.51.100.7")),
+            ip("198.51.100.7")
+        );
+        // Not NAT64: a /64 as before, whatever the low bits.
+        assert_eq!(peer_group(ip("64:ff9b:0:1::c000:202")), ip("64:ff9b:0:1::"));
+        assert_eq!(peer_group(ip("64:ff9c::c000:202")), ip("64:ff9c::"));
+        let per_ip = PerIp::new(1);
+        let _first = per_ip.take(ip("64:ff9b::192.0.2.2")).expect("one host");
+        assert!(
+            per_ip.take(ip("64:ff9b::192.0.2.9")).is_some(),
+            "another IPv4 host through the same translator"
+        );
+        assert!(
+            per_ip.take(ip("192.0.2.2")).is_none(),
+            "the same IPv4 host, reached directly"
+        );
     }
 
     /// A peer that reads nothing fails the writer after the stall limit, not before.
