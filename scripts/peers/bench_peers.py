@@ -137,7 +137,14 @@ def main() -> None:
         "train_shape": {"batch": a.batch, "seq_len": a.seq_len, "rank": a.rank, "targets": "q,k,v,o,gate,up,down"},
         "train_tokens_per_s": train,
         "lathe_bf16_kernel": runs["lathe_bf16"][0].get("bf16_kernel"),
-        "lathe_bf16_fraction_of_bf16_gemm_peak": median([x["fraction_of_gemm"] for x in runs["lathe_bf16"]]),
+        # What `--precision bf16` ran in: f32 where the CPU has no bf16 kernel.
+        "lathe_bf16_ran_as": runs["lathe_bf16"][0].get("precision"),
+        # Against the bf16 GEMM rate only where there is one (otherwise it is the f32 rate's).
+        "lathe_bf16_fraction_of_bf16_gemm_peak": (
+            median([x["fraction_of_gemm"] for x in runs["lathe_bf16"]])
+            if runs["lathe_bf16"][0].get("bf16_kernel")
+            else None
+        ),
         "lathe_f32_fraction_of_f32_gemm_peak": median([x["fraction_of_gemm"] for x in runs["lathe_f32"]]),
         "ratios": {
             "lathe_bf16_over_torch_bf16": round(train["lathe_bf16"] / train["torch_bf16"], 3),
