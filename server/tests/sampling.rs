@@ -182,7 +182,10 @@ fn prompts_prefilled_together_through_the_block_weights_are_the_trainers() {
         random_adapter(&model, full_spec(2), 21),
     ];
     let refs: Vec<&Adapter> = adapters.iter().collect();
-    for prompt_len in [40, 70] {
+    // Four prompts of `len .. len + 4` tokens: within the block weights' rows, then past.
+    let within = EXACT_F32_ROWS / 4 - 4;
+    let past = EXACT_F32_ROWS / 4 + 8;
+    for prompt_len in [within, past] {
         let jobs: Vec<SampleJob> = (0..4u64)
             .map(|i| {
                 sample_job(
@@ -195,7 +198,7 @@ fn prompts_prefilled_together_through_the_block_weights_are_the_trainers() {
             .collect();
         let rows: usize = jobs.iter().map(|j| j.prompt.len()).sum();
         assert!(rows > EXACT_ROWS);
-        assert_eq!(rows <= EXACT_F32_ROWS, prompt_len == 40, "{rows} rows");
+        assert_eq!(rows <= EXACT_F32_ROWS, prompt_len == within, "{rows} rows");
         let together = sample(
             &model.transformer,
             &model.tokenizer,

@@ -263,8 +263,9 @@ const DECODE_SHAPES: [(&str, usize, usize, GgmlDType); 4] = [
 /// Microseconds per decode product (`m` activation rows times exact block weights) in
 /// each arithmetic this CPU has, beside the trainer's f32 product, its packed bf16
 /// product of the same weights on each bf16 kernel and the bf16 panel copy's product
-/// (AVX512-BF16), medians over `iters`. The row counts
-/// are one and eight streams' decode steps and short and batched prompts' prefill.
+/// (AVX512-BF16), medians over `iters`. The row counts are one and eight streams'
+/// decode steps, short and batched prompts' prefill, and `EXACT_F32_ROWS`'s
+/// neighbourhood, where prefill leaves the block weights for the trainer's product.
 fn decode_products(iters: usize) -> anyhow::Result<Vec<serde_json::Value>> {
     let mut ariths = vec![(BlockArith::F32, "f32".to_string())];
     for &kernel in bf16::available() {
@@ -284,7 +285,7 @@ fn decode_products(iters: usize) -> anyhow::Result<Vec<serde_json::Value>> {
             .iter()
             .map(|&k| Ok((k, bf16::PackedWeight::from_tensor(&w)?)))
             .collect::<candle_core::Result<Vec<_>>>()?;
-        for m in [1, 8, 32, 128, 512] {
+        for m in [1, 8, 32, 128, 256, 512] {
             let x: Vec<f32> = Tensor::randn(0f32, 1.0, (m, cols), &Device::Cpu)?
                 .flatten_all()?
                 .to_vec1()?;
