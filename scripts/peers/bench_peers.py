@@ -50,18 +50,25 @@ def children_cpu_seconds() -> float:
 
 
 def cpu_name() -> dict:
-    name, flags = platform.processor(), set()
+    name, flags, ids = platform.processor(), set(), {}
     with open("/proc/cpuinfo") as f:
         for line in f:
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name":
+                name = value.strip()
+            elif key == "flags":
+                flags = set(value.split())
+            elif key in ("cpu family", "model", "stepping") and key not in ids:
+                # With a generic model name, family/model/stepping say which CPU it is.
+                ids[key.replace(" ", "_")] = value.strip()
     return {
         "name": name,
+        **ids,
         "cores": os.cpu_count(),
         "amx_bf16": "amx_bf16" in flags,
         "avx512_bf16": "avx512_bf16" in flags,
+        "avx512_vnni": "avx512_vnni" in flags,
         "avx512f": "avx512f" in flags,
     }
 

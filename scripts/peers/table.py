@@ -28,7 +28,8 @@ def main() -> None:
             f"| training, bf16 ({bf16}) | "
             f"{t['lathe_bf16']:.0f} tokens/s ({x['lathe_bf16_over_lathe_f32']:.2f}x Lathe f32) | "
             f"PyTorch + PEFT, bf16 autocast: {t['torch_bf16']:.0f} | "
-            f"{x['lathe_bf16_over_torch_bf16']:.2f}x | 2x{met(x['lathe_bf16_over_torch_bf16'] >= 2)} |",
+            f"{x['lathe_bf16_over_torch_bf16']:.2f}x | "
+            + (f"2x{met(x['lathe_bf16_over_torch_bf16'] >= 2)} |" if kernel else "n/a (no bf16 kernel) |"),
             None,
         ),
     ]

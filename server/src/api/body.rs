@@ -128,6 +128,26 @@ async fn read(req: Request, state: &AppState) -> Result<(String, Bytes), ApiErro
     Ok((owner, body))
 }
 
+/// A whole request body of at most `limit` bytes: 413 past it, 408 when it stalls
+/// (`paced_body`), 400 when the connection fails. For middleware that must hold the
+/// body before it takes anything shared ([`super::hold_store_slot`]).
+pub(super) async fn buffered(body: axum::body::Body, limit: usize) -> Result<Bytes, ApiError> {
+    use futures::StreamExt;
+    let mut stream = body.into_data_stream();
+    let mut whole = Vec::new();
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| {
+            ApiError::body_too_slow(&e)
+                .unwrap_or_else(|| ApiError::bad_request(format!("reading the body: {e}")))
+        })?;
+        if whole.len().saturating_add(chunk.len()) > limit {
+            return Err(ApiError::too_large());
+        }
+        whole.extend_from_slice(&chunk);
+    }
+    Ok(Bytes::from(whole))
+}
+
 /// `application/json`, or a `+json` type.
 fn is_json(media: &str) -> bool {
     media == "application/json" || media.ends_with("+json")

@@ -207,16 +207,19 @@ impl PerIp {
 
 /// The address a connection counts under: an IPv4 address (also written as IPv6) as it
 /// is, an IPv6 address as its /64, which one host is usually given whole. An IPv4 host
-/// reaching the server through NAT64 counts as its IPv4 address: the /96 of the
-/// well-known prefix `64:ff9b::/96` (RFC 6052) or of the local-use `64:ff9b:1::/48`
-/// (RFC 8215, taken with a /96 translator prefix, the usual deployment) ends in it, and
-/// as a /64 every IPv4 client behind one translator would share one count.
+/// reaching the server through NAT64 counts as its IPv4 address where the address says
+/// where that is: in the well-known prefix `64:ff9b::/96` (RFC 6052) it is the low 32
+/// bits, and so it is under the local-use `64:ff9b:1::/48` (RFC 8215) when the
+/// translator's prefix is a /96, the only RFC 6052 layout with anything in the low 24
+/// bits (shorter prefixes leave them zero, and stay grouped by their /64, which holds
+/// the IPv4 address's first bits). As a /64 every IPv4 client behind a /96 translator
+/// would share one count.
 fn peer_group(ip: IpAddr) -> IpAddr {
     match ip.to_canonical() {
         IpAddr::V6(v6) => {
             let bits = u128::from(v6);
             let well_known = bits >> 32 == 0x0064_ff9b_u128 << 64;
-            let local_use = bits >> 80 == 0x0064_ff9b_0001;
+            let local_use = bits >> 80 == 0x0064_ff9b_0001 && bits & 0x00ff_ffff != 0;
             if well_known || local_use {
                 // The low 32 bits are the IPv4 address.
                 return IpAddr::V4(std::net::Ipv4Addr::from(bits as u32));
@@ -425,6 +428,12 @@ mod tests {
         assert_eq!(
             peer_group(ip("64:ff9b:1::198.51.100.7")),
             ip("198.51.100.7")
+        );
+        // Under the local-use /48 with a shorter translator prefix (here a /48: the IPv4
+        // address 198.51.100.7 in bits 48-63 and 72-87, the low bits zero), the /64.
+        assert_eq!(
+            peer_group(ip("64:ff9b:1:c633:64:700::")),
+            ip("64:ff9b:1:c633::")
         );
         // Not NAT64: a /64 as before, whatever the low bits.
         assert_eq!(peer_group(ip("64:ff9b:0:1::c000:202")), ip("64:ff9b:0:1::"));

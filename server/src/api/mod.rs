@@ -72,7 +72,9 @@ pub const STORE_SLOTS_PER_KEY: usize = 2;
 
 /// Holds one of the key's store slots while a listing, delete, publish or TTL request
 /// runs, to its end: the request runs in a task of its own holding the slot, so a
-/// client that hangs up does not free the slot while the work it started goes on.
+/// client that hangs up does not free the slot while the work it started goes on. The
+/// (small) body is read first: a body still arriving holds no slot, or a few keys
+/// sending theirs slowly would hold every slot for as long as the stall limit allows.
 async fn hold_store_slot(
     axum::extract::State(s): axum::extract::State<AppState>,
     req: Request,
@@ -83,6 +85,9 @@ async fn hold_store_slot(
         .get::<Owner>()
         .map(|o| o.0.clone())
         .ok_or_else(|| ApiError::internal("no key on an authenticated request"))?;
+    let (parts, body) = req.into_parts();
+    let body = body::buffered(body, CONTROL_BODY_BYTES.min(s.max_request_bytes)).await?;
+    let req = Request::from_parts(parts, axum::body::Body::from(body));
     let slot = s.store_slots.acquire(&owner).await?;
     tokio::spawn(async move {
         let _slot = slot;

@@ -10,6 +10,7 @@ use candle_core::{DType, Device, Tensor};
 use clap::{Args, Subcommand};
 use lathe_sdk::types::AdamParams;
 use lathe_server::model::cpu::bf16::{self, blocks, panels};
+use lathe_server::model::cpu::decode_weights::EXACT_F32_ROWS;
 use lathe_server::model::cpu::pool::on_pool;
 use lathe_server::model::cpu::quant::{BlockArith, QuantMatrix};
 use lathe_server::model::weights::matmul_t;
@@ -285,7 +286,10 @@ fn decode_products(iters: usize) -> anyhow::Result<Vec<serde_json::Value>> {
             .iter()
             .map(|&k| Ok((k, bf16::PackedWeight::from_tensor(&w)?)))
             .collect::<candle_core::Result<Vec<_>>>()?;
-        for m in [1, 8, 32, 128, 256, 512] {
+        let mut counts = vec![1, 8, 32, 128, 512, EXACT_F32_ROWS, 2 * EXACT_F32_ROWS];
+        counts.sort_unstable();
+        counts.dedup();
+        for m in counts {
             let x: Vec<f32> = Tensor::randn(0f32, 1.0, (m, cols), &Device::Cpu)?
                 .flatten_all()?
                 .to_vec1()?;

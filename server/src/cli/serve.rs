@@ -115,8 +115,9 @@ struct ConnectionArgs {
           value_parser = clap::value_parser!(u32).range(1..=1 << 20))]
     max_connections: u32,
     /// Most connections open at once from one remote address, an IPv6 /64 counting as
-    /// one and a NAT64 address as the IPv4 one it carries (loopback addresses, such as a
-    /// reverse proxy on this host, are exempt); past it a new one is closed.
+    /// one and a NAT64 address with a /96 prefix as the IPv4 one it carries (loopback
+    /// addresses, such as a reverse proxy on this host, are exempt); past it a new one
+    /// is closed.
     #[arg(long, default_value_t = ConnectionLimits::default().max_connections_per_ip as u32,
           value_parser = clap::value_parser!(u32).range(1..=1 << 20))]
     max_connections_per_ip: u32,

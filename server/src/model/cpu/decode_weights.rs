@@ -24,11 +24,11 @@ use crate::model::ModelError;
 /// compute-bound trainer's product is faster (ARCHITECTURE.md has the measurements).
 pub const EXACT_ROWS: usize = 32;
 
-/// Most rows multiplied by exact block weights in f32: up to about this many, their
-/// kernels take at most the time of the trainer's f32 product (which repacks the weights
-/// on every call, and is slow on some shapes), and often half; past it the trainer's
-/// product is faster on every shape but `down`'s, which it overtakes later
-/// (`lathe bench gemm`'s `decode_products`; ARCHITECTURE.md).
+/// Most rows multiplied by exact block weights in f32 (prompts prefilled together):
+/// about where the trainer's f32 product (which repacks the weights on every call, and
+/// is slow on some shapes) catches up with the block kernels; past it the trainer's
+/// product takes the rows (`lathe bench gemm`'s `decode_products` compares the two;
+/// ARCHITECTURE.md).
 pub const EXACT_F32_ROWS: usize = 128;
 
 // Every bf16 product the block weights take fits the bf16 tile kernels.
