@@ -70,13 +70,20 @@ pub const STORE_SLOTS: usize = 16;
 /// Of [`STORE_SLOTS`], most one key may hold (its other such requests wait).
 pub const STORE_SLOTS_PER_KEY: usize = 2;
 
+/// What [`hold_store_slot`] needs: the slots, and the largest body a store request takes.
+#[derive(Clone)]
+struct StoreGate {
+    slots: Arc<KeySlots>,
+    body_limit: usize,
+}
+
 /// Holds one of the key's store slots while a listing, delete, publish or TTL request
 /// runs, to its end: the request runs in a task of its own holding the slot, so a
 /// client that hangs up does not free the slot while the work it started goes on. The
 /// (small) body is read first: a body still arriving holds no slot, or a few keys
 /// sending theirs slowly would hold every slot for as long as the stall limit allows.
 async fn hold_store_slot(
-    axum::extract::State(s): axum::extract::State<AppState>,
+    axum::extract::State(gate): axum::extract::State<StoreGate>,
     req: Request,
     next: axum::middleware::Next,
 ) -> Result<axum::response::Response, ApiError> {
@@ -86,9 +93,9 @@ async fn hold_store_slot(
         .map(|o| o.0.clone())
         .ok_or_else(|| ApiError::internal("no key on an authenticated request"))?;
     let (parts, body) = req.into_parts();
-    let body = body::buffered(body, CONTROL_BODY_BYTES.min(s.max_request_bytes)).await?;
+    let body = body::buffered(body, gate.body_limit).await?;
     let req = Request::from_parts(parts, axum::body::Body::from(body));
-    let slot = s.store_slots.acquire(&owner).await?;
+    let slot = gate.slots.acquire(&owner).await?;
     tokio::spawn(async move {
         let _slot = slot;
         next.run(req).await
@@ -280,7 +287,10 @@ pub fn router(state: AppState) -> Router {
         .route("/api/v1/sessions", get(rest::list_sessions))
         .route("/api/v1/sessions/{id}", get(rest::get_session));
     let store_routes = store_routes.route_layer(axum::middleware::from_fn_with_state(
-        state.clone(),
+        StoreGate {
+            slots: state.store_slots.clone(),
+            body_limit: CONTROL_BODY_BYTES.min(state.max_request_bytes),
+        },
         hold_store_slot,
     ));
     let protected = Router::new()
@@ -380,6 +390,114 @@ pub fn router(state: AppState) -> Router {
         ))
         .layer(axum::middleware::from_fn(json_errors))
         .with_state(state)
+}
+
+#[cfg(test)]
+mod store_gate_tests {
+    use super::*;
+    use tokio::io::AsyncWriteExt;
+
+    /// A server of two routes behind the store gate: `/held` answers once `release` is
+    /// notified, `/quick` at once (a PUT once it has read its body, as the store's
+    /// handlers do); the key is the `x-key` header.
+    async fn gated(slots: KeySlots, release: Arc<tokio::sync::Notify>) -> String {
+        let gate = StoreGate {
+            slots: Arc::new(slots),
+            body_limit: 1024,
+        };
+        let app = Router::new()
+            .route(
+                "/held",
+                get(move || async move {
+                    release.notified().await;
+                    "done"
+                }),
+            )
+            .route(
+                "/quick",
+                get(|| async { "ok" }).put(|_body: axum::body::Bytes| async { "ok" }),
+            )
+            .route_layer(axum::middleware::from_fn_with_state(gate, hold_store_slot))
+            .layer(axum::middleware::map_request(
+                |mut req: Request| async move {
+                    let key = req
+                        .headers()
+                        .get("x-key")
+                        .map(|v| v.to_str().unwrap().to_string());
+                    req.extensions_mut().insert(Owner(key.unwrap_or_default()));
+                    req
+                },
+            ));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        format!("http://{addr}")
+    }
+
+    /// A key's requests past its share wait while they run, another key's do not, and
+    /// the waiting one goes on as soon as one of the key's ends.
+    #[tokio::test]
+    async fn a_keys_requests_past_its_share_wait_for_one_to_end() {
+        let release = Arc::new(tokio::sync::Notify::new());
+        let url = gated(KeySlots::with_per_key(4, 2), release.clone()).await;
+        let http = reqwest::Client::new();
+        let get = |path: &str, key: &'static str| {
+            let req = http.get(format!("{url}{path}")).header("x-key", key);
+            async move { req.send().await.unwrap().text().await.unwrap() }
+        };
+        let held: Vec<_> = (0..2).map(|_| tokio::spawn(get("/held", "a"))).collect();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let waiting = tokio::spawn(get("/quick", "a"));
+        assert_eq!(get("/quick", "b").await, "ok", "another key");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(
+            !waiting.is_finished(),
+            "a third request of key a ran past its two slots"
+        );
+        release.notify_waiters();
+        for h in held {
+            assert_eq!(h.await.unwrap(), "done");
+        }
+        let answered = tokio::time::timeout(Duration::from_secs(10), waiting).await;
+        assert_eq!(
+            answered.expect("answered once a slot is free").unwrap(),
+            "ok"
+        );
+    }
+
+    /// Bodies still arriving hold no slot: with more such requests of one key than the
+    /// gate has slots, that key's other requests are answered at once; a body past the
+    /// limit is refused with 413.
+    #[tokio::test]
+    async fn bodies_still_arriving_hold_no_slot() {
+        let url = gated(KeySlots::with_per_key(2, 1), Arc::default()).await;
+        let addr = url.trim_start_matches("http://").to_string();
+        let mut slow = Vec::new();
+        for _ in 0..3 {
+            let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+            s.write_all(
+                b"PUT /quick HTTP/1.1\r\nHost: t\r\nx-key: a\r\nContent-Length: 10\r\n\r\n{",
+            )
+            .await
+            .unwrap();
+            slow.push(s);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let http = reqwest::Client::new();
+        let quick = http.get(format!("{url}/quick")).header("x-key", "a").send();
+        let answered = tokio::time::timeout(Duration::from_secs(5), quick).await;
+        let resp = answered.expect("key a's request waited behind bodies still arriving");
+        assert_eq!(resp.unwrap().text().await.unwrap(), "ok");
+        let big = http
+            .put(format!("{url}/quick"))
+            .header("x-key", "a")
+            .body(vec![b' '; 2048])
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(big.status(), reqwest::StatusCode::PAYLOAD_TOO_LARGE);
+        drop(slow);
+    }
 }
 
 #[cfg(test)]
