@@ -234,45 +234,62 @@ fn an_unread_answer_holds_its_keys_budget_until_it_is_read() {
     finish(server);
 }
 
-/// A store request (listing, delete, publish, TTL) takes one of its key's store slots
-/// (`api::STORE_SLOTS_PER_KEY`, `api::STORE_SLOTS` in all) only once its body is in: with
-/// more TTL requests of key A than there are slots, their bodies still arriving, A's
-/// listing and key B's are answered at once (before, A's waited for the stall limit,
-/// and a few keys could hold every slot); each held request is answered once its body
+/// The store routes (listings, deletes, publishing, TTL changes) read a request's body
+/// before taking a store slot (`api::STORE_SLOTS`, `STORE_SLOTS_PER_KEY` of them one
+/// key's): the gate is on the real routes (a listing, which reads no body otherwise, is
+/// refused with a JSON 413 for a body past the control limit), a body that stalls
+/// there gets the JSON 408 the SDKs retry, and key A's bodies still arriving, a share's
+/// worth, leave key B's listing unhindered; each held request is answered once its body
 /// arrives.
 #[test]
-fn a_store_requests_body_still_arriving_holds_no_store_slot() {
-    use lathe_server::api::{STORE_SLOTS, STORE_SLOTS_PER_KEY};
-    let server = serve_with("conn-store", |l| l.stall_timeout = Duration::from_secs(60));
+fn store_requests_read_their_bodies_before_taking_a_slot() {
+    use lathe_server::api::{CONTROL_BODY_BYTES, STORE_SLOTS_PER_KEY};
+    let server = serve_with("conn-store", |l| l.stall_timeout = Duration::from_secs(3));
+    let b = server.client(KEY_B);
+    let mut listing = connect(&server);
+    let big = CONTROL_BODY_BYTES + 1;
+    write!(
+        listing,
+        "GET /api/v1/checkpoints HTTP/1.1\r\nHost: lathe\r\nX-API-Key: {KEY_B}\r\n\
+         Content-Length: {big}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let (answer, _) = read_until_closed(&mut listing, Duration::from_secs(10));
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    assert!(answer.contains(r#""code":"payload_too_large""#), "{answer}");
+
     let body = r#"{"ttl_seconds": 60}"#;
     let (first, rest) = body.split_at(5);
-    let mut held: Vec<TcpStream> = (0..STORE_SLOTS.max(STORE_SLOTS_PER_KEY) + 1)
+    let ttl_head = |i: usize| {
+        format!(
+            "PUT /api/v1/training_runs/run-{i}/checkpoints/weights/w/ttl HTTP/1.1\r\n\
+             Host: lathe\r\nX-API-Key: {KEY_A}\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\nConnection: close\r\n\r\n{first}",
+            body.len()
+        )
+    };
+    let mut stalled = connect(&server);
+    stalled.write_all(ttl_head(99).as_bytes()).unwrap();
+    let (answer, _) = read_until_closed(&mut stalled, Duration::from_secs(20));
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains(r#""code":"request_timeout""#), "{answer}");
+
+    let mut held: Vec<TcpStream> = (0..STORE_SLOTS_PER_KEY)
         .map(|i| {
             let mut held = connect(&server);
-            write!(
-                held,
-                "PUT /api/v1/training_runs/run-{i}/checkpoints/weights/w/ttl HTTP/1.1\r\n\
-                 Host: lathe\r\nX-API-Key: {KEY_A}\r\nContent-Type: application/json\r\n\
-                 Content-Length: {}\r\nConnection: close\r\n\r\n{first}",
-                body.len()
-            )
-            .unwrap();
+            held.write_all(ttl_head(i).as_bytes()).unwrap();
             held
         })
         .collect();
-    // Let the server take the held requests in; a slow start can only make the listings
-    // below pass more easily, so the wait is generous.
-    std::thread::sleep(Duration::from_millis(1000));
-    for key in [KEY_A, KEY_B] {
-        let started = Instant::now();
-        let (status, v) = server.client(key).get("/api/v1/checkpoints");
-        assert_eq!(status, 200, "{key}'s listing: {v}");
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "{key}'s listing waited {:?} behind bodies still arriving",
-            started.elapsed()
-        );
-    }
+    std::thread::sleep(Duration::from_millis(300));
+    let started = Instant::now();
+    let (status, v) = b.get("/api/v1/checkpoints");
+    assert_eq!(status, 200, "B's listing: {v}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "B's listing waited {:?} behind A's bodies still arriving",
+        started.elapsed()
+    );
     for stream in &mut held {
         stream.write_all(rest.as_bytes()).unwrap();
         let (answer, _) = read_until_closed(stream, Duration::from_secs(10));

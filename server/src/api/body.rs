@@ -133,8 +133,14 @@ async fn read(req: Request, state: &AppState) -> Result<(String, Bytes), ApiErro
 /// body before it takes anything shared ([`super::hold_store_slot`]).
 pub(super) async fn buffered(body: axum::body::Body, limit: usize) -> Result<Bytes, ApiError> {
     use futures::StreamExt;
+    use http_body::Body as _;
+    // A declared length is checked before anything is read, and sizes the buffer.
+    let declared = usize::try_from(body.size_hint().lower()).unwrap_or(usize::MAX);
+    if declared > limit {
+        return Err(ApiError::too_large());
+    }
     let mut stream = body.into_data_stream();
-    let mut whole = Vec::new();
+    let mut whole = Vec::with_capacity(declared);
     while let Some(chunk) = stream.next().await {
         let chunk = chunk.map_err(|e| {
             ApiError::body_too_slow(&e)

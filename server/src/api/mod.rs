@@ -80,8 +80,11 @@ struct StoreGate {
 /// Holds one of the key's store slots while a listing, delete, publish or TTL request
 /// runs, to its end: the request runs in a task of its own holding the slot, so a
 /// client that hangs up does not free the slot while the work it started goes on. The
-/// (small) body is read first: a body still arriving holds no slot, or a few keys
-/// sending theirs slowly would hold every slot for as long as the stall limit allows.
+/// (small) body is read between the key's place and the slot: a body still arriving
+/// holds only its own key's place (so a key keeps at most its share of bodies in
+/// memory), never one of the slots all keys share, which a few keys sending bodies
+/// slowly would otherwise hold for as long as the body pace allows. This replaces
+/// `DefaultBodyLimit` for these routes, with the same limit.
 async fn hold_store_slot(
     axum::extract::State(gate): axum::extract::State<StoreGate>,
     req: Request,
@@ -92,10 +95,11 @@ async fn hold_store_slot(
         .get::<Owner>()
         .map(|o| o.0.clone())
         .ok_or_else(|| ApiError::internal("no key on an authenticated request"))?;
+    let share = gate.slots.key_share(&owner).await?;
     let (parts, body) = req.into_parts();
     let body = body::buffered(body, gate.body_limit).await?;
     let req = Request::from_parts(parts, axum::body::Body::from(body));
-    let slot = gate.slots.acquire(&owner).await?;
+    let slot = gate.slots.with_key_share(share).await?;
     tokio::spawn(async move {
         let _slot = slot;
         next.run(req).await
@@ -148,20 +152,43 @@ impl KeySlots {
     }
 
     async fn acquire(&self, owner: &str) -> Result<KeySlot, ApiError> {
+        let key = self.key_share(owner).await?;
+        self.with_key_share(key).await
+    }
+
+    /// One of `owner`'s own places, without a slot yet: what a request holds while it
+    /// reads its body, so that slow bodies wait on their own key's share alone.
+    async fn key_share(&self, owner: &str) -> Result<KeyShare, ApiError> {
         let key = {
             let mut map = self.per_key.lock().unwrap_or_else(|e| e.into_inner());
             map.entry(owner.to_string())
                 .or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(self.per_key_max)))
                 .clone()
         };
-        let closed = |_| ApiError::internal("the server is shutting down");
-        let key = key.acquire_owned().await.map_err(closed)?;
-        let all = self.all.clone().acquire_owned().await.map_err(closed)?;
+        let key = key.acquire_owned().await.map_err(shutting_down)?;
+        Ok(KeyShare(key))
+    }
+
+    /// The slot of a key's place taken with [`KeySlots::key_share`].
+    async fn with_key_share(&self, key: KeyShare) -> Result<KeySlot, ApiError> {
+        let all = self
+            .all
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(shutting_down)?;
         Ok(KeySlot {
-            _key: key,
+            _key: key.0,
             _all: all,
         })
     }
+}
+
+/// One of a key's places in a [`KeySlots`], held before its slot.
+struct KeyShare(tokio::sync::OwnedSemaphorePermit);
+
+fn shutting_down(_: tokio::sync::AcquireError) -> ApiError {
+    ApiError::internal("the server is shutting down")
 }
 
 /// Default request body limit of the requests that carry tokens (`forward_backward`,
@@ -179,6 +206,12 @@ pub const OPENAI_BODY_BYTES: usize = 4 << 20;
 /// with free-form JSON (`create_session`'s `user_metadata`) that serde holds as a tree
 /// of 32-byte nodes.
 pub const CONTROL_BODY_BYTES: usize = 1 << 20;
+
+/// The body limit of the control requests ([`CONTROL_BODY_BYTES`], within the server's
+/// `--max-request-bytes`).
+fn control_body_limit(max_request_bytes: usize) -> usize {
+    CONTROL_BODY_BYTES.min(max_request_bytes)
+}
 
 /// A JSON body whose rejections become [`ApiError`]s (JSON, 4xx).
 pub struct ApiJson<T>(pub T);
@@ -289,7 +322,7 @@ pub fn router(state: AppState) -> Router {
     let store_routes = store_routes.route_layer(axum::middleware::from_fn_with_state(
         StoreGate {
             slots: state.store_slots.clone(),
-            body_limit: CONTROL_BODY_BYTES.min(state.max_request_bytes),
+            body_limit: control_body_limit(state.max_request_bytes),
         },
         hold_store_slot,
     ));
@@ -385,9 +418,7 @@ pub fn router(state: AppState) -> Router {
         .route("/api/v1/lathe/archive", get(rest::download_archive))
         .merge(protected)
         .fallback(no_such_endpoint)
-        .layer(DefaultBodyLimit::max(
-            CONTROL_BODY_BYTES.min(max_request_bytes),
-        ))
+        .layer(DefaultBodyLimit::max(control_body_limit(max_request_bytes)))
         .layer(axum::middleware::from_fn(json_errors))
         .with_state(state)
 }
@@ -395,12 +426,21 @@ pub fn router(state: AppState) -> Router {
 #[cfg(test)]
 mod store_gate_tests {
     use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
     use tokio::io::AsyncWriteExt;
 
-    /// A server of two routes behind the store gate: `/held` answers once `release` is
-    /// notified, `/quick` at once (a PUT once it has read its body, as the store's
-    /// handlers do); the key is the `x-key` header.
-    async fn gated(slots: KeySlots, release: Arc<tokio::sync::Notify>) -> String {
+    const WAIT: Duration = Duration::from_secs(10);
+
+    /// A server of two routes behind the store gate (bodies up to 1 KiB): `/held`
+    /// counts itself in `entered`, then answers once it gets one of `release`'s permits
+    /// (a permit, unlike a notification, also waits for a handler that starts late);
+    /// `/quick` answers at once (a PUT once it has read its body, as the store's
+    /// handlers do). The key is the `x-key` header. Returns the server's address.
+    async fn gated(
+        slots: KeySlots,
+        release: Arc<tokio::sync::Semaphore>,
+        entered: Arc<AtomicUsize>,
+    ) -> String {
         let gate = StoreGate {
             slots: Arc::new(slots),
             body_limit: 1024,
@@ -409,7 +449,8 @@ mod store_gate_tests {
             .route(
                 "/held",
                 get(move || async move {
-                    release.notified().await;
+                    entered.fetch_add(1, Ordering::SeqCst);
+                    release.acquire().await.unwrap().forget();
                     "done"
                 }),
             )
@@ -431,72 +472,117 @@ mod store_gate_tests {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         tokio::spawn(async move { axum::serve(listener, app).await });
-        format!("http://{addr}")
+        addr.to_string()
+    }
+
+    fn client() -> reqwest::Client {
+        reqwest::Client::builder().no_proxy().build().unwrap()
+    }
+
+    /// `GET http://{addr}{path}` as `key`: the answer's text.
+    async fn get_as(addr: String, path: &'static str, key: &'static str) -> String {
+        let resp = client()
+            .get(format!("http://{addr}{path}"))
+            .header("x-key", key)
+            .send()
+            .await
+            .unwrap();
+        resp.text().await.unwrap()
+    }
+
+    /// A request whose body (of `len` bytes, declared) has only begun to arrive.
+    async fn slow_put(addr: &str, key: &str, len: usize) -> tokio::net::TcpStream {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let head = format!(
+            "PUT /quick HTTP/1.1\r\nHost: t\r\nx-key: {key}\r\nContent-Length: {len}\r\n\r\n{{"
+        );
+        s.write_all(head.as_bytes()).await.unwrap();
+        s
     }
 
     /// A key's requests past its share wait while they run, another key's do not, and
     /// the waiting one goes on as soon as one of the key's ends.
     #[tokio::test]
     async fn a_keys_requests_past_its_share_wait_for_one_to_end() {
-        let release = Arc::new(tokio::sync::Notify::new());
-        let url = gated(KeySlots::with_per_key(4, 2), release.clone()).await;
-        let http = reqwest::Client::new();
-        let get = |path: &str, key: &'static str| {
-            let req = http.get(format!("{url}{path}")).header("x-key", key);
-            async move { req.send().await.unwrap().text().await.unwrap() }
-        };
-        let held: Vec<_> = (0..2).map(|_| tokio::spawn(get("/held", "a"))).collect();
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        let waiting = tokio::spawn(get("/quick", "a"));
-        assert_eq!(get("/quick", "b").await, "ok", "another key");
+        let release = Arc::new(tokio::sync::Semaphore::new(0));
+        let entered = Arc::new(AtomicUsize::new(0));
+        let addr = gated(
+            KeySlots::with_per_key(4, 2),
+            release.clone(),
+            entered.clone(),
+        )
+        .await;
+        let held: Vec<_> = (0..2)
+            .map(|_| tokio::spawn(get_as(addr.clone(), "/held", "a")))
+            .collect();
+        tokio::time::timeout(WAIT, async {
+            while entered.load(Ordering::SeqCst) < 2 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .expect("both held requests run");
+        let waiting = tokio::spawn(get_as(addr.clone(), "/quick", "a"));
+        let other = tokio::time::timeout(WAIT, get_as(addr.clone(), "/quick", "b")).await;
+        assert_eq!(other.expect("another key is not kept waiting"), "ok");
         tokio::time::sleep(Duration::from_millis(300)).await;
         assert!(
             !waiting.is_finished(),
             "a third request of key a ran past its two slots"
         );
-        release.notify_waiters();
+        release.add_permits(2);
         for h in held {
-            assert_eq!(h.await.unwrap(), "done");
+            let done = tokio::time::timeout(WAIT, h).await.expect("released");
+            assert_eq!(done.unwrap(), "done");
         }
-        let answered = tokio::time::timeout(Duration::from_secs(10), waiting).await;
+        let answered = tokio::time::timeout(WAIT, waiting).await;
         assert_eq!(
             answered.expect("answered once a slot is free").unwrap(),
             "ok"
         );
     }
 
-    /// Bodies still arriving hold no slot: with more such requests of one key than the
-    /// gate has slots, that key's other requests are answered at once; a body past the
-    /// limit is refused with 413.
+    /// Bodies still arriving hold only their own key's places: with two slots, keys a
+    /// and b each sending a body slowly leave both slots free for key c (before, they
+    /// held both), while a's next request waits behind its own slow body (a key keeps
+    /// at most its share of bodies in memory). A body declared past the limit is
+    /// refused with 413 before it is read.
     #[tokio::test]
-    async fn bodies_still_arriving_hold_no_slot() {
-        let url = gated(KeySlots::with_per_key(2, 1), Arc::default()).await;
-        let addr = url.trim_start_matches("http://").to_string();
-        let mut slow = Vec::new();
-        for _ in 0..3 {
-            let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
-            s.write_all(
-                b"PUT /quick HTTP/1.1\r\nHost: t\r\nx-key: a\r\nContent-Length: 10\r\n\r\n{",
-            )
-            .await
-            .unwrap();
-            slow.push(s);
-        }
+    async fn bodies_still_arriving_hold_no_shared_slot() {
+        let release = Arc::new(tokio::sync::Semaphore::new(0));
+        let addr = gated(KeySlots::with_per_key(2, 1), release, Arc::default()).await;
+        let slow = [
+            slow_put(&addr, "a", 10).await,
+            slow_put(&addr, "b", 10).await,
+        ];
         tokio::time::sleep(Duration::from_millis(200)).await;
-        let http = reqwest::Client::new();
-        let quick = http.get(format!("{url}/quick")).header("x-key", "a").send();
-        let answered = tokio::time::timeout(Duration::from_secs(5), quick).await;
-        let resp = answered.expect("key a's request waited behind bodies still arriving");
-        assert_eq!(resp.unwrap().text().await.unwrap(), "ok");
-        let big = http
-            .put(format!("{url}/quick"))
-            .header("x-key", "a")
+        let c = tokio::time::timeout(WAIT, get_as(addr.clone(), "/quick", "c")).await;
+        assert_eq!(
+            c.expect("key c waited behind other keys' slow bodies"),
+            "ok"
+        );
+        let a = tokio::spawn(get_as(addr.clone(), "/quick", "a"));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(
+            !a.is_finished(),
+            "key a ran past its one place, held by its slow body"
+        );
+        let big = client()
+            .put(format!("http://{addr}/quick"))
+            .header("x-key", "c")
             .body(vec![b' '; 2048])
-            .send()
+            .send();
+        let big = tokio::time::timeout(WAIT, big)
             .await
+            .expect("answered")
             .unwrap();
         assert_eq!(big.status(), reqwest::StatusCode::PAYLOAD_TOO_LARGE);
         drop(slow);
+        let a = tokio::time::timeout(WAIT, a).await;
+        assert_eq!(
+            a.expect("a goes on once its slow body is gone").unwrap(),
+            "ok"
+        );
     }
 }
 
