@@ -121,9 +121,7 @@ async fn read(req: Request, state: &AppState) -> Result<(String, Bytes), ApiErro
         .await
         .map_err(|r| match r.status() {
             StatusCode::PAYLOAD_TOO_LARGE => ApiError::too_large(),
-            _ => ApiError::body_too_slow(&r).unwrap_or_else(|| {
-                ApiError::bad_request(format!("reading the body: {}", r.body_text()))
-            }),
+            _ => unreadable(&r),
         })?;
     Ok((owner, body))
 }
@@ -142,16 +140,19 @@ pub(super) async fn buffered(body: axum::body::Body, limit: usize) -> Result<Byt
     let mut stream = body.into_data_stream();
     let mut whole = Vec::with_capacity(declared);
     while let Some(chunk) = stream.next().await {
-        let chunk = chunk.map_err(|e| {
-            ApiError::body_too_slow(&e)
-                .unwrap_or_else(|| ApiError::bad_request(format!("reading the body: {e}")))
-        })?;
+        let chunk = chunk.map_err(|e| unreadable(&e))?;
         if whole.len().saturating_add(chunk.len()) > limit {
             return Err(ApiError::too_large());
         }
         whole.extend_from_slice(&chunk);
     }
     Ok(Bytes::from(whole))
+}
+
+/// A body that could not be read: 408 when it stalled (`paced_body`), else 400.
+fn unreadable(e: &(dyn std::error::Error + 'static)) -> ApiError {
+    ApiError::body_too_slow(e)
+        .unwrap_or_else(|| ApiError::bad_request(format!("reading the body: {e}")))
 }
 
 /// `application/json`, or a `+json` type.
